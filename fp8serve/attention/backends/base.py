@@ -1,0 +1,47 @@
+"""The attention backend interface: how the KV cache is laid out and how one
+layer writes its new K/V and attends over the paged cache.
+
+Quantize-on-write and dequantize-on-read live here, never in model files."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from fp8serve.attention.kv_cache_spec import KVCacheSpec
+from fp8serve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def __init__(self, spec: KVCacheSpec, compute_dtype: torch.dtype) -> None:
+        self.spec = spec
+        self.compute_dtype = compute_dtype
+
+    def allocate_kv_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        # Zero-filled so that never-written slots hold finite values (padded
+        # reads are masked, but 0 * NaN would still poison the output).
+        return torch.zeros(self.spec.layer_shape(num_blocks), dtype=self.spec.storage_dtype, device=device)
+
+    @abstractmethod
+    def build_metadata(self, metadata: AttentionMetadata) -> None:
+        """Precompute per-step tensors every layer shares (masks, gather indices)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        softmax_scale: float,
+        k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        """Write this step's K/V into the cache at `slot_mapping`, then attend
+        causally over each sequence's cached context (the just-written tokens
+        included, so prefill sees exactly what decode will see)."""

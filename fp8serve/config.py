@@ -1,0 +1,365 @@
+"""Typed engine configuration, validated once at construction.
+
+`ModelConfig` reads a Hugging Face `config.json` itself (not through
+transformers' AutoConfig) so that a missing or wrong field produces an error
+naming the file and the field, and so that both RoPE spellings are accepted:
+transformers 5 writes `rope_parameters`, older checkpoints `rope_theta` and
+`rope_scaling`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8serve.errors import ConfigError
+from fp8serve.utils.memory import format_bytes, parse_size
+from fp8serve.utils import platform
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+# `auto` means "the compute dtype"; `fp8` is an alias of `fp8_e4m3` (seed PR).
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32")
+FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
+
+
+def _require(cfg: dict, key: str, path: Path, kind: type | tuple[type, ...] = int) -> Any:
+    if key not in cfg:
+        raise ConfigError(f"{path}: required field '{key}' is missing")
+    value = cfg[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"{path}: field '{key}' must be {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str  # "default" | "linear" | "llama3"
+    theta: float
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict, path: Path) -> "RopeConfig":
+        params = cfg.get("rope_parameters")
+        if params is None:
+            params = dict(cfg.get("rope_scaling") or {})
+            params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ConfigError(
+                f"{path}: rope type '{rope_type}' is not supported (supported: default, linear, llama3)"
+            )
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope = cls(
+            rope_type=rope_type,
+            theta=float(theta),
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        )
+        if rope.theta <= 0:
+            raise ConfigError(f"{path}: rope_theta must be > 0, got {rope.theta}")
+        if rope_type == "llama3" and rope.original_max_position_embeddings is None:
+            raise ConfigError(f"{path}: llama3 rope scaling needs 'original_max_position_embeddings'")
+        return rope
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The numbers a decoder-only Llama/Mixtral model is built from."""
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
+    quantization_config: dict | None = None
+    checkpoint_dtype: torch.dtype = torch.bfloat16
+
+    @classmethod
+    def from_dict(cls, cfg: dict, path: Path) -> "ModelArchConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"{path}: architecture {archs or '(none)'} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        hidden = _require(cfg, "hidden_size", path)
+        heads = _require(cfg, "num_attention_heads", path)
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or hidden // heads
+        if heads % kv_heads:
+            raise ConfigError(
+                f"{path}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            )
+        dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        arch_cfg = cls(
+            architecture=arch,
+            model_type=cfg.get("model_type", "llama"),
+            hidden_size=hidden,
+            num_hidden_layers=_require(cfg, "num_hidden_layers", path),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=_require(cfg, "intermediate_size", path),
+            vocab_size=_require(cfg, "vocab_size", path),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope=RopeConfig.from_hf(cfg, path),
+            num_local_experts=int(cfg.get("num_local_experts", 0)),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
+            quantization_config=cfg.get("quantization_config"),
+            checkpoint_dtype=_DTYPES.get(str(dtype_name), torch.bfloat16),
+        )
+        if arch == "MixtralForCausalLM":
+            if arch_cfg.num_local_experts < 1:
+                raise ConfigError(f"{path}: required field 'num_local_experts' is missing or < 1")
+            if not 1 <= arch_cfg.num_experts_per_tok <= arch_cfg.num_local_experts:
+                raise ConfigError(
+                    f"{path}: num_experts_per_tok must be in [1, num_local_experts], "
+                    f"got {arch_cfg.num_experts_per_tok}"
+                )
+        return arch_cfg
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> tuple[dict, Path]:
+    """Parse `<model_dir>/config.json` with errors that name the path."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise ConfigError(f"model path '{model_dir}' does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"model path '{model_dir}' is not a directory (expected a Hugging Face checkpoint directory)")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"{cfg_path} not found (expected a Hugging Face checkpoint directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_path}: expected a JSON object")
+    return cfg, cfg_path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda[:N], got '{device}'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"--dtype {dtype} is not supported (choices: {', '.join(DTYPE_CHOICES)})")
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ConfigError(f"--dtype '{dtype}' is not supported (choices: {', '.join(DTYPE_CHOICES)})")
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.float32
+    return platform.fastest_cpu_compute_dtype()
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    device: str = "auto"
+    seed: int = 0
+    tokenizer: str | None = None
+    # Filled in __post_init__.
+    arch: ModelArchConfig = field(init=False)
+    hf_config: dict = field(init=False)
+    torch_dtype: torch.dtype = field(init=False)
+    torch_device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model = str(self.model)
+        self.hf_config, cfg_path = read_hf_config(self.model)
+        self.arch = ModelArchConfig.from_dict(self.hf_config, cfg_path)
+        self.torch_device = resolve_device(self.device)
+        self.torch_dtype = resolve_dtype(self.dtype, self.torch_device, self.arch.checkpoint_dtype)
+        limit = self.arch.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be a positive integer, got {self.max_model_len!r}")
+        elif self.max_model_len > limit:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings ({limit}) "
+                f"in {cfg_path}"
+            )
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.torch_dtype).removeprefix("torch.")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    # Bytes for the KV cache of all layers; None = a fraction of free memory.
+    kv_cache_memory: int | str | None = None
+    calculate_kv_scales: bool = False
+    quantization_param_path: str | None = None
+    num_blocks: int | None = None  # set by the model runner after sizing
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two >= 1, got {self.block_size!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ConfigError(
+                f"--kv-cache-dtype '{self.kv_cache_dtype}' is not supported "
+                f"(choices: {', '.join(KV_CACHE_DTYPE_CHOICES)})"
+            )
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"
+        if isinstance(self.kv_cache_memory, str):
+            try:
+                self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            except ValueError as e:
+                raise ConfigError(f"--kv-cache-memory: {e}") from None
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"--kv-cache-memory must be > 0, got {self.kv_cache_memory}")
+        if self.quantization_param_path is not None and not Path(self.quantization_param_path).is_file():
+            raise ConfigError(f"--quantization-param-path: file '{self.quantization_param_path}' not found")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
+
+    def storage_dtype_name(self, compute_dtype: torch.dtype) -> str:
+        """The KV dtype in words: `auto` resolved to the compute dtype."""
+        if self.kv_cache_dtype == "auto":
+            return str(compute_dtype).removeprefix("torch.")
+        return self.kv_cache_dtype
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(self.max_model_len, 4096)
+        # Without chunked prefill a whole prompt is one prefill, so the token
+        # budget must hold the longest prompt the engine accepts.
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
+                f"({self.max_model_len}); raise it or lower --max-model-len"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported: fp8serve runs on one device"
+            )
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+
+    @classmethod
+    def create(
+        cls,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        device: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        kv_cache_dtype: str = "auto",
+        kv_cache_memory: int | str | None = None,
+        calculate_kv_scales: bool = False,
+        quantization_param_path: str | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int | None = None,
+        tensor_parallel_size: int = 1,
+    ) -> "EngineConfig":
+        if model is None:
+            from fp8serve.default_model import ensure_default_model
+
+            model = str(ensure_default_model())
+        parallel_config = ParallelConfig(tensor_parallel_size)
+        cache_config = CacheConfig(
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory=kv_cache_memory,
+            calculate_kv_scales=calculate_kv_scales,
+            quantization_param_path=quantization_param_path,
+        )
+        model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, device=device, seed=seed)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=model_config.max_model_len,
+        )
+        return cls(model_config, cache_config, scheduler_config, parallel_config)
+
+    def default_kv_cache_memory(self) -> int:
+        """A quarter of the memory available now (CPU), or 90% of free device
+        memory minus what is already held (CUDA)."""
+        dev = self.model_config.torch_device
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            return int(free * 0.9)
+        avail = platform.available_memory_bytes()
+        budget = avail // 4
+        logger.info("--kv-cache-memory not given: using %s (a quarter of %s available)",
+                    format_bytes(budget), format_bytes(avail))
+        return budget

@@ -1,0 +1,228 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out.
+
+Not thread-safe by design: the offline `LLM` drives it directly, the server
+from a single background loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from fp8serve.config import EngineConfig
+from fp8serve.engine.block_manager import BlockManager
+from fp8serve.engine.detokenizer import IncrementalDetokenizer
+from fp8serve.engine.model_runner import ModelRunner, ModelRunnerOutput
+from fp8serve.engine.scheduler import Scheduler
+from fp8serve.engine.sequence import Sequence
+from fp8serve.engine.tokenizer import eos_token_ids, load_tokenizer
+from fp8serve.errors import UserError
+from fp8serve.outputs import CompletionOutput, Logprob, RequestOutput
+from fp8serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.tokenizer = load_tokenizer(mc.tokenizer or mc.model)
+        self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
+        self.model_runner = ModelRunner(config)
+        cc = config.cache_config
+        self.block_manager = BlockManager(self.model_runner.num_blocks, cc.block_size)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.create(model, **kwargs))
+
+    # ------------------------------------------------------------- requests
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text, token ids, or
+        `{"prompt": ...}` / `{"prompt_token_ids": [...]}` (vLLM's forms)."""
+        text: str | None = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise UserError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise UserError(f"{self.config.model_config.model} has no tokenizer: pass prompt_token_ids instead of text")
+            text = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = prompt
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise UserError("prompt_token_ids must be a list of integers")
+        return text, list(ids)
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        mc = self.config.model_config
+        if not token_ids:
+            raise UserError("the prompt is empty (0 tokens)")
+        vocab = mc.arch.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserError(f"prompt token id {bad} is out of range for a vocabulary of {vocab}")
+        if len(token_ids) > mc.max_model_len:
+            raise UserError(
+                f"the prompt has {len(token_ids)} tokens, more than --max-model-len {mc.max_model_len}"
+            )
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        params = params or SamplingParams()
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(ids)
+        request_id = request_id if request_id is not None else self.new_request_id()
+        if request_id in self.seqs:
+            raise UserError(f"request id '{request_id}' is already in use")
+        seq = Sequence(request_id, ids, params, prompt=text)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, ids, params)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; False if it is unknown or done."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return False
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; outputs for every request that advanced."""
+        sched = self.scheduler.schedule()
+        if sched is None or not sched.seqs:
+            return []
+        out = self.model_runner.execute(sched.seqs, sched.is_prefill, self.eos_token_ids[0] if self.eos_token_ids else None)
+        self.stats.num_steps += 1
+        if sched.is_prefill:
+            self.stats.prompt_tokens_total += sched.num_batched_tokens
+        return self._process(sched.seqs, out)
+
+    def _process(self, seqs: list[Sequence], out: ModelRunnerOutput) -> list[RequestOutput]:
+        so = out.sampler_output
+        token_ids = so.sampled_token_ids.tolist()
+        want_lp = so.logprobs is not None
+        if want_lp:
+            lps, ranks = so.logprobs.tolist(), so.ranks.tolist()
+            top_lps, top_ids = so.top_logprobs.tolist(), so.top_token_ids.tolist()
+        now = time.monotonic()
+        outputs = []
+        mc = self.config.model_config
+        for row, seq in enumerate(seqs):
+            seq.num_computed_tokens = seq.num_tokens
+            if row in out.prompt_logprobs:
+                seq.prompt_logprobs = self._prompt_logprobs(seq, out.prompt_logprobs[row])
+            token = token_ids[row]
+            seq.output_token_ids.append(token)
+            self.stats.generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            if want_lp:
+                seq.cumulative_logprob += lps[row]
+                if seq.logprobs is not None:
+                    k = seq.sampling_params.logprobs
+                    entry = {token: Logprob(lps[row], ranks[row], self._decode_one(token))}
+                    for r, (tid, lp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
+                        if tid not in entry:
+                            entry[tid] = Logprob(lp, r, self._decode_one(tid))
+                    seq.logprobs.append(entry)
+            if seq.detokenizer is not None:
+                seq.detokenizer.append(token)
+            self._check_stop(seq, token, mc.max_model_len)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self.seqs.pop(seq.request_id, None)
+            outputs.append(self.make_output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int, max_model_len: int) -> None:
+        p = seq.sampling_params
+        n_out = len(seq.output_token_ids)
+        if seq.detokenizer is not None and seq.detokenizer.is_stopped:
+            seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
+        elif n_out >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif n_out >= p.min_tokens and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif p.max_tokens is not None and n_out >= p.max_tokens:
+            seq.finish_reason = "length"
+        elif seq.num_tokens >= max_model_len:
+            seq.finish_reason = "length"
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _prompt_logprobs(self, seq: Sequence, plp) -> list[dict | None]:
+        k = seq.sampling_params.prompt_logprobs
+        result: list[dict | None] = [None]
+        lps, ranks = plp.logprobs.tolist(), plp.ranks.tolist()
+        tops, top_ids = plp.top_logprobs.tolist(), plp.top_token_ids.tolist()
+        for i, tok in enumerate(seq.prompt_token_ids[1:]):
+            entry = {tok: Logprob(lps[i], ranks[i], self._decode_one(tok))}
+            for r, (tid, lp) in enumerate(zip(top_ids[i][:k], tops[i][:k]), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, r, self._decode_one(tid))
+            result.append(entry)
+        return result
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        text = seq.detokenizer.text if seq.detokenizer is not None else ""
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            logprobs=seq.logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            prompt_logprobs=seq.prompt_logprobs,
+            outputs=[completion],
+            finished=seq.finish_reason is not None,
+        )

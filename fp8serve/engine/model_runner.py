@@ -1,0 +1,218 @@
+"""Owns the model and its KV cache; turns a scheduled batch into one forward
+pass and one sampling step.
+
+Per step: flatten the batch's new tokens, build the attention metadata once
+(slot_mapping, block_tables, seq_lens), run the model under the forward
+context, compute logits only where they are needed, sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
+from fp8serve.attention.forward_context import set_forward_context
+from fp8serve.attention.kv_cache_spec import KVCacheSpec
+from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.config import EngineConfig
+from fp8serve.engine.sequence import Sequence
+from fp8serve.errors import ConfigError
+from fp8serve.layers.attention import Attention
+from fp8serve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
+from fp8serve.model_loader.loader import load_weights
+from fp8serve.models.registry import get_model_class
+from fp8serve.quantization.kv_scales import resolve_kv_scales
+from fp8serve.quantization.registry import get_quantization_config
+from fp8serve.utils.memory import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens 1..n-1 of one sequence (token 0 has none)."""
+
+    logprobs: torch.Tensor  # [n - 1]
+    ranks: torch.Tensor  # [n - 1]
+    top_logprobs: torch.Tensor  # [n - 1, k]
+    top_token_ids: torch.Tensor  # [n - 1, k]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampler_output: SamplerOutput
+    prompt_logprobs: dict[int, PromptLogprobs]  # row -> logprobs, for rows that asked
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc, cc = config.model_config, config.cache_config
+        self.device = mc.torch_device
+        self.dtype = mc.torch_dtype
+        torch.manual_seed(mc.seed)
+        arch = mc.arch
+
+        t0 = time.perf_counter()
+        quant_config = get_quantization_config(arch.quantization_config, mc.model)
+        model_cls = get_model_class(arch)
+        with torch.device(self.device):
+            self.model = model_cls(arch, quant_config, self.dtype)
+        self.weights_mapper = model_cls.weights_mapper(arch)
+        load_weights(self.model, mc.model, self.weights_mapper)
+        self.model.eval()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        logger.info(
+            "Loaded %s (%s, %s weights) in %.1f s",
+            mc.model, arch.architecture, quant_config.name if quant_config else mc.dtype_name,
+            time.perf_counter() - t0,
+        )
+
+        kv_dtype = cc.storage_dtype_name(self.dtype)
+        self.kv_cache_spec = KVCacheSpec(
+            kv_cache_dtype=kv_dtype,
+            block_size=cc.block_size,
+            num_kv_heads=arch.num_key_value_heads,
+            head_size=arch.head_dim,
+            num_layers=len(self.attn_layers),
+        )
+        self._apply_kv_scales()
+        self.backend = TorchSDPABackend(self.kv_cache_spec, self.dtype)
+        self.num_blocks = self._allocate_kv_cache()
+        cc.num_blocks = self.num_blocks
+        self.sampler = Sampler()
+        self._scales_pending_log = cc.calculate_kv_scales and self.kv_cache_spec.fp8 is not None
+
+    # ------------------------------------------------------------------ setup
+    def _apply_kv_scales(self) -> None:
+        mc, cc = self.config.model_config, self.config.cache_config
+        scales = resolve_kv_scales(
+            model_dir=mc.model,
+            hf_config=mc.hf_config,
+            num_layers=len(self.attn_layers),
+            kv_cache_dtype=self.kv_cache_spec.kv_cache_dtype,
+            mapper=self.weights_mapper,
+            quantization_param_path=cc.quantization_param_path,
+            tp_size=self.config.parallel_config.tensor_parallel_size,
+            logger=logger,
+        )
+        for layer, s in zip(self.attn_layers, scales):
+            layer.set_kv_scales(s.k_scale, s.v_scale, s.source)
+        if cc.calculate_kv_scales and self.kv_cache_spec.fp8 is not None:
+            if any(s.source != "default" for s in scales):
+                logger.info("--calculate-kv-scales: scales were supplied, so they are used as given")
+            else:
+                for layer in self.attn_layers:
+                    layer.calculate_kv_scales = True
+                logger.info("--calculate-kv-scales: scales will be computed from the first prefill batch")
+
+    def _allocate_kv_cache(self) -> int:
+        mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
+        spec = self.kv_cache_spec
+        budget = cc.kv_cache_memory or self.config.default_kv_cache_memory()
+        num_blocks = budget // spec.bytes_per_block
+        blocks_per_request = -(-mc.max_model_len // spec.block_size)
+        if num_blocks < blocks_per_request:
+            need = blocks_per_request * spec.bytes_per_block
+            raise ConfigError(
+                f"KV cache of {format_bytes(budget)} holds {num_blocks} blocks of {spec.block_size} tokens "
+                f"({num_blocks * spec.block_size} tokens), but one request of --max-model-len "
+                f"{mc.max_model_len} needs {blocks_per_request} blocks: raise --kv-cache-memory to at least "
+                f"{format_bytes(need)}, lower --max-model-len, or use --kv-cache-dtype fp8"
+            )
+        caches = [self.backend.allocate_kv_cache(num_blocks, self.device) for _ in self.attn_layers]
+        for layer, cache in zip(self.attn_layers, caches):
+            layer.bind(self.backend, cache)
+        self.kv_caches = caches
+        logger.info(
+            "KV cache: %s, %d blocks x %d tokens, %d bytes per block, %d tokens, %s; "
+            "maximum concurrency for %d tokens per request: %.2fx",
+            spec.kv_cache_dtype, num_blocks, spec.block_size, spec.bytes_per_block,
+            num_blocks * spec.block_size, format_bytes(num_blocks * spec.bytes_per_block),
+            mc.max_model_len, num_blocks / blocks_per_request,
+        )
+        return num_blocks
+
+    # ------------------------------------------------------------------- step
+    def _prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.kv_cache_spec.block_size
+        dev = self.device
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = torch.tensor(
+            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.int64
+        )
+        seq_lens_list = [s.num_tokens for s in seqs]
+        seq_lens = torch.tensor(seq_lens_list, dtype=torch.int64)
+        if is_prefill:
+            token_ids, q_lens = [], []
+            for s in seqs:
+                new = s.token_ids[s.num_computed_tokens:]
+                token_ids.extend(new)
+                q_lens.append(len(new))
+            q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+            query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+            torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+            seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), q_lens_t)
+            positions = (seq_lens - q_lens_t)[seq_of_token] + (
+                torch.arange(len(token_ids)) - query_start_loc[seq_of_token]
+            )
+            input_ids = torch.tensor(token_ids, dtype=torch.int64)
+            max_query_len = max(q_lens)
+        else:
+            input_ids = torch.tensor([s.last_token_id for s in seqs], dtype=torch.int64)
+            positions = seq_lens - 1
+            seq_of_token = torch.arange(len(seqs))
+            query_start_loc = torch.arange(len(seqs) + 1, dtype=torch.int64)
+            max_query_len = 1
+        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        md = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            block_tables=block_tables.to(dev),
+            seq_lens=seq_lens.to(dev),
+            query_start_loc=query_start_loc.to(dev),
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens_list),
+            num_seqs=len(seqs),
+            num_tokens=int(input_ids.shape[0]),
+        )
+        self.backend.build_metadata(md)
+        return input_ids.to(dev), positions.to(dev), md
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_id: int | None) -> ModelRunnerOutput:
+        input_ids, positions, md = self._prepare(seqs, is_prefill)
+        with set_forward_context(md):
+            hidden = self.model(input_ids, positions)  # [num_tokens, hidden_size]
+        if self._scales_pending_log:
+            self._scales_pending_log = False
+            for i, layer in enumerate(self.attn_layers):
+                logger.info("calculated KV scales: layer %d k_scale=%.6g v_scale=%.6g", i, layer._k_scale, layer._v_scale)
+        last = md.query_start_loc[1:] - 1
+        logits = self.model.compute_logits(hidden.index_select(0, last))  # [num_seqs, vocab]
+
+        prompt_logprobs: dict[int, PromptLogprobs] = {}
+        if is_prefill:
+            for row, s in enumerate(seqs):
+                k = s.sampling_params.prompt_logprobs
+                # A resumed sequence (preempted earlier) already has them.
+                if k is None or s.prompt_logprobs is not None or s.num_prompt_tokens < 2:
+                    continue
+                start = int(md.query_start_loc[row])
+                h = hidden[start: start + s.num_prompt_tokens - 1]
+                targets = torch.tensor(s.prompt_token_ids[1:], device=self.device)
+                lp, rk, top, top_ids = compute_prompt_logprobs(self.model.compute_logits(h), targets, k)
+                prompt_logprobs[row] = PromptLogprobs(lp.cpu(), rk.cpu(), top.cpu(), top_ids.cpu())
+
+        sampling_md = SamplingMetadata.from_params(
+            [s.sampling_params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            eos_token_id,
+            self.device,
+        )
+        out = self.sampler(logits, sampling_md)
+        return ModelRunnerOutput(out, prompt_logprobs)

@@ -1,0 +1,67 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from fp8serve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache; 0 again after a preemption.
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Per generated token: {token_id: Logprob}; None unless requested.
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None
+    cumulative_logprob: float = 0.0
+    detokenizer: object | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1 or self.num_computed_tokens == 0
+
+    def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
+        n = self.num_tokens if num_tokens is None else num_tokens
+        return (n + block_size - 1) // block_size

@@ -1,0 +1,76 @@
+"""`fp8serve` command line: one subcommand per module, each with `register()`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from fp8serve.errors import UserError
+
+# module, in the order `fp8serve --help` lists them
+_COMMANDS = [
+    "fp8serve.entrypoints.generate",
+    "fp8serve.tools.convert_gguf",
+]
+_OPTIONAL_COMMANDS = [
+    "fp8serve.tools.scales",
+    "fp8serve.tools.calibrate",
+    "fp8serve.tools.quantize",
+    "fp8serve.tools.eval_kv",
+    "fp8serve.tools.compare",
+    "fp8serve.entrypoints.openai.serve",
+    "fp8serve.benchmarks.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fp8serve",
+        description="LLM inference and serving with an FP8 KV cache and calibrated per-layer scales.",
+    )
+    parser.add_argument("--log-level", default=os.environ.get("FP8SERVE_LOG_LEVEL", "INFO"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMANDS + _OPTIONAL_COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if name in _OPTIONAL_COMMANDS and e.name == name:
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    setup_logging(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

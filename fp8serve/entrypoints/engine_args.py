@@ -1,0 +1,50 @@
+"""Engine flags shared by every command that builds an engine, with vLLM's names."""
+
+from __future__ import annotations
+
+import argparse
+
+from fp8serve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None,
+                            help="Hugging Face checkpoint directory (default: the built-in SmolLM2-135M-Instruct)")
+    else:
+        parser.add_argument("--model", default=None,
+                            help="Hugging Face checkpoint directory (default: the built-in SmolLM2-135M-Instruct)")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="compute dtype; auto = float32 on CPUs without fast bf16, the checkpoint's dtype on CUDA")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="KV cache storage; auto = compute dtype, fp8 = fp8_e4m3")
+    g.add_argument("--quantization-param-path", default=None,
+                   help="JSON with per-layer KV scales (vLLM schema), for 16-bit checkpoints")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="compute FP8 KV scales from the first prefill batch when none are supplied")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB, 2GiB (default: 1/4 of free RAM)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization_param_path=args.quantization_param_path,
+        calculate_kv_scales=args.calculate_kv_scales,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
+        device=args.device,
+        seed=args.seed,
+    )

@@ -1,0 +1,9 @@
+"""Exceptions that the CLI and server report as one clear line, no traceback."""
+
+
+class UserError(Exception):
+    """An error caused by the user's input; the CLI prints it as one line without a traceback."""
+
+
+class ConfigError(UserError):
+    """A model directory, config field, flag or scale file that cannot be used as given."""

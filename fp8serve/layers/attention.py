@@ -1,0 +1,68 @@
+"""The shared Attention layer: owns the per-layer KV scales and delegates the
+cache arithmetic to the attention backend bound by the model runner.
+
+A model that uses this layer gets the FP8 KV cache, checkpoint scales and
+`--calculate-kv-scales` without a line of FP8 code of its own."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp8serve.attention.backends.base import AttentionBackend
+from fp8serve.attention.forward_context import get_attn_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, prefix: str = "") -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.softmax_scale = scale
+        self.prefix = prefix
+        # Scalars, float32, default 1.0: set from checkpoint or JSON scales
+        # by the loader, or from the first prefill (--calculate-kv-scales).
+        self.k_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+        self.v_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+        self._k_scale = 1.0  # python copies: no tensor->float sync per step
+        self._v_scale = 1.0
+        self.kv_scale_source = "default"
+        self.calculate_kv_scales = False
+        self.backend: AttentionBackend | None = None
+        self.kv_cache: torch.Tensor | None = None
+
+    def bind(self, backend: AttentionBackend, kv_cache: torch.Tensor) -> None:
+        self.backend = backend
+        self.kv_cache = kv_cache
+
+    def set_kv_scales(self, k_scale: float, v_scale: float, source: str) -> None:
+        self.k_scale.fill_(k_scale)
+        self.v_scale.fill_(v_scale)
+        self._k_scale, self._v_scale = float(k_scale), float(v_scale)
+        self.kv_scale_source = source
+
+    def _calculate_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        fmt = self.backend.spec.fp8
+        k_amax = key.abs().max().float().item()
+        v_amax = value.abs().max().float().item()
+        # An all-zero batch would give scale 0 (division by zero on write).
+        k = max(k_amax / fmt.max_finite, 1e-12)
+        v = max(v_amax / fmt.max_finite, 1e-12)
+        self.set_kv_scales(k, v, "calculated")
+        self.calculate_kv_scales = False
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # query: [num_tokens, num_heads * head_size]; key/value: [num_tokens, num_kv_heads * head_size]
+        metadata = get_attn_metadata()
+        n = query.shape[0]
+        q = query.view(n, self.num_heads, self.head_size)
+        k = key.view(n, self.num_kv_heads, self.head_size)
+        v = value.view(n, self.num_kv_heads, self.head_size)
+        if self.calculate_kv_scales:
+            self._calculate_scales(k, v)
+        out = self.backend.forward(
+            q, k, v, self.kv_cache, metadata,
+            softmax_scale=self.softmax_scale, k_scale=self._k_scale, v_scale=self._v_scale,
+        )
+        return out.reshape(n, self.num_heads * self.head_size)

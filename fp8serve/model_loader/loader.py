@@ -1,0 +1,113 @@
+"""Load a Hugging Face safetensors checkpoint into a model.
+
+One loader for every model: checkpoint names go through the model's
+declarative `WeightsMapper`; each parameter's own `weight_loader` places the
+tensor (fused shards, per-shard scales). KV-scale tensors are not loaded
+here: `fp8serve.quantization.kv_scales` decides which scales apply (they
+depend on the KV cache dtype) and the model runner sets them.
+
+Only safetensors are read: a pickle (`.bin`, `.pt`) can run code on load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from fp8serve.errors import ConfigError
+from fp8serve.model_loader.weights_mapper import WeightsMapper, is_kv_scale_param
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files, from the index if there is one."""
+    d = Path(model_dir)
+    index = d / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"{index}: cannot read 'weight_map' ({e})") from None
+        files = [d / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    if pickles:
+        raise ConfigError(
+            f"{d} has only pickle weights ({', '.join(pickles)}); fp8serve loads safetensors only, because "
+            "unpickling can run arbitrary code. Convert the checkpoint with transformers: "
+            "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)`"
+        )
+    raise ConfigError(f"{d}: no *.safetensors weights found")
+
+
+def iterate_checkpoint(model_dir: str | Path, desc: str = "Loading weights") -> Iterator[tuple[str, Path, torch.Tensor]]:
+    files = safetensors_files(model_dir)
+    total = 0
+    handles = []
+    for f in files:
+        h = safe_open(str(f), framework="pt")
+        handles.append((f, h))
+        total += len(h.keys())
+    with tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=total < 64) as bar:
+        for f, h in handles:
+            for name in h.keys():
+                yield name, f, h.get_tensor(name)
+                bar.update(1)
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, p in params.items():
+        p.param_name = name  # for error messages from weight loaders
+    loaded: set[str] = set()
+    for ckpt_name, file, tensor in iterate_checkpoint(model_dir):
+        for target in mapper.map(ckpt_name):
+            if is_kv_scale_param(target.param_name):
+                continue  # resolved by quantization.kv_scales
+            param = params.get(target.param_name)
+            if param is None:
+                raise ConfigError(
+                    f"{file}: tensor '{ckpt_name}' does not match any parameter of "
+                    f"{type(model).__name__} (mapped to '{target.param_name}')"
+                )
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, target.shard_id)
+            else:
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ConfigError(
+                        f"{file}: tensor '{ckpt_name}' has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(param.shape)} for '{target.param_name}'"
+                    )
+                param.data.copy_(tensor.to(param.dtype))
+            loaded.add(target.param_name)
+    required = {
+        n for n, p in params.items()
+        if not is_kv_scale_param(n) and not getattr(p, "optional", False)
+    }
+    # A tied LM head shares the embedding Parameter: loaded under either name.
+    loaded_ids = {id(params[n]) for n in loaded}
+    missing = sorted(n for n in required if id(params[n]) not in loaded_ids)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ConfigError(f"{model_dir}: checkpoint is missing tensors for {shown}")
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)

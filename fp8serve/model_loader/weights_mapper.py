@@ -1,0 +1,106 @@
+"""Declarative mapping from checkpoint tensor names to model parameter names.
+
+Each model declares a list of rules; the loader and the `scales` command apply
+the same rules, so a checkpoint's `self_attn.kv_scale` lands on the attention
+layer whether we load the whole model or only inspect its scales.
+
+Rules match whole dotted components (``self_attn.k_proj`` matches
+``model.layers.3.self_attn.k_proj.weight`` but never ``self_attn.k_proj2``),
+and the first matching rule wins, so specific rules (``k_proj.output_scale``)
+must be listed before general ones (``k_proj``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: a parameter and, for fused
+    parameters, which shard of it (``"q"``/``"k"``/``"v"`` or an int)."""
+
+    param_name: str
+    shard_id: str | int | None = None
+
+
+@dataclass(frozen=True)
+class MappingRule:
+    checkpoint: str  # dotted components as they appear in the checkpoint
+    params: tuple[str, ...]  # replacement components; several = one-to-many
+    shard_id: str | int | None = None
+
+    def pattern(self) -> re.Pattern[str]:
+        # `*` stands for one dotted component (an expert index, say) and is
+        # carried over to the same `*` in the replacement.
+        body = r"\.".join("([^.]+)" if c == "*" else re.escape(c) for c in self.checkpoint.split("."))
+        return re.compile(r"(?:(?<=\.)|^)" + body + r"(?=\.|$)")
+
+    def replacement(self, param: str) -> str:
+        parts, n = [], 0
+        for c in param.split("."):
+            if c == "*":
+                n += 1
+                parts.append(f"\\{n}")
+            else:
+                parts.append(c.replace("\\", "\\\\"))
+        return ".".join(parts)
+
+
+@dataclass
+class WeightsMapper:
+    rules: list[MappingRule] = field(default_factory=list)
+    # Dotted components of checkpoint tensors that are never loaded
+    # (e.g. ``rotary_emb.inv_freq`` that old exports carry).
+    ignored: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._compiled = [(r, r.pattern()) for r in self.rules]
+        self._ignored = [MappingRule(i, ()).pattern() for i in self.ignored]
+
+    def is_ignored(self, name: str) -> bool:
+        return any(p.search(name) for p in self._ignored)
+
+    def map(self, name: str) -> list[WeightTarget]:
+        """Targets for checkpoint tensor `name`; [] when it is ignored.
+
+        A name no rule touches maps to itself."""
+        if self.is_ignored(name):
+            return []
+        for rule, pat in self._compiled:
+            if pat.search(name):
+                return [
+                    WeightTarget(pat.sub(rule.replacement(p), name, count=1), rule.shard_id)
+                    for p in rule.params
+                ]
+        return [WeightTarget(name)]
+
+
+def layer_index(param_name: str) -> int | None:
+    """The decoder layer a parameter belongs to (``...layers.7...`` -> 7)."""
+    m = _LAYER_RE.search(param_name)
+    return int(m.group(1)) if m else None
+
+
+def kv_scale_rules() -> list[MappingRule]:
+    """The three KV-scale name families found in real checkpoints, mapped to
+    the shared Attention layer's ``k_scale``/``v_scale``.
+
+    - the seed PR's single ``self_attn.kv_scale`` (one scale for K and V);
+    - ``self_attn.k_scale`` / ``self_attn.v_scale`` (AutoFP8, vLLM >= 0.6);
+    - compressed-tensors ``self_attn.{k,v}_proj.output_scale``.
+    """
+    return [
+        MappingRule("self_attn.kv_scale", ("self_attn.attn.k_scale", "self_attn.attn.v_scale")),
+        MappingRule("self_attn.k_proj.output_scale", ("self_attn.attn.k_scale",)),
+        MappingRule("self_attn.v_proj.output_scale", ("self_attn.attn.v_scale",)),
+        MappingRule("self_attn.k_scale", ("self_attn.attn.k_scale",)),
+        MappingRule("self_attn.v_scale", ("self_attn.attn.v_scale",)),
+    ]
+
+
+def is_kv_scale_param(param_name: str) -> bool:
+    return param_name.endswith(".attn.k_scale") or param_name.endswith(".attn.v_scale")

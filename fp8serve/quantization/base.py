@@ -1,0 +1,48 @@
+"""Quantization as a per-layer strategy.
+
+A `QuantizationConfig` is chosen from the checkpoint's `quantization_config`;
+it hands each linear layer a `LinearMethod` that creates the layer's
+parameters, post-processes them after loading and applies the layer. Linear
+layers never know which scheme they run.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+from torch import nn
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | int | None"], None]
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class LinearMethod(ABC):
+    @abstractmethod
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
+    ) -> None:
+        """Register the layer's parameters (each with a `weight_loader`)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn checkpoint-format parameters into the format `apply` wants."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ...
+
+
+class QuantizationConfig(ABC):
+    name: str
+
+    @abstractmethod
+    def get_linear_method(self, prefix: str) -> LinearMethod:
+        """The method for the linear layer at `prefix` (e.g. `model.layers.0.mlp.down_proj`)."""
+
+    def is_quantized_checkpoint(self) -> bool:
+        return True

@@ -1,0 +1,132 @@
+"""FP8 weight checkpoints (`quant_method: "fp8"`, AutoFP8 / llm-compressor layout).
+
+On disk each quantized linear has a `float8_e4m3fn` weight and a float32
+per-tensor `weight_scale`; static activation schemes add a per-tensor
+`input_scale`. A fused layer (qkv, gate_up) receives one scale per shard,
+and the shards' scales may differ, so scales are kept per shard.
+
+CPU path (weight-only): after loading, weights are decoded (`fp8 * scale`,
+per shard) into the compute dtype and the layer runs as a float matmul.
+Activations are not quantized on CPU, so a static `input_scale` is loaded,
+validated and kept but not applied; the model's numerics are those of its
+FP8 weights. The engine reports it in the load log.
+
+CUDA path (compute capability >= 8.9): weights stay FP8, requantized to one
+per-tensor scale (the shards' maximum), and the layer runs `torch._scaled_mm`
+with activations quantized per tensor (static: `input_scale`; dynamic: amax
+of the batch).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from fp8serve.errors import ConfigError
+from fp8serve.quantization.base import LinearMethod, QuantizationConfig, set_weight_loader
+from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8, quantize_fp8
+from fp8serve.quantization.loaders import load_output_shard, load_per_shard_scalar
+from fp8serve.quantization.unquantized import UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
+
+ACTIVATION_SCHEMES = ("static", "dynamic")
+
+
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+
+    def __init__(self, activation_scheme: str, ignored_layers: list[str]) -> None:
+        self.activation_scheme = activation_scheme
+        self.ignored_layers = ignored_layers
+        self._warned_cpu = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str) -> "Fp8Config":
+        scheme = cfg.get("activation_scheme", "dynamic")
+        if scheme not in ACTIVATION_SCHEMES:
+            raise ConfigError(f"{where}.activation_scheme is '{scheme}', expected one of {', '.join(ACTIVATION_SCHEMES)}")
+        ignored = cfg.get("ignored_layers") or cfg.get("modules_to_not_convert") or []
+        if not isinstance(ignored, list) or not all(isinstance(x, str) for x in ignored):
+            raise ConfigError(f"{where}.ignored_layers must be a list of layer names")
+        return cls(scheme, ignored)
+
+    def _is_ignored(self, prefix: str) -> bool:
+        return any(prefix == name or prefix.endswith("." + name) for name in self.ignored_layers)
+
+    def get_linear_method(self, prefix: str) -> LinearMethod:
+        if prefix.endswith("lm_head") or self._is_ignored(prefix):
+            return UnquantizedLinearMethod()
+        # Mixtral routers are never quantized by AutoFP8/llm-compressor.
+        if prefix.endswith("block_sparse_moe.gate"):
+            return UnquantizedLinearMethod()
+        return Fp8LinearMethod(self)
+
+
+def _use_scaled_mm(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "_scaled_mm")
+
+
+class Fp8LinearMethod(LinearMethod):
+    def __init__(self, config: Fp8Config) -> None:
+        self.config = config
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype) -> None:
+        layer.compute_dtype = params_dtype
+        n = len(output_sizes)
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=torch.float8_e4m3fn), requires_grad=False)
+        layer.register_parameter("weight", set_weight_loader(weight, load_output_shard(layer)))
+        # NaN until loaded: a missing scale fails loudly instead of silently 0.
+        scale = nn.Parameter(torch.full((n,), float("nan"), dtype=torch.float32), requires_grad=False)
+        layer.register_parameter("weight_scale", set_weight_loader(scale, load_per_shard_scalar(layer)))
+        if self.config.activation_scheme == "static":
+            inp = nn.Parameter(torch.full((n,), float("nan"), dtype=torch.float32), requires_grad=False)
+            layer.register_parameter("input_scale", set_weight_loader(inp, load_per_shard_scalar(layer)))
+        else:
+            layer.input_scale = None
+
+    def process_weights_after_loading(self, layer) -> None:
+        name = getattr(layer, "prefix", "linear")
+        for pname in ("weight_scale", "input_scale"):
+            s = getattr(layer, pname, None)
+            if s is not None and not (torch.isfinite(s).all() and (s > 0).all()):
+                raise ConfigError(f"FP8 checkpoint: '{name}.{pname}' is missing or not a finite number > 0 ({s.tolist()})")
+        codes = layer.weight.data.view(torch.uint8)
+        offsets = [0]
+        for size in layer.output_sizes:
+            offsets.append(offsets[-1] + size)
+        scales = layer.weight_scale.data.tolist()
+        if _use_scaled_mm(codes.device):
+            # One scale for the fused matmul: requantize shards to the max.
+            max_scale = max(scales)
+            w = torch.cat([
+                dequantize_fp8(codes[a:b], s, FP8_E4M3, torch.float32) for (a, b), s in zip(zip(offsets, offsets[1:]), scales)
+            ])
+            layer.weight = nn.Parameter(quantize_fp8(w, max_scale, FP8_E4M3).view(torch.float8_e4m3fn).t(), requires_grad=False)
+            layer.weight_scale = nn.Parameter(torch.tensor(max_scale, device=codes.device), requires_grad=False)
+            if layer.input_scale is not None:
+                layer.input_scale = nn.Parameter(layer.input_scale.max(), requires_grad=False)
+            layer.fp8_gemm = True
+            return
+        dtype = layer.compute_dtype
+        w = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+        for (a, b), s in zip(zip(offsets, offsets[1:]), scales):
+            w[a:b] = dequantize_fp8(codes[a:b], s, FP8_E4M3, dtype)
+        layer.weight = nn.Parameter(w, requires_grad=False)
+        layer.fp8_gemm = False
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not layer.fp8_gemm:
+            return torch.nn.functional.linear(x, layer.weight, bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if layer.input_scale is not None:
+            x_scale = layer.input_scale
+        else:
+            x_scale = (x2.abs().max().float() / FP8_E4M3.max_finite).clamp(min=1e-12)
+        xq = (x2.float() / x_scale).clamp(-FP8_E4M3.max_finite, FP8_E4M3.max_finite).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(xq, layer.weight, scale_a=x_scale.reshape(()).float(),
+                               scale_b=layer.weight_scale.float(), out_dtype=x.dtype, bias=bias)
+        return out.reshape(*shape[:-1], out.shape[-1])

@@ -1,0 +1,46 @@
+"""Weight loaders shared by linear methods: copy a checkpoint tensor into the
+right rows (fused shard) or slot (per-shard scale) of a parameter."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp8serve.errors import ConfigError
+
+
+def _check_shape(param_name: str, expected: tuple[int, ...], got: torch.Tensor) -> None:
+    if tuple(got.shape) != tuple(expected):
+        raise ConfigError(
+            f"checkpoint tensor for '{param_name}' has shape {tuple(got.shape)}, expected {tuple(expected)}"
+        )
+
+
+def load_output_shard(layer: nn.Module):
+    """Loader for `[out, ...]` tensors: a fused layer takes each shard's rows."""
+
+    def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            target = param.data
+        else:
+            offset, size = layer.shard_offset(shard_id)
+            target = param.data.narrow(0, offset, size)
+        _check_shape(getattr(param, "param_name", "weight"), tuple(target.shape), loaded)
+        target.copy_(loaded.to(target.dtype) if loaded.dtype != target.dtype else loaded)
+
+    return loader
+
+
+def load_per_shard_scalar(layer: nn.Module):
+    """Loader for per-tensor scales of a fused layer: one slot per shard."""
+
+    def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.numel() != 1:
+            raise ConfigError(
+                f"checkpoint scale for '{getattr(param, 'param_name', 'scale')}' must be a scalar, "
+                f"got shape {tuple(loaded.shape)}"
+            )
+        index = 0 if shard_id is None else layer.shard_index(shard_id)
+        param.data[index] = loaded.reshape(()).to(param.dtype)
+
+    return loader

@@ -1,0 +1,30 @@
+"""Choose the quantization strategy from a checkpoint's `quantization_config`."""
+
+from __future__ import annotations
+
+from fp8serve.errors import ConfigError
+from fp8serve.quantization.base import QuantizationConfig
+
+
+def get_quantization_config(hf_quant_config: dict | None, model_dir: str) -> QuantizationConfig | None:
+    """None for a 16/32-bit checkpoint (or one whose only quantization is the
+    KV cache, like compressed-tensors with just a `kv_cache_scheme`)."""
+    if not hf_quant_config:
+        return None
+    where = f"{model_dir}/config.json: quantization_config"
+    if not isinstance(hf_quant_config, dict):
+        raise ConfigError(f"{where} must be a JSON object")
+    method = hf_quant_config.get("quant_method")
+    if method == "fp8":
+        from fp8serve.quantization.fp8_linear import Fp8Config
+
+        return Fp8Config.from_hf(hf_quant_config, where)
+    if method == "compressed-tensors":
+        groups = hf_quant_config.get("config_groups") or {}
+        if groups:
+            raise ConfigError(
+                f"{where}: compressed-tensors weight quantization (config_groups) is not supported; "
+                "only its kv_cache_scheme is read"
+            )
+        return None
+    raise ConfigError(f"{where}.quant_method '{method}' is not supported (supported: fp8, compressed-tensors)")

@@ -1,0 +1,19 @@
+"""Plain 16/32-bit linear layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8serve.quantization.base import LinearMethod, set_weight_loader
+from fp8serve.quantization.loaders import load_output_shard
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    def create_weights(self, layer, input_size, output_sizes, params_dtype) -> None:
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+        layer.register_parameter("weight", set_weight_loader(weight, load_output_shard(layer)))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)

@@ -1,0 +1,121 @@
+"""Per-request sampling parameters, with vLLM's field names, defaults and ranges.
+
+Scripts ported from vLLM construct ``SamplingParams(...)`` with keyword arguments, so
+the names and defaults below must stay vLLM's. Values are validated and normalized once
+here; the sampler and the detokenizer trust them afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Below this temperature a request is treated as greedy. Dividing logits by a tiny
+# temperature overflows float32 long before it stops changing the argmax.
+SAMPLING_EPS = 1e-5
+
+# Upper bound on logprobs / prompt_logprobs per position; vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables; stored as 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # stored as list[str]
+    stop_token_ids: list[int] | None = None  # stored as list[int]
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify()
+        if self.is_greedy:
+            # Greedy decoding is an argmax; truncation filters cannot change it, and
+            # leaving them on would only make the sampler take its slower paths.
+            self.temperature = 0.0
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+
+    def _normalize(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (fp8serve supports one sequence per request), got {self.n}.")
+        _check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        _check(
+            _is_int(self.top_k) and (self.top_k == 0 or self.top_k >= 1),
+            f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}.",
+        )
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}.")
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            f"max_tokens must be at least 1, got {self.max_tokens}.",
+        )
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}.",
+            )
+        _check(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}.")
+        for s in self.stop:
+            _check(isinstance(s, str) and len(s) > 0, f"stop must contain only non-empty strings, got {s!r}.")
+        for t in self.stop_token_ids:
+            _check(_is_int(t) and t >= 0, f"stop_token_ids must be non-negative ints, got {t!r}.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; True as a seed or a count is a caller bug.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,65 @@
+"""Facts about the machine we run on, measured rather than assumed."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _matmul_gflops(dtype: torch.dtype) -> float:
+    # The shape of one SmolLM2 MLP projection over a 256-token prefill.
+    x = torch.randn(256, 576).to(dtype)
+    w = torch.randn(1536, 576).to(dtype)
+    F.linear(x, w)
+    n = 5
+    t = time.perf_counter()
+    for _ in range(n):
+        F.linear(x, w)
+    return 2 * 256 * 576 * 1536 * n / (time.perf_counter() - t) / 1e9
+
+
+@functools.cache
+def fastest_cpu_compute_dtype() -> torch.dtype:
+    """float32 unless this CPU multiplies bf16 natively and measurably faster.
+
+    On AVX2-only CPUs bf16 matmul is emulated and ~8x slower than float32; on
+    CPUs with AMX or AVX512-BF16 it can be several times faster. We time both
+    (about 50 ms) instead of trusting flags alone."""
+    flags = cpu_flags()
+    if not ({"amx_bf16", "avx512_bf16"} & flags):
+        logger.info("dtype auto -> float32 (this CPU has no native bf16 matmul; float32 is faster here)")
+        return torch.float32
+    f32, bf16 = _matmul_gflops(torch.float32), _matmul_gflops(torch.bfloat16)
+    choice = torch.bfloat16 if bf16 > 1.2 * f32 else torch.float32
+    logger.info("dtype auto -> %s (measured matmul: float32 %.0f GFLOP/s, bfloat16 %.0f GFLOP/s)",
+                str(choice).removeprefix("torch."), f32, bf16)
+    return choice

@@ -1,0 +1,77 @@
+import pytest
+
+from fp8serve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.seed, p.max_tokens, p.min_tokens) == (None, 16, 0)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert (p.ignore_eos, p.logprobs, p.prompt_logprobs) == (False, None, None)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert p.skip_special_tokens and not p.include_stop_str_in_output
+    assert not p.is_greedy and not p.has_penalties
+
+
+def test_normalization():
+    p = SamplingParams(top_k=-1, stop="###", stop_token_ids=(5, 7))
+    assert p.top_k == 0
+    assert p.stop == ["###"]
+    assert p.stop_token_ids == [5, 7]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
+def test_greedy_forces_filters_off():
+    p = SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.2)
+    assert p.is_greedy
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.0, 1.0, 0, 0.0)
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=0.01).is_greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(n=2), "n"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.1), "min_p"),
+        (dict(seed=1.5), "seed"),
+        (dict(seed="7"), "seed"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(stop=["ok", ""]), "stop"),
+        (dict(stop=""), "stop"),
+        (dict(stop_token_ids=[-3]), "stop_token_ids"),
+    ],
+)
+def test_validation_error_names_field_and_value(kwargs, field):
+    with pytest.raises(ValueError) as excinfo:
+        SamplingParams(**kwargs)
+    message = str(excinfo.value)
+    assert message.startswith(field + " ")
+    bad = kwargs[field] if field in kwargs else None
+    if field not in ("stop", "stop_token_ids"):
+        assert repr(bad) in message or str(bad) in message
+
+
+def test_n_message_says_only_one_supported():
+    with pytest.raises(ValueError, match="n must be 1"):
+        SamplingParams(n=3)
+
+
+def test_boundaries_accepted():
+    SamplingParams(top_p=1.0, min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0,
+                   logprobs=0, prompt_logprobs=MAX_LOGPROBS, max_tokens=None, min_tokens=100, seed=0)
+    SamplingParams(min_tokens=5, max_tokens=5)
