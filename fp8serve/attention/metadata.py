@@ -12,7 +12,7 @@ import torch
 class AttentionMetadata:
     # Where each new token's K/V is written: block_id * block_size + offset.
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    # Physical blocks of each sequence, padded with 0 (never read: masked).
+    # Physical blocks of each sequence, padded with the null block id.
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64
     # Context length of each sequence including this step's tokens.
     seq_lens: torch.Tensor  # [num_seqs] int64
@@ -22,6 +22,8 @@ class AttentionMetadata:
     max_seq_len: int
     num_seqs: int
     num_tokens: int
+    # Id of the zeroed block that padding points at (see allocate_kv_cache).
+    null_block_id: int = 0
     # Filled by the backend's metadata builder (shared by all layers).
     backend_data: object | None = None
 

@@ -143,7 +143,7 @@ class ModelRunner:
         dev = self.device
         max_blocks = max(len(s.block_table) for s in seqs)
         block_tables = torch.tensor(
-            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.int64
+            [s.block_table + [self.num_blocks] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.int64
         )
         seq_lens_list = [s.num_tokens for s in seqs]
         seq_lens = torch.tensor(seq_lens_list, dtype=torch.int64)
@@ -178,6 +178,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens_list),
             num_seqs=len(seqs),
             num_tokens=int(input_ids.shape[0]),
+            null_block_id=self.num_blocks,
         )
         self.backend.build_metadata(md)
         return input_ids.to(dev), positions.to(dev), md

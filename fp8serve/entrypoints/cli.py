@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if name in _OPTIONAL_COMMANDS and e.name == name:
+            if name in _OPTIONAL_COMMANDS and e.name and name.startswith(e.name):
                 continue
             raise
         module.register(sub)

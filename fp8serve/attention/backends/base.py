@@ -21,9 +21,14 @@ class AttentionBackend(ABC):
         self.compute_dtype = compute_dtype
 
     def allocate_kv_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        # Zero-filled so that never-written slots hold finite values (padded
-        # reads are masked, but 0 * NaN would still poison the output).
-        return torch.zeros(self.spec.layer_shape(num_blocks), dtype=self.spec.storage_dtype, device=device)
+        """`num_blocks` usable blocks plus one zeroed null block (id
+        `num_blocks`) that padded and masked reads point at: a masked key has
+        probability 0, but 0 * NaN from an unwritten slot would still poison
+        the output. The rest is left unwritten (torch.empty), so the OS maps
+        pages only as blocks are used and start-up does not touch gigabytes."""
+        cache = torch.empty(self.spec.layer_shape(num_blocks + 1), dtype=self.spec.storage_dtype, device=device)
+        cache[:, num_blocks].zero_()
+        return cache
 
     @abstractmethod
     def build_metadata(self, metadata: AttentionMetadata) -> None:

@@ -35,8 +35,10 @@ class TorchSDPABackend(AttentionBackend):
         device = md.slot_mapping.device
         bs = self.spec.block_size
         pos = torch.arange(md.max_seq_len, device=device)
-        gather_slots = md.block_tables[:, pos // bs] * bs + pos % bs  # [num_seqs, max_seq_len]
         key_valid = pos[None, :] < md.seq_lens[:, None]
+        gather_slots = md.block_tables[:, pos // bs] * bs + pos % bs  # [num_seqs, max_seq_len]
+        # Positions past a sequence's length read the zeroed null block.
+        gather_slots = torch.where(key_valid, gather_slots, md.null_block_id * bs)
         if md.is_decode_only:
             mask = key_valid[:, None, None, :]
             pad_index = None
