@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
+from fp8serve.attention.backends.selector import select_backend
 from fp8serve.attention.forward_context import set_forward_context
 from fp8serve.attention.kv_cache_spec import KVCacheSpec
 from fp8serve.attention.metadata import AttentionMetadata
@@ -81,7 +81,7 @@ class ModelRunner:
             num_layers=len(self.attn_layers),
         )
         self._apply_kv_scales()
-        self.backend = TorchSDPABackend(self.kv_cache_spec, self.dtype)
+        self.backend = select_backend(self.kv_cache_spec, self.dtype, self.device)
         self.num_blocks = self._allocate_kv_cache()
         cc.num_blocks = self.num_blocks
         self.sampler = Sampler()

@@ -1,0 +1,481 @@
+#!/usr/bin/env python
+"""Offline throughput: fp8serve vs Hugging Face transformers' batched `generate`.
+
+Both systems get the SAME prompts: `--num-prompts` rows of exactly `--input-len` random token ids
+(fixed seed, special tokens excluded), greedy decoding of exactly `--output-len` tokens (fp8serve:
+`ignore_eos=True`; transformers: `min_new_tokens == max_new_tokens`). Each system is warmed up
+first. Both run in one invocation so that they see the same (possibly noisy) machine.
+
+transformers runs float32 with `attn_implementation=--hf-attn` (default sdpa), static batches of
+`--hf-batch-size`, left padding (all prompts have the same length, so no pad tokens are actually
+added), and `use_cache=True`. Its "prefill" column is the time to the first logits-processor call of
+each batch (forward over the prompt + first-token logits), summed over batches.
+
+fp8serve's prefill column is the wall time of engine steps that were prefill steps, measured by
+wrapping the model runner's `execute` on the instance (fp8serve itself is not modified).
+
+Examples:
+  python benchmarks/offline_throughput.py
+  python benchmarks/offline_throughput.py --configs float32:auto,float32:fp8,bfloat16:auto --hf-num-prompts 16
+  python benchmarks/offline_throughput.py --skip-hf --num-prompts 16 --output-len 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# --------------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict:
+    model_name = platform.processor() or "unknown"
+    flags: set[str] = set()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name":
+                model_name = value.strip()
+            elif key.strip() == "Flags":
+                flags = set(value.split())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if not flags:
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        flags = set(line.split(":", 1)[1].split())
+                        break
+        except OSError:
+            pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "cpu_model": model_name,
+        "cpu_count": os.cpu_count(),
+        "flags": {f: (f in flags) for f in wanted},
+        "mem_gib": mem_gib,
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_at_start": load,
+    }
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def make_prompts(num: int, input_len: int, seed: int, vocab_size: int, special_ids: set[int]) -> list[list[int]]:
+    """`num` lists of exactly `input_len` token ids drawn uniformly from the non-special vocabulary."""
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in special_ids], dtype=torch.int64)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, allowed.numel(), (num, input_len), generator=g)
+    return allowed[idx].tolist()
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Result:
+    system: str
+    dtype: str
+    kv_dtype: str
+    attn: str
+    requests: int
+    input_len: int
+    output_len: int
+    total_s: float
+    prefill_s: float | None
+    output_tok_s: float
+    total_tok_s: float
+    extrapolated: bool = False
+    measured_requests: int | None = None
+    notes: list[str] = field(default_factory=list)
+    # Greedy output token ids of the first few prompts (to compare systems); not printed.
+    sample_outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+
+def _rates(total_s: float, requests: int, input_len: int, output_len: int) -> tuple[float, float]:
+    out_tok = requests * output_len
+    return out_tok / total_s, (out_tok + requests * input_len) / total_s
+
+
+# --------------------------------------------------------------------------- fp8serve
+
+
+class _StepTimer:
+    """Wraps a ModelRunner instance's `execute` to time prefill and decode steps."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.orig = runner.execute
+        self.reset()
+        runner.execute = self  # instance attribute shadows the method
+
+    def reset(self) -> None:
+        self.prefill_s = self.decode_s = 0.0
+        self.prefill_steps = self.decode_steps = 0
+        self.max_decode_batch = 0
+
+    def __call__(self, seqs, is_prefill, eos_token_id):
+        t = time.perf_counter()
+        out = self.orig(seqs, is_prefill, eos_token_id)
+        dt = time.perf_counter() - t
+        if is_prefill:
+            self.prefill_s += dt
+            self.prefill_steps += 1
+        else:
+            self.decode_s += dt
+            self.decode_steps += 1
+            self.max_decode_batch = max(self.max_decode_batch, len(seqs))
+        return out
+
+
+def run_fp8serve(args, prompts: list[list[int]], dtype: str, kv_dtype: str, keep: int) -> Result:
+    from fp8serve import LLM, SamplingParams
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    kwargs = dict(dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=args.kv_cache_memory,
+                  max_num_seqs=args.max_num_seqs, seed=args.seed)
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    t_load = time.perf_counter()
+    llm = LLM(model=args.model, **kwargs)
+    load_s = time.perf_counter() - t_load
+    runner = llm.llm_engine.model_runner
+    resolved_dtype = str(runner.dtype).removeprefix("torch.")
+    resolved_kv = runner.kv_cache_spec.kv_cache_dtype
+    timer = _StepTimer(runner)
+
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    # Warm-up: a few full-length prompts, a few decode steps.
+    n_warm = min(args.warmup_prompts, len(prompts))
+    warm = [{"prompt_token_ids": p} for p in prompts[:n_warm]]
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=min(8, args.output_len), ignore_eos=True),
+                 use_tqdm=False)
+    timer.reset()
+
+    gc.collect()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    total = time.perf_counter() - t
+
+    bad = [o.request_id for o in outs if len(o.outputs[0].token_ids) != args.output_len]
+    if bad:
+        raise RuntimeError(f"fp8serve: {len(bad)} requests did not produce {args.output_len} tokens")
+    out_tps, tot_tps = _rates(total, len(prompts), args.input_len, args.output_len)
+    notes = [
+        f"load {load_s:.1f}s; steps: {timer.prefill_steps} prefill ({timer.prefill_s:.2f}s), "
+        f"{timer.decode_steps} decode ({timer.decode_s:.2f}s, max batch {timer.max_decode_batch}); "
+        f"engine overhead outside execute: {total - timer.prefill_s - timer.decode_s:.2f}s"
+    ]
+    if timer.decode_steps:
+        notes.append(f"mean decode step {1000 * timer.decode_s / timer.decode_steps:.1f} ms")
+    res = Result(
+        system="fp8serve", dtype=resolved_dtype, kv_dtype=resolved_kv, attn=runner.backend.name,
+        requests=len(prompts), input_len=args.input_len, output_len=args.output_len,
+        total_s=total, prefill_s=timer.prefill_s, output_tok_s=out_tps, total_tok_s=tot_tps, notes=notes,
+        sample_outputs=[list(o.outputs[0].token_ids) for o in outs[:keep]],
+    )
+    del llm, outs, runner, timer
+    gc.collect()
+    return res
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def run_hf(args, prompts: list[list[int]], model_path: str, total_requests: int, keep: int) -> Result:
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    t_load = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation=args.hf_attn)
+    model.eval()
+    load_s = time.perf_counter() - t_load
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    class FirstCall(LogitsProcessor):
+        """Records when generate first asks for logits: the prompt forward is done."""
+
+        def __init__(self) -> None:
+            self.t_first: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+            return scores
+
+    def batch_tensors(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)  # left padding
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(rows), width), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        return ids, mask
+
+    def gen(rows: list[list[int]], n_new: int) -> tuple[torch.Tensor, float, float]:
+        ids, mask = batch_tensors(rows)
+        fc = FirstCall()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                do_sample=False, num_beams=1, use_cache=True, pad_token_id=pad_id,
+                logits_processor=LogitsProcessorList([fc]),
+            )
+        dt = time.perf_counter() - t
+        return out[:, ids.shape[1]:], dt, (fc.t_first - t) if fc.t_first else float("nan")
+
+    # Warm-up: one full batch-width prompt set, few tokens.
+    gen(prompts[: min(args.hf_batch_size, 4)], min(4, args.output_len))
+
+    gc.collect()
+    total = prefill = 0.0
+    outputs: list[list[int]] = []
+    for i in range(0, len(prompts), args.hf_batch_size):
+        new, dt, pf = gen(prompts[i: i + args.hf_batch_size], args.output_len)
+        if new.shape[1] != args.output_len:
+            raise RuntimeError(f"transformers produced {new.shape[1]} tokens, expected {args.output_len}")
+        total += dt
+        prefill += pf
+        outputs.extend(new.tolist())
+        print(f"  [transformers] batch {i // args.hf_batch_size + 1}: {dt:.1f}s "
+              f"(prefill {pf:.2f}s)", file=sys.stderr, flush=True)
+
+    measured = len(prompts)
+    extrapolated = measured < total_requests
+    out_tps, tot_tps = _rates(total, measured, args.input_len, args.output_len)
+    notes = [f"load {load_s:.1f}s; attn_implementation={args.hf_attn}; batch {args.hf_batch_size}, "
+             f"left padding, greedy, min_new_tokens=max_new_tokens={args.output_len}"]
+    if extrapolated:
+        scale = total_requests / measured
+        notes.append(f"EXTRAPOLATED: measured {measured} of {total_requests} requests "
+                     f"({total:.1f}s); times scaled x{scale:.2f} at the measured per-token rate")
+        total *= scale
+        prefill *= scale
+    del model
+    gc.collect()
+    return Result(
+        system="transformers", dtype="float32", kv_dtype="float32", attn=args.hf_attn,
+        requests=total_requests, input_len=args.input_len, output_len=args.output_len,
+        total_s=total, prefill_s=prefill, output_tok_s=out_tps, total_tok_s=tot_tps,
+        extrapolated=extrapolated, measured_requests=measured, notes=notes,
+        sample_outputs=outputs[:keep],
+    )
+
+
+# --------------------------------------------------------------------------- report
+
+
+def match_rate(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """(fraction of rows identical, mean fraction of leading tokens that agree)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return float("nan"), float("nan")
+    same = prefix = 0.0
+    for x, y in zip(a[:n], b[:n]):
+        same += x == y
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefix += k / max(len(x), 1)
+    return same / n, prefix / n
+
+
+def format_table(results: list[Result], baseline: Result | None) -> str:
+    head = ["system", "dtype", "kv dtype", "attn", "requests", "input len", "output len", "total s",
+            "prefill s", "output tok/s", "total tok/s", "vs transformers (out tok/s)"]
+    rows = []
+    for r in results:
+        ratio = "—"
+        if baseline is not None and r is not baseline:
+            ratio = f"{r.output_tok_s / baseline.output_tok_s:.2f}x"
+        elif r is baseline:
+            ratio = "1.00x"
+        star = "*" if r.extrapolated else ""
+        rows.append([
+            r.system + star, r.dtype, r.kv_dtype, r.attn, str(r.requests), str(r.input_len), str(r.output_len),
+            f"{r.total_s:.1f}{star}", "—" if r.prefill_s is None else f"{r.prefill_s:.1f}{star}",
+            f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}", ratio,
+        ])
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    if any(r.extrapolated for r in results):
+        lines.append("")
+        lines.append("\\* transformers EXTRAPOLATED: " + "; ".join(
+            n for r in results if r.extrapolated for n in r.notes if n.startswith("EXTRAPOLATED")))
+    return "\n".join(lines)
+
+
+def parse_configs(args) -> list[tuple[str, str]]:
+    if args.configs:
+        out = []
+        for item in args.configs.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            dtype, _, kv = item.partition(":")
+            out.append((dtype or "auto", kv or "auto"))
+        return out
+    return [(args.dtype, args.kv_cache_dtype)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: fp8serve's default model)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", help="fp8serve compute dtype (when --configs is not given)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="fp8serve KV dtype (when --configs is not given)")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated fp8serve DTYPE:KV_DTYPE configs, e.g. float32:auto,float32:fp8,bfloat16:auto")
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--warmup-prompts", type=int, default=4)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-num-prompts", type=int, default=None,
+                   help="run transformers on only the first N prompts and extrapolate its time (marked in the output)")
+    p.add_argument("--hf-attn", default="sdpa", choices=("sdpa", "eager"))
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--hf-first", action="store_true", help="run transformers before fp8serve")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: os.cpu_count())")
+    p.add_argument("--json", dest="json_out", default=None, help="write results as JSON to this path")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+
+    if args.model is None:
+        from fp8serve.default_model import ensure_default_model
+
+        args.model = str(ensure_default_model())
+
+    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable) if sys.executable else "python",
+                                            *([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))])
+    info = machine_info()
+    started = _dt.datetime.now().astimezone()
+    print(f"# fp8serve offline throughput — {started.isoformat(timespec='seconds')}")
+    print(f"command: {cmd}")
+    flags = " ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["flags"].items())
+    print(f"machine: {info['cpu_model']} | {info['cpu_count']} CPUs | {info['mem_gib']} GiB | flags: {flags}")
+    print(f"software: torch {info['torch']} | transformers {info['transformers']} | python {info['python']} | "
+          f"torch threads {info['torch_threads']} | loadavg at start {info['loadavg_at_start']}")
+    print(f"model: {args.model}")
+    print(f"workload: {args.num_prompts} prompts x {args.input_len} random token ids (seed {args.seed}, special "
+          f"tokens excluded) -> exactly {args.output_len} greedy output tokens each", flush=True)
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as tf_logging
+
+    tf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    special = set(tok.all_special_ids) | {int(i) for i in getattr(tok, "added_tokens_decoder", {})}
+    prompts = make_prompts(args.num_prompts, args.input_len, args.seed, vocab_size, special)
+
+    keep = 8  # outputs compared across systems
+    results: list[Result] = []
+    hf_result: Result | None = None
+
+    def do_hf() -> None:
+        nonlocal hf_result
+        n = args.hf_num_prompts or args.num_prompts
+        n = min(n, args.num_prompts)
+        print(f"running transformers on {n} prompts ...", file=sys.stderr, flush=True)
+        hf_result = run_hf(args, prompts[:n], args.model, args.num_prompts, keep)
+        results.append(hf_result)
+
+    if not args.skip_hf and args.hf_first:
+        do_hf()
+    for dtype, kv in parse_configs(args):
+        print(f"running fp8serve dtype={dtype} kv_cache_dtype={kv} ...", file=sys.stderr, flush=True)
+        results.append(run_fp8serve(args, prompts, dtype, kv, keep))
+    if not args.skip_hf and not args.hf_first:
+        do_hf()
+
+    # Baseline row first.
+    ordered = ([hf_result] if hf_result else []) + [r for r in results if r is not hf_result]
+    print()
+    print(format_table(ordered, hf_result))
+    print()
+    for r in ordered:
+        label = f"{r.system} {r.dtype}/{r.kv_dtype}"
+        print(f"- {label}: " + "; ".join(r.notes))
+    if hf_result is not None:
+        for r in ordered:
+            if r is hf_result:
+                continue
+            same, prefix = match_rate(r.sample_outputs, hf_result.sample_outputs)
+            print(f"- greedy agreement {r.system} {r.dtype}/{r.kv_dtype} vs transformers on the first "
+                  f"{min(keep, len(hf_result.sample_outputs))} prompts: {same:.0%} identical rows, "
+                  f"{prefix:.0%} mean matching prefix")
+    try:
+        print(f"- loadavg at end: {os.getloadavg()}")
+    except OSError:
+        pass
+
+    if args.json_out:
+        payload = {
+            "started": started.isoformat(timespec="seconds"),
+            "command": cmd,
+            "machine": info,
+            "args": vars(args),
+            "results": [{k: v for k, v in asdict(r).items() if k != "sample_outputs"} for r in ordered],
+            "ratios_output_tok_s": (
+                {f"{r.system}:{r.dtype}:{r.kv_dtype}": r.output_tok_s / hf_result.output_tok_s
+                 for r in ordered if r is not hf_result} if hf_result else None),
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""CPU backend: decode steps run the C++ paged-attention kernel, which reads
+each sequence's K/V straight from its blocks in the storage format (FP8
+included) instead of gathering and dequantizing a padded copy; prefill steps
+use the reference path (compute-bound, the gather is a small part)."""
+
+from __future__ import annotations
+
+from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
+from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, paged_attention_decode
+
+
+class CpuPagedBackend(TorchSDPABackend):
+    name = "cpu_paged"
+
+    def build_metadata(self, md: AttentionMetadata) -> None:
+        if md.is_decode_only:
+            md.backend_data = None  # the kernel walks block_tables itself
+        else:
+            super().build_metadata(md)
+
+    def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale):
+        md = metadata
+        if not md.is_decode_only:
+            return super().forward(query, key, value, kv_cache, metadata,
+                                   softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+        num_kv_heads, head_size = key.shape[1], key.shape[2]
+        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, md.slot_mapping, self._store(key, k_scale))
+        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, md.slot_mapping, self._store(value, v_scale))
+        # Fold every constant into q and the output (see paged_attention.cpp).
+        decode_mult = E4M3_DECODE_MULTIPLIER if self.spec.kv_cache_dtype == "fp8_e4m3" else 1.0
+        q = query.float() * (softmax_scale * k_scale * decode_mult)
+        out = paged_attention_decode(
+            q, kv_cache[0], kv_cache[1], md.block_tables, md.seq_lens,
+            self.spec.kv_cache_dtype, v_scale * decode_mult,
+        )
+        return out.to(query.dtype)

@@ -1,0 +1,126 @@
+"""Thin wrappers over the C++ CPU kernels, with shape/dtype checks, a build
+step that never breaks the engine, and a plain PyTorch reference.
+
+The extension is compiled once per machine (it targets the build CPU's
+instruction set, `-march=native`) into the fp8serve cache directory; `make
+setup` triggers the build. Without a compiler the engine logs one warning and
+uses the reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SRC_DIR = Path(__file__).resolve().parent / "cpu"
+_SOURCES = [_SRC_DIR / "paged_attention.cpp"]
+
+# The cache storage formats the kernel reads; see paged_attention.cpp.
+KV_FORMATS = {"float32": 0, "bfloat16": 1, "float16": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
+# e4m3 codes are decoded as fp16 bit patterns worth value * 2^-8.
+E4M3_DECODE_MULTIPLIER = 256.0
+
+
+def _build_dir() -> Path:
+    from fp8serve.default_model import cache_dir
+
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    h.update(torch.__version__.encode())
+    from fp8serve.utils.platform import cpu_flags
+
+    h.update(" ".join(sorted(cpu_flags())).encode())
+    d = cache_dir() / "kernels" / f"cpu_ops_{h.hexdigest()[:16]}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@functools.cache
+def load_cpu_ops():
+    """The compiled module, or None (with one warning) if it cannot be built."""
+    if os.environ.get("FP8SERVE_DISABLE_CPU_KERNELS"):
+        logger.info("FP8SERVE_DISABLE_CPU_KERNELS is set: using the PyTorch reference attention")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(
+            name="fp8serve_cpu_ops",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_dir()),
+            verbose=False,
+        )
+    except Exception as e:  # a missing compiler or ninja must not stop the engine
+        logger.warning("C++ CPU kernels unavailable (%s: %s); using the slower PyTorch reference path",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+    if not module.has_avx2():
+        logger.info("C++ CPU kernels built without AVX2/FMA/F16C: using their scalar path")
+    return module
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_size] float32, already scaled
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    seq_lens: torch.Tensor,  # [num_seqs] int64
+    kv_format: str,
+    out_scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_size] float32
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("C++ CPU kernels are not available")
+    if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"bad shapes: query {tuple(query.shape)}, cache {tuple(key_cache.shape)}")
+    if query.shape[2] != key_cache.shape[3] or query.shape[1] % key_cache.shape[2]:
+        raise ValueError("query heads/head_size do not match the cache")
+    if block_tables.shape[0] != query.shape[0] or seq_lens.shape != (query.shape[0],):
+        raise ValueError("block_tables/seq_lens do not match the batch")
+    q = query.contiguous().float()
+    out = torch.empty_like(q)
+    ops.paged_attention_decode(
+        out, q, key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(),
+        KV_FORMATS[kv_format], float(out_scale),
+    )
+    return out
+
+
+def paged_attention_decode_ref(query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale):
+    """Plain PyTorch reference with the kernel's contract (same pre-scaled
+    query, same decode of the stored format, float64 maths)."""
+    from fp8serve.quantization.fp8 import dequantize_fp8, fp8_format
+
+    num_seqs, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+
+    def decode(x):
+        if kv_format.startswith("fp8"):
+            v = dequantize_fp8(x, 1.0, fp8_format(kv_format), torch.float32).double()
+            return v / E4M3_DECODE_MULTIPLIER if kv_format == "fp8_e4m3" else v
+        return x.double()
+
+    out = torch.empty(num_seqs, num_heads, head_size, dtype=torch.float64)
+    for b in range(num_seqs):
+        n = int(seq_lens[b])
+        pos = torch.arange(n)
+        slots = block_tables[b, pos // block_size] * block_size + pos % block_size
+        k = decode(key_cache.reshape(-1, num_kv_heads, head_size)[slots])  # [n, kvh, d]
+        v = decode(value_cache.reshape(-1, num_kv_heads, head_size)[slots])
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[b].double(), k)
+        p = torch.softmax(scores, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v) * out_scale
+    return out.float()

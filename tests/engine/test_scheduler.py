@@ -1,0 +1,394 @@
+"""Scheduler: admission, continuous batching, preemption by recompute; pure Python, no model."""
+
+import itertools
+import random
+
+import pytest
+
+from fp8serve.config import SchedulerConfig
+from fp8serve.engine.block_manager import BlockManager
+from fp8serve.engine.scheduler import Scheduler, SchedulerOutput
+from fp8serve.engine.sequence import Sequence, SequenceStatus
+from fp8serve.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def make_seq(num_prompt_tokens: int, name: str | None = None) -> Sequence:
+    return Sequence(name or f"seq-{next(_ids)}", list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=None))
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=None, max_model_len=32):
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len)
+    return Scheduler(config, BlockManager(num_blocks, block_size))
+
+
+def run_step(out: SchedulerOutput, token: int = 9) -> None:
+    """What the engine does with a step's output: every scheduled sequence's tokens are now in
+    the cache, and it samples one new token."""
+    for seq in out.seqs:
+        seq.num_computed_tokens = seq.num_tokens
+        seq.output_token_ids.append(token)
+
+
+def names(seqs) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+# ------------------------------------------------------------------------------- admission
+
+
+def test_prefill_first_then_decode():
+    sched = make_scheduler()
+    a, b = make_seq(5, "a"), make_seq(3, "b")
+    sched.add(a)
+    sched.add(b)
+    assert sched.num_waiting == 2 and sched.has_unfinished()
+    out = sched.schedule()
+    assert out.is_prefill and names(out.seqs) == ["a", "b"]
+    assert out.num_batched_tokens == 8
+    assert a.status is b.status is SequenceStatus.RUNNING
+    assert sched.num_waiting == 0 and sched.num_running == 2
+    run_step(out)
+    out = sched.schedule()
+    assert not out.is_prefill and names(out.seqs) == ["a", "b"]
+    assert out.num_batched_tokens == 2  # one token per sequence
+    assert out.preempted == []
+
+
+def test_nothing_to_do():
+    sched = make_scheduler()
+    assert sched.schedule() is None
+    assert not sched.has_unfinished()
+
+
+def test_max_num_seqs_caps_admission():
+    sched = make_scheduler(max_num_seqs=2)
+    seqs = [make_seq(3, n) for n in "abc"]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert out.is_prefill and names(out.seqs) == ["a", "b"]
+    assert names(sched.waiting) == ["c"]
+    run_step(out)
+    # "c" is waiting but the batch is full: decode the two running ones.
+    out = sched.schedule()
+    assert not out.is_prefill and names(out.seqs) == ["a", "b"]
+    run_step(out)
+    sched.finish(seqs[0])
+    out = sched.schedule()
+    assert out.is_prefill and names(out.seqs) == ["c"]
+    assert sched.num_running == 2
+
+
+def test_max_num_batched_tokens_caps_a_prefill():
+    sched = make_scheduler(max_num_batched_tokens=10, max_model_len=10)
+    a, b, c = make_seq(4, "a"), make_seq(6, "b"), make_seq(1, "c")
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    assert names(out.seqs) == ["a", "b"] and out.num_batched_tokens == 10
+    assert names(sched.waiting) == ["c"]
+    run_step(out)
+    out = sched.schedule()
+    # The budget is per step: the next step admits "c".
+    assert out.is_prefill and names(out.seqs) == ["c"] and out.num_batched_tokens == 1
+
+
+def test_admission_is_first_come_first_served():
+    # "big" does not fit in the budget left after "a"; "small" behind it must not jump the queue.
+    sched = make_scheduler(max_num_batched_tokens=10, max_model_len=10)
+    a, big, small = make_seq(4, "a"), make_seq(8, "big"), make_seq(1, "small")
+    for s in (a, big, small):
+        sched.add(s)
+    out = sched.schedule()
+    assert names(out.seqs) == ["a"]
+    assert names(sched.waiting) == ["big", "small"]
+
+
+def test_a_sequence_that_needs_the_whole_cache_is_admitted_when_nothing_runs():
+    # No watermark is kept for an empty batch; otherwise a max_model_len request could never run.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
+    seq = make_seq(16)
+    sched.add(seq)
+    out = sched.schedule()
+    assert out is not None and out.seqs == [seq]
+    assert sched.block_manager.num_free_blocks == 0
+
+
+def test_admission_waits_for_blocks():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
+    a, b = make_seq(12, "a"), make_seq(8, "b")  # 3 + 2 blocks > 4
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert names(out.seqs) == ["a"] and names(sched.waiting) == ["b"]
+    assert b.block_table == [] and b.status is SequenceStatus.WAITING
+    run_step(out)
+    out = sched.schedule()
+    assert not out.is_prefill and names(out.seqs) == ["a"]
+    run_step(out)
+    sched.finish(a)
+    assert sched.block_manager.num_free_blocks == 4
+    out = sched.schedule()
+    assert out.is_prefill and names(out.seqs) == ["b"]
+
+
+# ----------------------------------------------------------------------- continuous batching
+
+
+def test_new_request_joins_while_others_decode():
+    sched = make_scheduler()
+    a, b = make_seq(5, "a"), make_seq(7, "b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched.schedule())  # prefill a, b
+    out = sched.schedule()
+    assert not out.is_prefill and names(out.seqs) == ["a", "b"]
+    run_step(out)
+
+    c = make_seq(6, "c")
+    sched.add(c)
+    out = sched.schedule()
+    # The newcomer is prefilled alone; a and b wait one step, keeping their state.
+    assert out.is_prefill and names(out.seqs) == ["c"] and out.num_batched_tokens == 6
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 2
+    run_step(out)
+
+    out = sched.schedule()
+    assert not out.is_prefill and names(out.seqs) == ["a", "b", "c"]
+    for s in out.seqs:
+        assert s.num_computed_tokens == s.num_tokens - 1  # exactly one new token each
+    run_step(out)
+    assert [len(s.output_token_ids) for s in (a, b, c)] == [3, 3, 2]
+
+
+def test_finished_sequence_leaves_the_batch_and_frees_its_blocks():
+    sched = make_scheduler(num_blocks=16)
+    a, b = make_seq(5, "a"), make_seq(7, "b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched.schedule())
+    used_by_a = len(a.block_table)
+    free_before = sched.block_manager.num_free_blocks
+    sched.finish(a)
+    assert a.status is SequenceStatus.FINISHED and a.block_table == []
+    assert sched.block_manager.num_free_blocks == free_before + used_by_a
+    out = sched.schedule()
+    assert names(out.seqs) == ["b"]
+
+
+def test_finish_a_waiting_sequence_removes_it_from_the_queue():
+    sched = make_scheduler(max_num_seqs=1)
+    a, b = make_seq(3, "a"), make_seq(3, "b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched.schedule())
+    sched.finish(b)  # e.g. aborted while waiting
+    assert sched.num_waiting == 0 and b.status is SequenceStatus.FINISHED
+    sched.finish(a)
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+# ------------------------------------------------------------------------------ preemption
+
+
+def test_preempts_the_most_recently_admitted_not_the_one_that_needs_a_block():
+    # 4 blocks of 4 tokens; one block is kept free when admitting next to running sequences.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
+    a = make_seq(4, "a")
+    sched.add(a)
+    run_step(sched.schedule())  # a: 5 tokens in 1 block, 3 free
+    b = make_seq(2, "b")
+    sched.add(b)
+    out = sched.schedule()
+    assert names(out.seqs) == ["b"]
+    run_step(out)  # b: 3 tokens, 2 free
+    c = make_seq(2, "c")
+    sched.add(c)
+    out = sched.schedule()
+    assert names(out.seqs) == ["c"]
+    run_step(out)  # c: 3 tokens, 1 free
+
+    out = sched.schedule()  # a takes the last free block for its 5th token
+    assert not out.is_prefill and names(out.seqs) == ["a", "b", "c"] and out.preempted == []
+    assert sched.block_manager.num_free_blocks == 0
+    run_step(out)  # a 6, b 4, c 4 tokens
+    out = sched.schedule()
+    assert names(out.seqs) == ["a", "b", "c"] and out.preempted == []
+    run_step(out)  # a 7, b 5, c 5: b needs a new block and none is free
+
+    c_blocks = list(c.block_table)
+    out = sched.schedule()
+    assert names(out.preempted) == ["c"]
+    assert names(out.seqs) == ["a", "b"]
+    assert c_blocks[0] in b.block_table  # c's freed block went to b
+    assert sched.num_preemptions == 1 and c.num_preemptions == 1
+    assert c.status is SequenceStatus.WAITING and c.block_table == [] and c.num_computed_tokens == 0
+    assert names(sched.running) == ["a", "b"] and names(sched.waiting) == ["c"]
+
+
+def test_preempted_sequence_goes_to_the_front_keeps_its_output_and_is_recomputed():
+    sched = make_scheduler(num_blocks=3, block_size=4, max_model_len=12)
+    a, b = make_seq(4, "a"), make_seq(4, "b")
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert names(out.seqs) == ["a", "b"]  # 1 block each, 1 free
+    run_step(out, token=101)  # a, b: 5 tokens each; each needs a 2nd block
+    d = make_seq(4, "d")
+    sched.add(d)  # arrives now; must not be admitted into the last free block
+    out = sched.schedule()
+    assert not out.is_prefill
+    assert names(out.seqs) == ["a"] and names(out.preempted) == ["b"]
+    assert names(sched.waiting) == ["b", "d"], "the preempted sequence goes before later arrivals"
+    assert b.output_token_ids == [101] and b.block_table == []
+    run_step(out, token=102)  # a: 6 tokens in 2 blocks
+
+    out = sched.schedule()  # b needs 2 blocks plus the watermark: it waits, a decodes
+    assert not out.is_prefill and names(out.seqs) == ["a"]
+    run_step(out)
+    sched.finish(a)
+
+    out = sched.schedule()
+    assert out.is_prefill and names(out.seqs) == ["b"]
+    # Recompute: the whole prompt and the output so far are prefilled again.
+    assert b.num_computed_tokens == 0
+    assert b.token_ids == [1, 2, 3, 4, 101]
+    assert out.num_batched_tokens == 5
+    assert len(b.block_table) == 2
+    run_step(out, token=103)
+    assert b.output_token_ids == [101, 103]
+    assert names(sched.waiting) == ["d"]
+
+
+def test_several_preempted_sequences_keep_their_order_at_the_front():
+    sched = make_scheduler(num_blocks=5, block_size=4, max_model_len=16)
+    seqs = [make_seq(4, n) for n in "abcd"]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert names(out.seqs) == ["a", "b", "c", "d"]  # 1 block each, 1 free
+    run_step(out)  # all at 5 tokens: each needs a second block
+    sched.add(make_seq(4, "e"))
+    out = sched.schedule()
+    # a takes the free block; b gets d's; c, needing one with nothing newer left, yields its own.
+    assert not out.is_prefill and names(out.seqs) == ["a", "b"]
+    assert sorted(names(out.preempted)) == ["c", "d"]
+    assert names(sched.waiting) == ["c", "d", "e"]
+    assert sched.num_preemptions == 2
+    assert sched.block_manager.num_free_blocks == 1  # c's block; a and b hold 2 each
+
+
+# ----------------------------------------------------------------------- randomized simulation
+
+
+def check_invariants(sched: Scheduler, out: SchedulerOutput | None, all_seqs: list[Sequence],
+                     finished: set[str]) -> None:
+    bm = sched.block_manager
+    bs = bm.block_size
+    owned = [b for s in sched.running for b in s.block_table]
+    assert len(owned) == len(set(owned)), "a block is owned by two sequences"
+    assert set(owned).isdisjoint(bm._free_block_ids), "a block is both free and owned"
+    assert bm.num_free_blocks + len(owned) == bm.num_blocks
+    assert all(0 <= b < bm.num_blocks for b in owned)
+    for s in sched.waiting:
+        assert s.block_table == [] and s.status is SequenceStatus.WAITING
+    for s in sched.running:
+        assert s.status is SequenceStatus.RUNNING
+        # Blocks for every token except, at most, the newest one that the next decode will add;
+        # and never more blocks than the tokens need.
+        assert len(s.block_table) * bs >= s.num_tokens - 1
+        assert len(s.block_table) == -(-s.num_tokens // bs) or len(s.block_table) == (s.num_tokens - 1) // bs
+    if out is not None:
+        for s in out.seqs:
+            assert len(s.block_table) * bs >= s.num_tokens, "a scheduled sequence lacks a slot"
+    assert len(sched.running) <= sched.config.max_num_seqs
+    # No sequence is lost or duplicated.
+    live = names(sched.running) + names(sched.waiting)
+    assert len(live) == len(set(live))
+    assert set(live) | finished == {s.request_id for s in all_seqs}
+    assert not set(live) & finished
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_simulation_keeps_invariants(seed):
+    rng = random.Random(seed)
+    block_size, num_blocks, max_model_len = 4, 12, 24
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6,
+                           max_num_batched_tokens=32, max_model_len=max_model_len)
+    all_seqs: list[Sequence] = []
+    target: dict[str, int] = {}
+    finished: set[str] = set()
+    admitted_at: dict[str, int] = {}  # request id -> order of its latest (re)admission
+    admissions = itertools.count()
+    num_arrival_steps, max_steps = 300, 3000
+    num_prefills = num_decodes = 0
+
+    for step in range(max_steps):
+        if step < num_arrival_steps and rng.random() < 0.35:
+            for _ in range(rng.choice([1, 1, 1, 2, 3])):
+                seq = make_seq(rng.randint(1, 16))
+                target[seq.request_id] = rng.randint(1, max_model_len - seq.num_prompt_tokens)
+                all_seqs.append(seq)
+                sched.add(seq)
+        if step >= num_arrival_steps and not sched.has_unfinished():
+            break
+
+        running_before = list(sched.running)
+        outputs_before = {s.request_id: len(s.output_token_ids) for s in all_seqs}
+        out = sched.schedule()
+        check_invariants(sched, out, all_seqs, finished)
+        if out is None:
+            # With nothing running the whole cache is free, so a waiting sequence always fits.
+            assert not sched.has_unfinished(), f"step {step}: stalled with work left"
+            continue
+
+        if out.is_prefill:
+            num_prefills += 1
+            assert out.preempted == []
+            assert out.num_batched_tokens == sum(s.num_tokens for s in out.seqs)
+            assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+            for s in out.seqs:
+                assert s.num_computed_tokens == 0  # (re)computed from scratch
+                admitted_at[s.request_id] = next(admissions)
+        else:
+            num_decodes += 1
+            assert out.num_batched_tokens == len(out.seqs)
+            # Every running sequence either decodes or is preempted, none are skipped; the
+            # preempted ones are the most recently admitted (the tail of the running list).
+            kept = len(out.seqs)
+            assert names(out.seqs) == names(running_before)[:kept]
+            assert sorted(names(out.preempted)) == sorted(names(running_before)[kept:])
+            for s in out.seqs:
+                assert s.num_computed_tokens == s.num_tokens - 1
+            if out.preempted:
+                newest_kept = max((admitted_at[s.request_id] for s in out.seqs), default=-1)
+                assert all(admitted_at[s.request_id] > newest_kept for s in out.preempted), \
+                    "preemption must take the most recently admitted sequences"
+                assert names(sched.waiting)[: len(out.preempted)] == \
+                    sorted(names(out.preempted), key=lambda r: admitted_at[r]), \
+                    "preempted sequences go to the front of the queue"
+                for s in out.preempted:
+                    assert len(s.output_token_ids) == outputs_before[s.request_id]
+
+        run_step(out, token=rng.randrange(1, 500))
+        for s in out.seqs:
+            if len(s.output_token_ids) >= target[s.request_id] or s.num_tokens >= max_model_len:
+                sched.finish(s)
+                finished.add(s.request_id)
+                assert s.block_table == []
+        check_invariants(sched, None, all_seqs, finished)
+    else:
+        pytest.fail(f"not done after {max_steps} steps: {sched.num_running} running, {sched.num_waiting} waiting")
+
+    assert len(all_seqs) > 50
+    assert finished == {s.request_id for s in all_seqs}, "every request finishes"
+    for s in all_seqs:
+        assert len(s.output_token_ids) == target[s.request_id], "recompute must not lose or repeat tokens"
+    assert sched.num_preemptions > 0, "the pool is too big to exercise preemption"
+    assert num_prefills > 0 and num_decodes > 0
+    assert sched.block_manager.num_free_blocks == num_blocks
+    assert sorted(sched.block_manager._free_block_ids) == list(range(num_blocks))

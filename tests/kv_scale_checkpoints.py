@@ -1,0 +1,137 @@
+"""Tiny checkpoints carrying FP8 KV scales and FP8 weights, built on `checkpoints.py`.
+
+- `add_kv_scales` writes one of the three KV-scale name families with distinct,
+  known per-layer values (`expected_scales` says what each layer must end up with);
+- `quantize_to_fp8_checkpoint` turns a float checkpoint into an FP8 one the way
+  AutoFP8 lays it out (float8_e4m3fn weight + float32 per-tensor weight_scale,
+  plus input_scale for a static activation scheme), every projection with its
+  own scale, and writes the dequantized weights as a float32 reference checkpoint.
+
+Quantization here uses torch's float8 cast directly, not fp8serve's code, so the
+references are independent of the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from checkpoints import add_tensors, load_state_dict, read_config, set_quantization_config
+
+E4M3_MAX = 448.0
+
+# family -> what it looks like on disk
+KV_SCALE_FAMILIES = ("kv_scale", "k_v_scale", "output_scale")
+
+FP8_QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+COMPRESSED_TENSORS_KV_ONLY = {
+    "quant_method": "compressed-tensors",
+    "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True},
+}
+
+# Linear weights that FP8 checkpoints quantize (routers and lm_head stay 16-bit).
+_QUANTIZED_LINEAR = re.compile(
+    r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
+)
+
+
+def k_scale_of(layer: int) -> float:
+    # Powers of two over 64 are exact in float32, so loaded values compare with ==.
+    return (layer + 1) / 64
+
+
+def v_scale_of(layer: int) -> float:
+    return 0.5 + layer / 8
+
+
+def expected_scales(family: str, num_layers: int) -> list[tuple[float, float, str]]:
+    """(k_scale, v_scale, source) per layer for a checkpoint written by `add_kv_scales`."""
+    out = []
+    for i in range(num_layers):
+        p = f"model.layers.{i}.self_attn"
+        if family == "kv_scale":
+            out.append((k_scale_of(i), k_scale_of(i), f"checkpoint:{p}.kv_scale"))
+        elif family == "k_v_scale":
+            out.append((k_scale_of(i), v_scale_of(i), f"checkpoint:{p}.k_scale,{p}.v_scale"))
+        elif family == "output_scale":
+            out.append((k_scale_of(i), v_scale_of(i), f"checkpoint:{p}.k_proj.output_scale,{p}.v_proj.output_scale"))
+        else:
+            raise ValueError(family)
+    return out
+
+
+def kv_scale_tensors(family: str, num_layers: int) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for i in range(num_layers):
+        p = f"model.layers.{i}.self_attn"
+        if family == "kv_scale":
+            tensors[f"{p}.kv_scale"] = torch.tensor(k_scale_of(i))
+        elif family == "k_v_scale":
+            tensors[f"{p}.k_scale"] = torch.tensor(k_scale_of(i))
+            tensors[f"{p}.v_scale"] = torch.tensor(v_scale_of(i))
+        elif family == "output_scale":
+            # compressed-tensors stores shape [1]
+            tensors[f"{p}.k_proj.output_scale"] = torch.tensor([k_scale_of(i)])
+            tensors[f"{p}.v_proj.output_scale"] = torch.tensor([v_scale_of(i)])
+        else:
+            raise ValueError(family)
+    return tensors
+
+
+def add_kv_scales(model_dir, family: str) -> None:
+    """Adds `family`'s scale tensors for every layer. `output_scale` also marks the
+    checkpoint compressed-tensors with only a kv_cache_scheme (16-bit weights stay)."""
+    num_layers = read_config(model_dir)["num_hidden_layers"]
+    add_tensors(model_dir, kv_scale_tensors(family, num_layers))
+    if family == "output_scale":
+        set_quantization_config(model_dir, COMPRESSED_TENSORS_KV_ONLY)
+
+
+def copy_checkpoint(src, dst) -> Path:
+    shutil.copytree(src, dst)
+    return Path(dst)
+
+
+def quantize_to_fp8_checkpoint(src, out_dir, ref_dir=None, *, activation_scheme: str = "dynamic") -> dict:
+    """Writes `out_dir` (FP8 weights) and, if given, `ref_dir` (the same model with
+    the dequantized weights in float32). Returns {weight name: weight_scale}.
+
+    Scales are amax / 448 times a factor cycling through 1, 1.25, ..., 2, so
+    even two shards with the same amax (q/k/v, gate/up, w1/w3) get different
+    scales; a factor >= 1 never saturates."""
+    out_dir = copy_checkpoint(src, out_dir)
+    state = load_state_dict(src)
+    fp8_tensors, dequantized, scales = {}, {}, {}
+    names = sorted(n for n in state if _QUANTIZED_LINEAR.search(n))
+    for n, name in enumerate(names):
+        w = state[name].to(torch.float32)
+        scale = torch.tensor(float(w.abs().max()) / E4M3_MAX * (1.0 + 0.25 * (n % 5)), dtype=torch.float32)
+        codes = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        prefix = name.removesuffix(".weight")
+        fp8_tensors[name] = codes
+        fp8_tensors[f"{prefix}.weight_scale"] = scale
+        if activation_scheme == "static":
+            # Shape [1] as llm-compressor writes it; CPU ignores the value.
+            fp8_tensors[f"{prefix}.input_scale"] = torch.tensor([0.01 * (1 + n % 7)], dtype=torch.float32)
+        dequantized[name] = (codes.to(torch.float64) * scale.to(torch.float64)).to(torch.float32)
+        scales[name] = float(scale)
+    add_tensors(out_dir, fp8_tensors)
+    set_quantization_config(out_dir, {"quant_method": "fp8", "activation_scheme": activation_scheme})
+    if ref_dir is not None:
+        ref_dir = copy_checkpoint(src, ref_dir)
+        add_tensors(ref_dir, dequantized)
+    return scales
+
+
+def write_scales_json(path, model_type: str, scales: list[float]) -> str:
+    """A --quantization-param-path file in vLLM's schema (one scale per layer, rank 0)."""
+    doc = {
+        "model_type": model_type,
+        "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {str(i): s for i, s in enumerate(scales)}}},
+    }
+    Path(path).write_text(json.dumps(doc))
+    return str(path)
