@@ -55,8 +55,7 @@ def load_cpu_ops():
         module = load(
             name="fp8serve_cpu_ops",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             build_directory=str(_build_dir()),
             verbose=False,
         )

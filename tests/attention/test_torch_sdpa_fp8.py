@@ -40,11 +40,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
     v = v.repeat_interleave(group, dim=1)
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for row, p in enumerate(q_pos):
-        scores = torch.einsum("hd,lhd->hl", q[row].double(), k[: p + 1]) * softmax_scale
-        out[row] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v[: p + 1])
-    return out
+    scores = torch.einsum("nhd,lhd->nhl", q.double(), k) * softmax_scale
+    future = torch.arange(k.shape[0])[None, :] > torch.tensor(q_pos)[:, None]  # [n, L]
+    scores = scores.masked_fill(future[:, None, :], float("-inf"))
+    return torch.einsum("nhl,lhd->nhd", scores.softmax(dim=-1), v)
 
 
 class PagedSequences:
@@ -147,7 +146,7 @@ def run_and_compare(kv_cache_dtype, num_kv_heads, group, head_size, k_scale, v_s
     ("fp8_e4m3", 0.01, 0.02),
     ("fp8_e4m3", 1.0, 1.0),
     ("fp8_e5m2", 1.0, 1.0),
-    ("fp8_e5m2", 0.25, 4.0),
+    ("fp8_e5m2", 0.3, 3.0),
 ])
 def test_fp8_attention_matches_float64_reference(kv_cache_dtype, k_scale, v_scale, group, head_size):
     k_std, v_std = 2.0, 3.0
@@ -155,6 +154,8 @@ def test_fp8_attention_matches_float64_reference(kv_cache_dtype, k_scale, v_scal
         kv_cache_dtype, num_kv_heads=2, group=group, head_size=head_size,
         k_scale=k_scale, v_scale=v_scale, k_std=k_std, v_std=v_std, seed=head_size * 10 + group,
     )
+    print(f"{kv_cache_dtype} k_scale={k_scale} v_scale={v_scale} group={group} head_size={head_size}: "
+          f"max |engine - qdq reference| / v_std = {worst_vs_qdq:.2e}, vs unquantized = {worst_vs_exact:.2e}")
     # float32 arithmetic against float64, relative to the values' scale.
     assert worst_vs_qdq < 2e-5, worst_vs_qdq
     # The reference is sensitive: FP8 rounding moves the output by far more.
@@ -166,12 +167,12 @@ def test_scale_of_two_halves_stored_values(kv_cache_dtype):
     """value = code * scale: with scale 2 the stored codes hold x / 2."""
     spec = KVCacheSpec(kv_cache_dtype, BLOCK_SIZE, 1, 64, num_layers=1)
     backend = TorchSDPABackend(spec, torch.float32)
-    cache = backend.allocate_kv_cache(3, torch.device("cpu"))
+    cache = backend.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
     seqs = PagedSequences([4], torch.Generator().manual_seed(0))
     md, _ = seqs.metadata([0], [4])
     backend.build_metadata(md)
     # Values exact in both formats (and after halving), so the check is exact.
-    k = torch.tensor([1.0, -2.0, 4.0, 8.0]).repeat_interleave(16).view(4, 1, 64)
+    k = torch.tensor([1.0, -2.0, 4.0, 8.0]).repeat_interleave(64).view(4, 1, 64)
     v = torch.full((4, 1, 64), 6.0)
     out = backend.forward(torch.zeros(4, 1, 64), k, v, cache, md, softmax_scale=0.125, k_scale=2.0, v_scale=2.0)
     dtype, _ = TORCH_FP8[kv_cache_dtype]

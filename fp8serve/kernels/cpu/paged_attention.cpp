@@ -10,10 +10,11 @@
 //   per-layer scales by the caller (`kv_multiplier`), as are k_scale (into q)
 //   and v_scale (into the output): no per-element scaling here.
 //
-// Work is split over (sequence, kv head) pairs with OpenMP; each task keeps
+// Work is split over (sequence, kv head) pairs on torch's thread pool; each task keeps
 // the scores of its query heads (all heads that share this kv head, GQA) in a
 // thread-local buffer and reads each K and V row exactly once.
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -165,11 +166,11 @@ void decode_impl(float* out, const float* q, const uint8_t* k_cache, const uint8
   const int64_t row_bytes = head_size * elem_size;               // one token, one kv head
   const int64_t slot_bytes = num_kv_heads * row_bytes;            // one token, all kv heads
   const int64_t block_bytes = block_size * slot_bytes;
-#pragma omp parallel
-  {
+  // torch's own thread pool: a second OpenMP runtime in the process would
+  // fight torch's spinning worker threads for the same cores.
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row(head_size), acc;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) {
+    for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = seq_lens[b];
       const float* qh = q + (b * num_heads + h * group) * head_size;  // [group, head_size]
@@ -210,7 +211,7 @@ void decode_impl(float* out, const float* q, const uint8_t* k_cache, const uint8
         for (int64_t d = 0; d < head_size; ++d) o[d] = acc[g * head_size + d] * inv_sum[g];
       }
     }
-  }
+  });
 }
 
 }  // namespace
