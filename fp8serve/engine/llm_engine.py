@@ -11,6 +11,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from fp8serve.config import EngineConfig
 from fp8serve.engine.block_manager import BlockManager
 from fp8serve.engine.detokenizer import IncrementalDetokenizer
@@ -126,6 +128,24 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits at every position of one prompt, [n, vocab]
+        float32, through the engine's KV cache dtype and scales: the prefill
+        writes K/V to the cache first and every position attends to the
+        stored (for FP8: quantized) K/V of itself and all earlier positions,
+        exactly what decode sees. Used by accuracy tools (eval-kv)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("prompt_logits() needs an idle engine")
+        self.validate_prompt(token_ids)
+        seq = Sequence("prompt-logits", list(token_ids), SamplingParams(max_tokens=1))
+        if not self.block_manager.can_allocate(seq):
+            raise UserError(f"a {len(token_ids)}-token prompt does not fit in the KV cache")
+        self.block_manager.allocate(seq)
+        try:
+            return self.model_runner.prompt_logits(seq)
+        finally:
+            self.block_manager.free(seq)
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

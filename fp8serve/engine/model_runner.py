@@ -184,6 +184,15 @@ class ModelRunner:
         return input_ids.to(dev), positions.to(dev), md
 
     @torch.inference_mode()
+    def prompt_logits(self, seq: Sequence) -> torch.Tensor:
+        """Logits at every position of `seq` ([num_tokens, vocab] float32) from
+        one prefill through the paged cache (blocks already allocated)."""
+        input_ids, positions, md = self._prepare([seq], is_prefill=True)
+        with set_forward_context(md):
+            hidden = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_id: int | None) -> ModelRunnerOutput:
         input_ids, positions, md = self._prepare(seqs, is_prefill)
         with set_forward_context(md):

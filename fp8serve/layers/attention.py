@@ -29,6 +29,9 @@ class Attention(nn.Module):
         self._v_scale = 1.0
         self.kv_scale_source = "default"
         self.calculate_kv_scales = False
+        # Calibration tools watch K (after RoPE, as stored) and V through this
+        # hook: fn(layer, key, value) with [num_tokens, num_kv_heads, head_size].
+        self.kv_observer = None
         self.backend: AttentionBackend | None = None
         self.kv_cache: torch.Tensor | None = None
 
@@ -59,6 +62,8 @@ class Attention(nn.Module):
         q = query.view(n, self.num_heads, self.head_size)
         k = key.view(n, self.num_kv_heads, self.head_size)
         v = value.view(n, self.num_kv_heads, self.head_size)
+        if self.kv_observer is not None:
+            self.kv_observer(self, k, v)
         if self.calculate_kv_scales:
             self._calculate_scales(k, v)
         out = self.backend.forward(

@@ -120,8 +120,8 @@ def run_and_compare(kv_cache_dtype, num_kv_heads, group, head_size, k_scale, v_s
         dtype, _ = TORCH_FP8[kv_cache_dtype]
         stored_k = cache[0].view(-1, num_kv_heads, head_size)[md.slot_mapping].view(dtype).double()
         stored_v = cache[1].view(-1, num_kv_heads, head_size)[md.slot_mapping].view(dtype).double()
-        torch.testing.assert_close(stored_k * k_scale, reference_qdq(k, k_scale, kv_cache_dtype), rtol=0, atol=0)
-        torch.testing.assert_close(stored_v * v_scale, reference_qdq(v, v_scale, kv_cache_dtype), rtol=0, atol=0)
+        assert torch.equal(stored_k * k_scale, reference_qdq(k, k_scale, kv_cache_dtype))
+        assert torch.equal(stored_v * v_scale, reference_qdq(v, v_scale, kv_cache_dtype))
 
         start = 0
         for s, pos in zip(seq_ids, positions):

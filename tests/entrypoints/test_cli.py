@@ -1,0 +1,178 @@
+"""`fp8serve` CLI: works on a tiny checkpoint; user errors are one line on stderr, no traceback.
+
+The subprocess cases run concurrently (each pays ~2 s of interpreter and torch start-up);
+further error cases call `cli.main` in-process, where a leaked exception fails the test.
+"""
+
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from checkpoints import write_tiny_llama
+
+from fp8serve.entrypoints import cli
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog again and again and again"
+# float32 skips the bf16-vs-fp32 timing of dtype=auto; a small budget skips sizing from free RAM.
+LIGHT = ["--dtype", "float32", "--kv-cache-memory", "2MiB"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("cli") / "llama"))
+
+
+def subprocess_cases(model: str, missing: str) -> dict[str, list[str]]:
+    return {
+        "help": ["--help"],
+        "generate": ["generate", "--model", model, *LIGHT, "--prompt", "The capital of France is",
+                     "--prompt", "Once upon a time", "--max-tokens", "4"],
+        "missing_model": ["generate", "--model", missing, "--prompt", "hi"],
+        "prompt_too_long": ["generate", "--model", model, *LIGHT, "--max-model-len", "8", "--prompt", LONG_PROMPT],
+        "negative_temperature": ["generate", "--model", model, *LIGHT, "--prompt", "hi", "--temperature", "-1"],
+        "unknown_kv_cache_dtype": ["generate", "--model", model, *LIGHT, "--prompt", "hi",
+                                   "--kv-cache-dtype", "fp9"],
+        "tiny_kv_cache": ["generate", "--model", model, "--dtype", "float32", "--prompt", "hi",
+                          "--kv-cache-memory", "1KiB"],
+    }
+
+
+@pytest.fixture(scope="module")
+def results(model_dir, tmp_path_factory):
+    missing = str(tmp_path_factory.mktemp("cli-missing") / "no-such-model")
+    cases = subprocess_cases(model_dir, missing)
+
+    def run(args):
+        return subprocess.run([sys.executable, "-m", "fp8serve.entrypoints.cli", *args], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        futures = {name: pool.submit(run, args) for name, args in cases.items()}
+        out = {name: f.result() for name, f in futures.items()}
+    out["_missing"] = missing
+    return out
+
+
+def error_line(stderr: str) -> str:
+    """The one line that reports the error; INFO log lines before it are fine."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if re.search(r"\berror\b", line, re.IGNORECASE)]
+    assert len(lines) == 1, f"expected one error line, got:\n{stderr}"
+    return lines[0]
+
+
+def test_help_lists_the_subcommands(results):
+    r = results["help"]
+    assert r.returncode == 0, r.stderr
+    assert "usage: fp8serve" in r.stdout
+    assert re.search(r"^\s+generate\s", r.stdout, re.MULTILINE)
+    assert re.search(r"^\s+convert-gguf\s", r.stdout, re.MULTILINE)
+
+
+def test_generate_prints_the_outputs(results):
+    r = results["generate"]
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "Prompt: 'The capital of France is'" in r.stdout
+    assert "Prompt: 'Once upon a time'" in r.stdout
+    outputs = re.findall(r"^Output: .*\[(\d+) tokens, (\w+)\]$", r.stdout, re.MULTILINE)
+    assert len(outputs) == 2
+    for num_tokens, reason in outputs:
+        # At most --max-tokens; fewer only if the model chose to stop.
+        assert (int(num_tokens), reason) == (4, "length") or (int(num_tokens) <= 4 and reason == "stop")
+
+
+def test_missing_model_path(results):
+    r = results["missing_model"]
+    assert r.returncode == 2
+    line = error_line(r.stderr)
+    assert results["_missing"] in line and "does not exist" in line
+
+
+def test_prompt_longer_than_max_model_len(results):
+    r = results["prompt_too_long"]
+    assert r.returncode == 2
+    line = error_line(r.stderr)
+    assert "--max-model-len 8" in line and "prompt" in line
+
+
+def test_negative_temperature(results):
+    r = results["negative_temperature"]
+    line = error_line(r.stderr)  # fails today: SamplingParams' ValueError escapes as a traceback
+    assert r.returncode == 2
+    assert "temperature" in line and "-1" in line
+
+
+def test_unknown_kv_cache_dtype(results):
+    r = results["unknown_kv_cache_dtype"]
+    assert r.returncode == 2
+    line = error_line(r.stderr)
+    assert "--kv-cache-dtype" in line and "'fp9'" in line and "fp8_e4m3" in line
+
+
+def test_kv_cache_too_small(results):
+    r = results["tiny_kv_cache"]
+    assert r.returncode == 2
+    line = error_line(r.stderr)
+    assert "--kv-cache-memory" in line and "1.00 KiB" in line and "0 blocks" in line
+
+
+# ------------------------------------------------------------------------------- in-process
+
+
+def run_main(argv, capsys) -> tuple[int, str, str]:
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_generate_help_lists_the_engine_flags(capsys):
+    rc, out, _ = run_main(["generate", "--help"], capsys)
+    assert rc == 0
+    for flag in ("--model", "--prompt", "--max-tokens", "--temperature", "--kv-cache-dtype",
+                 "--kv-cache-memory", "--max-model-len", "--block-size"):
+        assert flag in out
+
+
+def test_no_subcommand_prints_help(capsys):
+    rc, out, _ = run_main([], capsys)
+    assert rc == 2 and "generate" in out
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--max-tokens", "0"], ["max_tokens", "0"]),
+        (["--top-p", "0"], ["top_p", "0"]),
+        (["--top-k", "-5"], ["top_k", "-5"]),
+        (["--kv-cache-memory", "lots"], ["--kv-cache-memory", "'lots'"]),
+        (["--block-size", "3"], ["--block-size", "3"]),
+        (["--max-model-len", "1000"], ["--max-model-len 1000", "max_position_embeddings (256)"]),
+        (["--max-model-len", "32", "--max-num-batched-tokens", "16"], ["--max-num-batched-tokens (16)"]),
+        (["--max-num-seqs", "0"], ["--max-num-seqs", "0"]),
+        (["-tp", "2"], ["--tensor-parallel-size 2"]),
+        (["--device", "tpu"], ["--device", "'tpu'"]),
+        (["--prompt", ""], ["empty"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("-") else None,
+)
+def test_bad_values_are_one_line(model_dir, capsys, extra, expected):
+    argv = ["generate", "--model", model_dir, *LIGHT, "--prompt", "hi", *extra]
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 2
+    line = error_line(err)
+    for text in expected:
+        assert text in line
+
+
+def test_directory_without_config_json(tmp_path, capsys):
+    rc, _, err = run_main(["generate", "--model", str(tmp_path), "--prompt", "hi"], capsys)
+    assert rc == 2
+    assert "config.json not found" in error_line(err)
