@@ -347,6 +347,13 @@ def format_table(results: list[Result], baseline: Result | None) -> str:
     return "\n".join(lines)
 
 
+def _progress(r: Result) -> None:
+    """One line per finished system, so that an interrupted run still leaves its numbers."""
+    print(f"  done: {r.system} {r.dtype}/{r.kv_dtype}: total {r.total_s:.1f}s, prefill "
+          f"{r.prefill_s if r.prefill_s is None else round(r.prefill_s, 1)}s, {r.output_tok_s:.1f} output tok/s"
+          f"{' (extrapolated)' if r.extrapolated else ''}; " + "; ".join(r.notes), file=sys.stderr, flush=True)
+
+
 def parse_configs(args) -> list[tuple[str, str]]:
     if args.configs:
         out = []
@@ -430,12 +437,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running transformers on {n} prompts ...", file=sys.stderr, flush=True)
         hf_result = run_hf(args, prompts[:n], args.model, args.num_prompts, keep)
         results.append(hf_result)
+        _progress(hf_result)
 
     if not args.skip_hf and args.hf_first:
         do_hf()
     for dtype, kv in parse_configs(args):
         print(f"running fp8serve dtype={dtype} kv_cache_dtype={kv} ...", file=sys.stderr, flush=True)
         results.append(run_fp8serve(args, prompts, dtype, kv, keep))
+        _progress(results[-1])
     if not args.skip_hf and not args.hf_first:
         do_hf()
 

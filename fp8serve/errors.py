@@ -7,3 +7,7 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A model directory, config field, flag or scale file that cannot be used as given."""
+
+
+class InvalidParameterError(UserError, ValueError):
+    """A request parameter outside its valid range (a ValueError too, as in vLLM)."""

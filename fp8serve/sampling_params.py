@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fp8serve.errors import InvalidParameterError
+
 # Below this temperature a request is treated as greedy. Dividing logits by a tiny
 # temperature overflows float32 long before it stops changing the argmax.
 SAMPLING_EPS = 1e-5
@@ -62,7 +64,7 @@ class SamplingParams:
 
     def _verify(self) -> None:
         if self.n != 1:
-            raise ValueError(f"n must be 1 (fp8serve supports one sequence per request), got {self.n}.")
+            raise InvalidParameterError(f"n must be 1 (fp8serve supports one sequence per request), got {self.n}.")
         _check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
         _check(
@@ -118,4 +120,4 @@ def _is_int(value: object) -> bool:
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise InvalidParameterError(message)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 
 from fp8serve.errors import UserError
+from fp8serve.logger import configure_default_logging, set_level
 
 # module, in the order `fp8serve --help` lists them
 _COMMANDS = [
@@ -46,12 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level),
-        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-        datefmt="%m-%d %H:%M:%S",
-        stream=sys.stderr,
-    )
+    configure_default_logging()
+    set_level(level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,294 @@
+"""The offline `LLM` API: prompt forms, output order, chat, logprobs, stopping, seeds, and the
+errors a user gets for bad input. Numbers are checked against transformers in float64."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from checkpoints import (
+    CHATML_TEMPLATE,
+    DELETE,
+    load_hf_model,
+    make_bin_only_checkpoint,
+    read_config,
+    rewrite_config,
+    write_tiny_llama,
+)
+from fp8serve.entrypoints.llm import LLM
+from fp8serve.errors import ConfigError, UserError
+from fp8serve.sampling_params import SamplingParams
+
+KV_CACHE_MEMORY = 1 << 20
+MAX_MODEL_LEN = 64
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("llm") / "llama")
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def hf_model(llama_dir):
+    return load_hf_model(llama_dir, torch.float64)
+
+
+@pytest.fixture
+def copy_of(llama_dir, tmp_path):
+    """A scratch copy of the tiny checkpoint whose config.json a test may break."""
+    def make():
+        d = tmp_path / "copy"
+        shutil.copytree(llama_dir, d)
+        return d
+    return make
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_log_softmax(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(input_ids=torch.tensor([ids]), use_cache=False).logits[0], dim=-1)
+
+
+# ---------------------------------------------------------------------------------- prompt forms
+def test_outputs_come_back_in_input_order(llm):
+    # The first prompt finishes last and the last first, so completion order is reversed.
+    prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (4, 9, 2, 13)]
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in (12, 8, 5, 1)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 8, 5, 1]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert len({o.request_id for o in outs}) == 4
+
+
+def test_text_token_id_and_mixed_prompts_agree(llm):
+    tok = llm.get_tokenizer()
+    texts = ["The quick brown fox", "Once upon a time there was"]
+    ids = [tok.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=6, **GREEDY)
+
+    by_text = llm.generate(texts, params, use_tqdm=False)
+    by_ids = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    mixed = llm.generate([texts[0], {"prompt_token_ids": ids[1]}], params, use_tqdm=False)
+    single = llm.generate(texts[1], params, use_tqdm=False)
+
+    assert [o.prompt_token_ids for o in by_text] == ids
+    assert [o.prompt for o in by_text] == texts and by_ids[0].prompt is None
+    assert [o.prompt_token_ids for o in mixed] == ids
+    expected = [o.outputs[0].token_ids for o in by_ids]
+    assert [o.outputs[0].token_ids for o in by_text] == expected
+    assert [o.outputs[0].token_ids for o in mixed] == expected
+    assert len(single) == 1 and single[0].outputs[0].token_ids == expected[1]
+    assert by_text[0].outputs[0].text == tok.decode(expected[0])
+
+
+def test_chat_uses_the_chat_template(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Hello! How are you today?"}]
+    outs = llm.chat(messages, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+    # ChatML with the default system turn, rendered by hand rather than by the same call.
+    rendered = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                "<|im_start|>user\nHello! How are you today?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.chat_template == CHATML_TEMPLATE
+    assert outs[0].prompt_token_ids == tok.encode(rendered)
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
+    assert outs[0].prompt_token_ids == expected
+    assert outs[0].prompt_token_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+    # A list of conversations gives one output each, in order.
+    other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    two = llm.chat([messages, other], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    assert two[0].prompt_token_ids == expected
+    assert two[1].prompt_token_ids == tok.encode(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------------------------ logprobs
+def test_prompt_logprobs_match_transformers(llm, hf_model):
+    prompt = _ids(11, seed=4)
+    k = 3
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=k, **GREEDY),
+                       use_tqdm=False)[0]
+    plp = out.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    ref = _hf_log_softmax(hf_model, prompt)  # row i predicts token i + 1
+    for i, entry in enumerate(plp[1:], start=1):
+        assert isinstance(entry, dict) and prompt[i] in entry
+        assert k <= len(entry) <= k + 1  # the top k, plus the prompt token if it is not among them
+        for token, lp in entry.items():
+            assert abs(lp.logprob - ref[i - 1, token].item()) <= 1e-3, (i, token)
+        # The top-k listed are the reference's top k (their logprobs, so float ties cannot matter).
+        top_ref = ref[i - 1].topk(k).values
+        top_ours = sorted((lp.logprob for t, lp in entry.items() if lp.rank <= k), reverse=True)[:k]
+        assert torch.allclose(torch.tensor(top_ours, dtype=torch.float64), top_ref, atol=1e-3)
+        assert entry[prompt[i]].rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
+
+
+def test_logprobs_per_generated_token(llm, hf_model):
+    prompt = _ids(6, seed=5)
+    n = 4
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=7, logprobs=n, **GREEDY),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 7
+    ref = _hf_log_softmax(hf_model, prompt + out.token_ids[:-1])[len(prompt) - 1:]
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert token in entry and entry[token].rank == 1  # greedy picks the top token
+        assert n <= len(entry) <= n + 1
+        for t, lp in entry.items():
+            assert abs(lp.logprob - ref[step, t].item()) <= 1e-3
+        assert sorted(lp.rank for lp in entry.values()) == list(range(1, len(entry) + 1))
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+    # logprobs=0: only the sampled token; no logprobs asked: None.
+    zero = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, logprobs=0, **GREEDY),
+                        use_tqdm=False)[0].outputs[0]
+    assert [list(e) for e in zero.logprobs] == [[t] for t in zero.token_ids]
+    none = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
+    assert none.outputs[0].logprobs is None and none.prompt_logprobs is None
+
+
+# ------------------------------------------------------------------------------------- stopping
+@pytest.fixture(scope="module")
+def baseline(llm):
+    """A greedy continuation long enough to pick stop strings and tokens from."""
+    prompt = llm.get_tokenizer().encode("The weather was cold and rainy, so we")
+    out = llm.generate(prompt, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 20
+    return prompt, out
+
+
+def test_max_tokens_finishes_with_length(baseline):
+    _, out = baseline
+    assert out.finish_reason == "length" and out.stop_reason is None
+
+
+def test_stop_token_ids(llm, baseline):
+    prompt, base = baseline
+    # The first token at index >= 3 that did not occur earlier in the output.
+    i = next(j for j in range(3, len(base.token_ids)) if base.token_ids[j] not in base.token_ids[:j])
+    stop_token = base.token_ids[i]
+    out = llm.generate(prompt, SamplingParams(max_tokens=20, stop_token_ids=[stop_token], **GREEDY),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    assert out.token_ids == base.token_ids[: i + 1]
+
+
+def test_stop_strings(llm, baseline):
+    prompt, base = baseline
+    text = base.text
+    start = len(text) // 2
+    stop = text[start: start + 3]
+    assert stop.strip() and text.find(stop) == start, "pick a stop string that occurs once"
+    out = llm.generate(prompt, SamplingParams(max_tokens=20, stop=[stop, "never appears"], **GREEDY),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:start]
+    assert len(out.token_ids) < len(base.token_ids) and out.token_ids == base.token_ids[: len(out.token_ids)]
+    kept = llm.generate(prompt, SamplingParams(max_tokens=20, stop=stop, include_stop_str_in_output=True, **GREEDY),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: start + len(stop)]
+
+
+# ---------------------------------------------------------------------------------------- seeds
+def test_seed_makes_sampling_reproducible(llm):
+    prompt = {"prompt_token_ids": _ids(5, seed=6)}
+    other = {"prompt_token_ids": _ids(9, seed=7)}
+
+    def sample(seed, batch):
+        params = SamplingParams(temperature=1.0, max_tokens=16, seed=seed, ignore_eos=True)
+        return llm.generate(batch, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    first = sample(123, [prompt])
+    assert sample(123, [prompt]) == first
+    assert sample(123, [prompt, other]) == first  # the batch's other rows do not matter
+    assert sample(124, [prompt]) != first
+    # Not a greedy run in disguise.
+    assert first != llm.generate(prompt, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+
+
+# --------------------------------------------------------------------------------------- errors
+def test_missing_model_path():
+    with pytest.raises(ConfigError, match="/no/such/model/dir.*does not exist"):
+        LLM("/no/such/model/dir", dtype="float32")
+
+
+def test_config_without_hidden_size(copy_of):
+    d = copy_of()
+    rewrite_config(d, hidden_size=DELETE)
+    with pytest.raises(ConfigError, match=r"config\.json.*'hidden_size' is missing"):
+        LLM(str(d), dtype="float32")
+
+
+def test_unsupported_architecture(copy_of):
+    d = copy_of()
+    rewrite_config(d, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):
+        LLM(str(d), dtype="float32")
+
+
+def test_bin_only_checkpoint(tmp_path):
+    d = make_bin_only_checkpoint(tmp_path / "bin")
+    # The factory writes config.json with `config.save_pretrained`, which leaves out `architectures`
+    # (only `model.save_pretrained` fills it in); without it the weights are never looked at.
+    if not read_config(d).get("architectures"):
+        rewrite_config(d, architectures=["LlamaForCausalLM"])
+    with pytest.raises(ConfigError, match=r"pytorch_model\.bin.*safetensors"):
+        LLM(str(d), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+def test_prompt_longer_than_max_model_len(llm):
+    too_long = {"prompt_token_ids": _ids(MAX_MODEL_LEN + 1, seed=8)}
+    ok = {"prompt_token_ids": _ids(4, seed=9)}
+    with pytest.raises(UserError, match=f"{MAX_MODEL_LEN + 1} tokens.*max-model-len {MAX_MODEL_LEN}"):
+        llm.generate([ok, too_long], SamplingParams(max_tokens=2), use_tqdm=False)
+    # Nothing was queued: the engine is idle and still serves the next call.
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate(ok, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1), "temperature must be non-negative, got -1"),
+    (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
+    (dict(top_k=-2), "top_k .* got -2"),
+    (dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
+    (dict(logprobs=21), "logprobs must be in .* got 21"),
+])
+def test_invalid_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_count_must_match_prompts(llm):
+    with pytest.raises(UserError, match="2 sampling_params for 3 prompts"):
+        llm.generate([[5], [6], [7]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+
+
+def test_kv_cache_too_small_for_one_request(llama_dir):
+    # One 64-token request needs 4 blocks of 8 KiB (2 kv heads x 16 dims x 2 layers x K/V x fp32).
+    with pytest.raises(ConfigError) as info:
+        LLM(str(llama_dir), dtype="float32", kv_cache_memory=3 * 8192, max_model_len=64)
+    message = str(info.value)
+    assert "holds 3 blocks" in message and "needs 4 blocks" in message
+    assert "raise --kv-cache-memory" in message and "lower --max-model-len" in message
+    # The advice is right: the size it names is enough.
+    LLM(str(llama_dir), dtype="float32", kv_cache_memory=4 * 8192, max_model_len=64)
+
+
+# ---------------------------------------------------------------------------- the default model
+def test_default_model_knows_the_capital_of_france():
+    llm = LLM()
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8),
+                       use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text, out.text
