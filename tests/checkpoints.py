@@ -296,6 +296,7 @@ def make_bin_only_checkpoint(out_dir, *, seed: int = 0, with_tokenizer: bool = T
     model = build_tiny_llama(seed=seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(out_dir)
     torch.save(model.state_dict(), out_dir / "pytorch_model.bin")
     if with_tokenizer:

@@ -58,10 +58,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def needs_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_computed_tokens == 0
-
     def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
         n = self.num_tokens if num_tokens is None else num_tokens
         return (n + block_size - 1) // block_size

@@ -215,7 +215,8 @@ def test_seed_makes_sampling_reproducible(llm):
     assert sample(123, [prompt, other]) == first  # the batch's other rows do not matter
     assert sample(124, [prompt]) != first
     # Not a greedy run in disguise.
-    assert first != llm.generate(prompt, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)[0]
+    assert first != greedy.outputs[0].token_ids
 
 
 # --------------------------------------------------------------------------------------- errors

@@ -1,0 +1,53 @@
+"""Drive an engine over token chunks while observers watch.
+
+Calibration runs with a 16/32-bit KV cache: the K/V a layer produces depend
+on what earlier layers read back from the cache, and we want the ranges of
+the unquantized model, not of one already distorted by guessed scales."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from fp8serve.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def build_llm(model: str | None, *, seq_len: int, dtype: str = "float32", kv_cache_dtype: str = "auto",
+              device: str = "auto", kv_cache_memory: str | None = None, seed: int = 0, **kwargs):
+    """An `LLM` sized for teacher-forcing chunks of at most `seq_len` tokens:
+    max_model_len = seq_len keeps the KV cache budget check about what we
+    actually run, not the model's full context."""
+    from fp8serve import LLM
+
+    return LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
+               kv_cache_memory=kv_cache_memory, max_model_len=seq_len, seed=seed, **kwargs)
+
+
+def iter_prompt_logits(llm, chunks: list[list[int]], desc: str) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """(chunk, logits [len(chunk), vocab] float32) for every chunk, with a
+    progress bar counting tokens."""
+    if not chunks:
+        raise UserError("no text to run: the text is shorter than 2 tokens")
+    engine = llm.llm_engine
+    total = sum(len(c) for c in chunks)
+    t0 = time.perf_counter()
+    with tqdm(total=total, desc=desc, unit="tok", leave=False) as bar:
+        for chunk in chunks:
+            logits = engine.prompt_logits(chunk)
+            bar.update(len(chunk))
+            yield chunk, logits
+    logger.info("%s: %d tokens in %d chunks, %.1f s", desc, total, len(chunks), time.perf_counter() - t0)
+
+
+def run_chunks(llm, chunks: list[list[int]], desc: str = "Calibrating") -> int:
+    """Teacher-force every chunk (for the observers' sake); returns the number of tokens."""
+    n = 0
+    for chunk, _ in iter_prompt_logits(llm, chunks, desc):
+        n += len(chunk)
+    return n

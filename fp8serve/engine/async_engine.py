@@ -1,0 +1,299 @@
+"""`LLMEngine` behind an asyncio API, for the server.
+
+One background thread owns the engine: every engine method is called from
+it and nowhere else. Requests and aborts reach it through a thread-safe
+command queue and are applied between steps; outputs go back to each
+request's asyncio queue with `loop.call_soon_threadsafe`. A failed step
+fails every request in flight (their clients get the error instead of
+hanging) and marks the engine dead; `is_healthy()` also turns false when
+there is work but no step has finished for `stall_timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fp8serve.engine.llm_engine import LLMEngine, PromptInput
+from fp8serve.errors import UserError
+from fp8serve.outputs import RequestOutput
+from fp8serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the idle loop waits for a command before refreshing its heartbeat.
+_IDLE_POLL_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a step raised, or it was shut down)."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The engine is shutting down and accepts no new requests."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    stream: "_RequestStream"
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Scheduler and cache numbers, copied by the engine thread after every
+    step so that other threads never call into the engine to read them."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+class _RequestStream:
+    """One request's outputs, written by the engine thread, read by asyncio."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        # Called from the engine thread; the loop may already be closed when a
+        # client's event loop went away first.
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, stall_timeout: float = 120.0) -> None:
+        self.engine = engine
+        self.stall_timeout = stall_timeout
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        # Touched only by the engine thread.
+        self._streams: dict[str, _RequestStream] = {}
+        self._ids = itertools.count()
+        # Written by the engine thread, read anywhere (plain attribute reads).
+        self.last_progress_time = time.monotonic()
+        self.has_work = False
+        self.errored: BaseException | None = None
+        self.snapshot = EngineSnapshot()
+        self._take_snapshot()
+        self._num_in_flight = 0  # requests handed to generate() and not yet done
+        self._accepting = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fp8serve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, model: str | None = None, stall_timeout: float = 120.0, **kwargs) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_args(model, **kwargs), stall_timeout=stall_timeout)
+
+    # ------------------------------------------------------------ public API
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.errored is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def is_healthy(self) -> bool:
+        if not self.is_running:
+            return False
+        if self.has_work and time.monotonic() - self.last_progress_time > self.stall_timeout:
+            return False
+        return True
+
+    def new_request_id(self) -> str:
+        return f"areq-{next(self._ids)}"
+
+    async def generate(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request, the last one with `finished=True`.
+
+        Raises UserError if the engine rejects the request, EngineDeadError if
+        the engine loop failed; aborts the request if the caller stops early."""
+        if self.errored is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop is not running ({self.errored!r})")
+        if not self._accepting:
+            raise EngineDrainingError("the server is shutting down")
+        request_id = request_id or self.new_request_id()
+        stream = _RequestStream(asyncio.get_running_loop())
+        self._num_in_flight += 1
+        self._commands.put(_Add(request_id, prompt, params, stream, time.monotonic()))
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), timeout=1.0)
+                except TimeoutError:
+                    if not self._thread.is_alive():
+                        stream.finished = True
+                        raise EngineDeadError(f"the engine loop is not running ({self.errored!r})") from None
+                    continue
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._num_in_flight -= 1
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until no request is in flight; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._num_in_flight > 0 and self.is_running:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stops taking requests, lets running ones finish for up to
+        `drain_timeout` seconds, aborts the rest, and stops the loop."""
+        self.stop_accepting()
+        if not await self.wait_idle(drain_timeout):
+            logger.warning("shutdown: %d requests still running after %.0f s; aborting them",
+                           self._num_in_flight, drain_timeout)
+        self._stop.set()
+        self._commands.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+
+    # ------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands(block=not self.engine.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                self.has_work = self.engine.has_unfinished_requests()
+                if not self.has_work:
+                    self.last_progress_time = time.monotonic()
+                    self._take_snapshot()
+                    continue
+                outputs = self.engine.step()
+                self.last_progress_time = time.monotonic()
+                self._take_snapshot()
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    if out.finished:
+                        del self._streams[out.request_id]
+                    stream.put(out)
+            self._abort_all(EngineDeadError("the engine was shut down"))
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the clients
+            logger.exception("engine loop failed; failing %d requests", len(self._streams))
+            self.errored = e
+            self._abort_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
+        finally:
+            self.has_work = False
+
+    def _take_snapshot(self) -> None:
+        e = self.engine
+        self.snapshot = EngineSnapshot(
+            num_running=e.scheduler.num_running,
+            num_waiting=e.scheduler.num_waiting,
+            num_preemptions=e.scheduler.num_preemptions,
+            num_blocks=e.block_manager.num_blocks,
+            num_free_blocks=e.block_manager.num_free_blocks,
+            prompt_tokens_total=e.stats.prompt_tokens_total,
+            generation_tokens_total=e.stats.generation_tokens_total,
+        )
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if cmd is None:
+                return
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self._abort(cmd.request_id)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, cmd: _Add) -> None:
+        try:
+            if cmd.request_id in self._streams:
+                raise UserError(f"request id '{cmd.request_id}' is already in use")
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
+        except (UserError, ValueError) as e:
+            cmd.stream.put(e)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        seq = self.engine.seqs.get(request_id)
+        if self.engine.abort_request(request_id):
+            logger.debug("aborted %s", request_id)
+        if stream is not None:
+            if seq is not None:
+                stream.put(self.engine.make_output(seq))
+            else:
+                stream.put(EngineDeadError(f"request {request_id} was aborted"))
+
+    def _abort_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - the engine may be broken; the clients matter more
+                pass
+            self._streams.pop(request_id).put(error)
+        # Adds that never reached the engine.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                cmd.stream.put(error)

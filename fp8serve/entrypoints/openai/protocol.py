@@ -1,0 +1,155 @@
+"""Request schemas of the OpenAI-compatible API, with vLLM's extra sampling fields.
+
+Unknown fields are accepted and logged (clients such as lm-evaluation-harness
+send fields we do not use); responses are built as plain dicts by the serving
+modules, in the shapes OpenAI's clients parse.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fp8serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self):
+        if self.model_extra:
+            logger.info("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
+        return self
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat completions, with vLLM's names."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        return dict(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """`max_tokens` is the resolved budget (>= 1); prompt logprobs are
+        computed when echo and logprobs are both asked for."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+            **self._sampling_kwargs(),
+        )
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        k = None
+        if self.logprobs:
+            k = self.top_logprobs or 0
+        elif self.top_logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return SamplingParams(max_tokens=max_tokens, logprobs=k, **self._sampling_kwargs())
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def error_body(message: str, err_type: str = "BadRequestError", code: int = 400,
+               param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+FinishReason = Literal["stop", "length", "abort"] | None

@@ -1,0 +1,95 @@
+"""`fp8serve serve [MODEL]`: the OpenAI-compatible server.
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, running ones may finish
+for up to --shutdown-timeout seconds, the rest are aborted, and the process
+exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import uvicorn
+
+from fp8serve.default_model import DEFAULT_MODEL_NAME
+from fp8serve.engine.async_engine import AsyncLLMEngine
+from fp8serve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from fp8serve.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES, build_app
+from fp8serve.errors import UserError
+from fp8serve.utils.memory import parse_size
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve a model over the OpenAI completions and chat completions APIs.")
+    add_engine_args(p, model_positional=True)
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: MODEL as given, or the built-in model's name)")
+    g.add_argument("--max-request-body-size", default=str(DEFAULT_MAX_BODY_BYTES),
+                   help="larger request bodies get 413 (bytes, or e.g. 8MiB)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests may take to finish after SIGTERM")
+    g.add_argument("--stall-timeout", type=float, default=120.0,
+                   help="/health turns 503 when there is work but no step finished for this long")
+    g.add_argument("--uvicorn-log-level", default="warning")
+    p.set_defaults(func=run)
+
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app, engine: AsyncLLMEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._app, self._engine, self._drain_timeout = app, engine, drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_started = False
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        # uvicorn would re-raise the signal after shutting down (exit -15);
+        # a drained shutdown exits 0, so the signal is not recorded.
+        if self._drain_started or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._drain_started
+            return
+        self._drain_started = True
+        logger.info("received %s: draining (up to %.0f s)", signal.Signals(sig).name, self._drain_timeout)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        self._app.state.server.draining = True
+        self._engine.stop_accepting()
+        if not await self._engine.wait_idle(self._drain_timeout):
+            logger.warning("drain timeout: %d requests still running are aborted", self._engine.num_in_flight)
+        self.should_exit = True
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model_flag or args.model
+    try:
+        max_body = parse_size(args.max_request_body_size)
+    except ValueError as e:
+        raise UserError(f"--max-request-body-size: {e}") from None
+    engine = AsyncLLMEngine.from_args(model, stall_timeout=args.stall_timeout, **engine_kwargs(args))
+    name = args.served_model_name or model or DEFAULT_MODEL_NAME
+    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=5, access_log=False)
+    server = _DrainingServer(config, app, engine, args.shutdown_timeout)
+    logger.info("serving %s at http://%s:%d (model name '%s')", model or DEFAULT_MODEL_NAME, args.host, args.port,
+                name)
+    server.run()
+    asyncio.run(engine.shutdown(drain_timeout=0))
+    logger.info("server stopped")
+    return 0

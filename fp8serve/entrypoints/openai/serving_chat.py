@@ -1,0 +1,106 @@
+"""`POST /v1/chat/completions`: the model's chat template, then one generation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fp8serve.entrypoints.openai.protocol import ChatCompletionRequest
+from fp8serve.entrypoints.openai.serving_common import (
+    RequestError, RequestTimer, check_prompt, random_id, resolve_max_tokens, sse, stream_safe_len, usage,
+)
+from fp8serve.sampling_params import SamplingParams
+
+
+class ChatServer:
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def apply_chat_template(self, request) -> list[int]:
+        tok = self.state.engine.tokenizer
+        if tok is None or (getattr(tok, "chat_template", None) is None and request.chat_template is None):
+            raise RequestError("this model has no chat template", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                          tokenize=True, chat_template=request.chat_template)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+            raise RequestError(f"chat template failed: {e}", param="messages") from None
+        # transformers 5 returns a BatchEncoding-like mapping; older versions a list.
+        return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+
+    def prepare(self, request: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        if request.n != 1:
+            raise RequestError("only n=1 is supported", param="n")
+        mc = self.state.engine.config.model_config
+        ids = self.apply_chat_template(request)
+        check_prompt(ids, mc.arch.vocab_size, mc.max_model_len)
+        budget = resolve_max_tokens(request.requested_max_tokens(), len(ids), mc.max_model_len)
+        if budget == 0:
+            raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        try:
+            return ids, request.to_sampling_params(budget)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    async def complete(self, request: ChatCompletionRequest, prepared) -> dict:
+        ids, params = prepared
+        request_id = random_id("chatcmpl")
+        timer = RequestTimer(self.state.metrics)
+        final = None
+        async for out in self.state.engine.generate({"prompt_token_ids": ids}, params, request_id):
+            timer.on_output(out)
+            final = out
+        c = final.outputs[0]
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.state.model_name, "choices": [choice], "usage": usage(len(ids), len(c.token_ids))}
+
+    async def stream(self, request: ChatCompletionRequest, prepared) -> AsyncIterator[str]:
+        ids, params = prepared
+        request_id = random_id("chatcmpl")
+        created = int(time.time())
+        timer = RequestTimer(self.state.metrics)
+
+        def chunk(choices: list, **extra) -> str:
+            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": self.state.model_name, "choices": choices, **extra})
+
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+        sent_chars = sent_tokens = num_tokens = 0
+        async for out in self.state.engine.generate({"prompt_token_ids": ids}, params, request_id):
+            timer.on_output(out)
+            c = out.outputs[0]
+            end = len(c.text) if out.finished else stream_safe_len(c.text, params.stop,
+                                                                   params.include_stop_str_in_output)
+            delta = c.text[sent_chars:end] if end > sent_chars else ""
+            logprobs = self._logprobs(request, c.token_ids[sent_tokens:], (c.logprobs or [])[sent_tokens:])
+            sent_chars = max(sent_chars, end)
+            sent_tokens = num_tokens = len(c.token_ids)
+            finish = c.finish_reason if out.finished else None
+            if delta or finish or (logprobs and logprobs["content"]):
+                yield chunk([{"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                              "finish_reason": finish, "stop_reason": c.stop_reason if finish else None}])
+        opts = request.stream_options
+        if opts is not None and opts.include_usage:
+            yield chunk([], usage=usage(len(ids), num_tokens))
+        yield sse("[DONE]")
+
+    def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int], per_position: list) -> dict | None:
+        """Chat format: per token {token, logprob, bytes, top_logprobs: [...k]}."""
+        if not request.logprobs:
+            return None
+        k = request.top_logprobs or 0
+        tok = self.state.engine.tokenizer
+        content = []
+        for tid, entry in zip(token_ids, per_position):
+            def item(t, lp):
+                s = lp.decoded_token if lp.decoded_token is not None else tok.decode([t])
+                return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8"))}
+            ranked = sorted((kv for kv in entry.items() if kv[1].rank is not None and kv[1].rank <= k),
+                            key=lambda kv: kv[1].rank)
+            content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, lp) for t, lp in ranked]})
+        return {"content": content}

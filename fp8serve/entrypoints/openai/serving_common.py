@@ -1,0 +1,179 @@
+"""What completions and chat completions share: prompt checks, the token
+budget, request timing for the metrics, stream-safe text deltas, SSE framing,
+and aborting a request whose client went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from fp8serve.entrypoints.openai.metrics import ServerMetrics
+from fp8serve.outputs import RequestOutput
+
+
+class RequestError(Exception):
+    """Becomes an OpenAI-style error response with this status."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.err_type, self.param = status, err_type, param
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """The engine checks these again; checking here gives a 400 before a stream starts."""
+    if not token_ids:
+        raise RequestError("the prompt is empty (0 tokens)", param="prompt")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}", param="prompt")
+    if len(token_ids) > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{len(token_ids)} tokens. Please reduce the length of the prompt.", param="prompt")
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The output budget; None means "up to the context length". 0 is allowed
+    (echo-only scoring requests) and is served by generating one hidden token."""
+    if requested is None:
+        budget = max_model_len - num_prompt_tokens
+        if budget < 1:
+            raise RequestError(
+                f"This model's maximum context length is {max_model_len} tokens and the prompt has "
+                f"{num_prompt_tokens}, leaving no room for output.", param="messages")
+        return budget
+    if requested < 0:
+        raise RequestError(f"max_tokens must be at least 0, got {requested}", param="max_tokens")
+    if num_prompt_tokens + requested > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in the "
+            f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+    return requested
+
+
+def stream_safe_len(text: str, stop: list[str], include_stop_str: bool) -> int:
+    """How much of an unfinished output's text may be streamed: a suffix that
+    could still grow into a stop string is held back, because the engine cuts
+    the text there if it does."""
+    if not stop or include_stop_str:
+        return len(text)
+    held = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return len(text) - held
+
+
+@dataclass
+class RequestTimer:
+    """Feeds TTFT, inter-token latency and E2E latency into the histograms."""
+
+    metrics: ServerMetrics
+    start: float = field(default_factory=time.monotonic)
+    last: float | None = None
+    num_tokens: int = 0
+
+    def on_output(self, out: RequestOutput) -> None:
+        n = len(out.outputs[0].token_ids)
+        new = n - self.num_tokens
+        if new <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+            new -= 1
+        if new > 0 and self.last is not None:
+            gap = (now - self.last) / new
+            for _ in range(new):
+                self.metrics.itl.observe(gap)
+        self.last, self.num_tokens = now, n
+        if out.finished:
+            self.metrics.e2e.observe(now - self.start)
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    # After the body is read, the server's receive() returns only when the
+    # client disconnects (or the response is complete).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(request: Request, coro):
+    """Awaits `coro`; if the client disconnects first, cancels it (which
+    aborts its engine requests and frees their KV blocks) and returns None."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - nobody is listening any more
+        pass
+    return None
+
+
+async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(index, item) from several async iterators as items arrive."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, it):
+        try:
+            async for item in it:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

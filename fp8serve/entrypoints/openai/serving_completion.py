@@ -1,0 +1,201 @@
+"""`POST /v1/completions`: the legacy completions API, including the
+echo + logprobs form that lm-evaluation-harness uses for loglikelihoods
+(`echo=true, max_tokens=0, logprobs=k`: per prompt position the token's
+logprob and the top-k, the first position null)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fp8serve.entrypoints.openai.protocol import CompletionRequest
+from fp8serve.entrypoints.openai.serving_common import (
+    RequestError, RequestTimer, check_prompt, merge, random_id, resolve_max_tokens, sse, stream_safe_len, usage,
+)
+from fp8serve.outputs import RequestOutput
+from fp8serve.sampling_params import SamplingParams
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class CompletionServer:
+    def __init__(self, state) -> None:
+        self.state = state  # ServerState: engine, metrics, model name
+
+    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        p = request.prompt
+        tok = self.state.engine.tokenizer
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise RequestError("prompt must not be empty", param="prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                if tok is None:
+                    raise RequestError("this model has no tokenizer: send token ids as the prompt", param="prompt")
+                prompts.append(_Prompt(item, tok.encode(item, add_special_tokens=True)))
+            else:
+                prompts.append(_Prompt(None, list(item)))
+        return prompts
+
+    def prepare(self, request: CompletionRequest) -> tuple[list[_Prompt], list[SamplingParams], bool]:
+        if request.n != 1 or (request.best_of not in (None, 1)):
+            raise RequestError("only n=1 (and best_of=1) is supported", param="n")
+        if request.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
+        mc = self.state.engine.config.model_config
+        prompts = self._prompts(request)
+        hide_output = request.max_tokens == 0
+        params = []
+        for p in prompts:
+            check_prompt(p.token_ids, mc.arch.vocab_size, mc.max_model_len)
+            budget = resolve_max_tokens(request.max_tokens, len(p.token_ids), mc.max_model_len)
+            try:
+                params.append(request.to_sampling_params(max(budget, 1)))
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        return prompts, params, hide_output
+
+    def _generate(self, prompt: _Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        return self.state.engine.generate({"prompt_token_ids": prompt.token_ids}, params, request_id)
+
+    async def complete(self, request: CompletionRequest, prepared) -> dict:
+        prompts, params, hide_output = prepared
+        request_id = random_id("cmpl")
+        timers = [RequestTimer(self.state.metrics) for _ in prompts]
+        iterators = [self._generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        async for i, out in merge(iterators):
+            timers[i].on_output(out)
+            finals[i] = out
+        choices, num_prompt, num_completion = [], 0, 0
+        for i, (p, out) in enumerate(zip(prompts, finals)):
+            c = out.outputs[0]
+            token_ids = [] if hide_output else c.token_ids
+            text = "" if hide_output else c.text
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = self._logprobs(p, out, request.echo, hide_output)
+            if request.echo:
+                text = self._prompt_text(p) + text
+            choices.append({"index": i, "text": text, "logprobs": logprobs,
+                            "finish_reason": "length" if hide_output else c.finish_reason,
+                            "stop_reason": c.stop_reason})
+            num_prompt += len(p.token_ids)
+            num_completion += len(token_ids)
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.state.model_name, "choices": choices, "usage": usage(num_prompt, num_completion)}
+
+    async def stream(self, request: CompletionRequest, prepared) -> AsyncIterator[str]:
+        prompts, params, hide_output = prepared
+        request_id = random_id("cmpl")
+        created = int(time.time())
+        timers = [RequestTimer(self.state.metrics) for _ in prompts]
+        sent_chars = [0] * len(prompts)
+        sent_tokens = [0] * len(prompts)
+        echoed = [not request.echo] * len(prompts)
+        num_completion = [0] * len(prompts)
+        iterators = [self._generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+
+        def chunk(choices: list, **extra) -> str:
+            return sse({"id": request_id, "object": "text_completion", "created": created,
+                        "model": self.state.model_name, "choices": choices, **extra})
+
+        async for i, out in merge(iterators):
+            timers[i].on_output(out)
+            c = out.outputs[0]
+            text, token_ids = ("", []) if hide_output else (c.text, c.token_ids)
+            end = len(text) if out.finished else stream_safe_len(text, params[i].stop,
+                                                                 params[i].include_stop_str_in_output)
+            delta = text[sent_chars[i]:end] if end > sent_chars[i] else ""
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = _legacy_logprobs(token_ids[sent_tokens[i]:], (c.logprobs or [])[sent_tokens[i]:],
+                                            self.state.engine.tokenizer)
+            if not echoed[i]:
+                echoed[i] = True
+                delta = self._prompt_text(prompts[i]) + delta
+                if request.logprobs is not None:
+                    logprobs = _concat_logprobs(self._prompt_logprobs(prompts[i], out), logprobs)
+            sent_chars[i] = max(sent_chars[i], end)
+            # One chunk per step that produced tokens, even when its text is
+            # held back or empty, so clients can time every token.
+            has_new_tokens = len(token_ids) > sent_tokens[i]
+            sent_tokens[i] = len(token_ids)
+            num_completion[i] = len(token_ids)
+            finish = ("length" if hide_output else c.finish_reason) if out.finished else None
+            if delta or finish or has_new_tokens or (logprobs and logprobs["tokens"]):
+                yield chunk([{"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish,
+                              "stop_reason": c.stop_reason if out.finished else None}])
+        opts = request.stream_options
+        if opts is not None and opts.include_usage:
+            yield chunk([], usage=usage(sum(len(p.token_ids) for p in prompts), sum(num_completion)))
+        yield sse("[DONE]")
+
+    # --------------------------------------------------------------- logprobs
+    def _prompt_text(self, p: _Prompt) -> str:
+        if p.text is not None:
+            return p.text
+        tok = self.state.engine.tokenizer
+        return tok.decode(p.token_ids) if tok is not None else ""
+
+    def _prompt_logprobs(self, p: _Prompt, out: RequestOutput) -> dict:
+        per_pos = out.prompt_logprobs or [None] * len(p.token_ids)
+        return _legacy_logprobs(p.token_ids, per_pos, self.state.engine.tokenizer)
+
+    def _logprobs(self, p: _Prompt, out: RequestOutput, echo: bool, hide_output: bool) -> dict:
+        c = out.outputs[0]
+        gen = _legacy_logprobs([] if hide_output else c.token_ids, [] if hide_output else (c.logprobs or []),
+                               self.state.engine.tokenizer)
+        if not echo:
+            return gen
+        return _concat_logprobs(self._prompt_logprobs(p, out), gen)
+
+
+def _token_str(tokenizer, token_id: int, entry: dict | None) -> str:
+    if entry is not None and token_id in entry and entry[token_id].decoded_token is not None:
+        return entry[token_id].decoded_token
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def _legacy_logprobs(token_ids: list[int], per_position: list, tokenizer) -> dict:
+    """OpenAI legacy format: tokens, token_logprobs, top_logprobs, text_offset;
+    a position without logprobs (the first prompt token) is null."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = 0
+    for tid, entry in zip(token_ids, per_position):
+        s = _token_str(tokenizer, tid, entry)
+        tokens.append(s)
+        text_offset.append(offset)
+        offset += len(s)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(entry[tid].logprob if tid in entry else None)
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank))
+        top_logprobs.append({_token_str(tokenizer, t, entry): lp.logprob for t, lp in ranked})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def _concat_logprobs(first: dict, second: dict | None) -> dict:
+    if second is None:
+        return first
+    shift = (first["text_offset"][-1] + len(first["tokens"][-1])) if first["tokens"] else 0
+    return {
+        "tokens": first["tokens"] + second["tokens"],
+        "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+        "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
+        "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]],
+    }

@@ -1,0 +1,115 @@
+"""`fp8serve calibrate`: per-layer FP8 KV cache scales from sample text.
+
+Runs the model with a 16/32-bit KV cache over the text, records each layer's
+amax of K (after RoPE, as stored) and V, and sets scale = margin * amax / 448.
+Writes a --quantization-param-path JSON and/or a checkpoint copy that carries
+the scales as tensors (loaded with no flags)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # fp8serve.config's, without importing torch
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="compute per-layer FP8 KV cache scales from sample text",
+        description=(
+            "Run the model over calibration text with a 16/32-bit KV cache, record every layer's "
+            "absolute maximum of K (after RoPE) and V, and turn them into FP8 e4m3 scales "
+            "(scale = margin * amax / 448). Writes vLLM's --quantization-param-path JSON "
+            "(one scale per layer: max of K and V) and/or a copy of the checkpoint with per-layer "
+            "self_attn.k_scale / v_scale tensors that fp8serve reads with no flags."
+        ),
+    )
+    add_calibration_args(p)
+    p.add_argument("--margin", type=float, default=1.0,
+                   help="safety factor on the observed amax (default 1.0; e.g. 1.2 leaves 20%% headroom)")
+    p.add_argument("--out-json", default=None, metavar="FILE",
+                   help="write the scales as a --quantization-param-path JSON (vLLM schema)")
+    p.add_argument("--out-checkpoint", default=None, metavar="DIR",
+                   help="write a copy of the checkpoint with per-layer KV scale tensors (DIR must not exist)")
+    p.add_argument("--kv-scale-format", default="k_v", choices=("k_v", "kv"),
+                   help="checkpoint tensor names: k_v = self_attn.k_scale + v_scale (default), "
+                        "kv = the seed PR's single self_attn.kv_scale = max(k, v)")
+    p.set_defaults(func=run)
+
+
+def add_calibration_args(p: argparse.ArgumentParser) -> None:
+    """Flags every calibrating command shares (calibrate, quantize)."""
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face checkpoint directory (default: the built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help='calibration text: plain text, or JSONL with a "text" field (default: a built-in sample)')
+    p.add_argument("--num-tokens", type=int, default=4096, help="tokens of text to run (default 4096)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per teacher-forced chunk (default 512)")
+    p.add_argument("--dtype", default="float32", choices=_DTYPE_CHOICES,
+                   help="compute dtype while calibrating (default float32)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 256MiB")
+
+
+def format_kv_table(stats, margin: float) -> str:
+    rows = [("layer", "k_amax", "v_amax", "k_scale", "v_scale", "json_scale")]
+    for s in stats:
+        k, v = s.k_scale(margin), s.v_scale(margin)
+        rows.append((str(s.layer), f"{s.k_amax:.5g}", f"{s.v_amax:.5g}", f"{k:.6g}", f"{v:.6g}", f"{max(k, v):.6g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    ks = [s.k_scale(margin) for s in stats]
+    vs = [s.v_scale(margin) for s in stats]
+    lines.append(f"k_scale {min(ks):.4g}..{max(ks):.4g}, v_scale {min(vs):.4g}..{max(vs):.4g} "
+                 f"over {len(stats)} layers, {stats[0].num_tokens} tokens each, margin {margin:g}")
+    return "\n".join(lines)
+
+
+def is_kv_scale_tensor_fn(llm):
+    """Predicate: does checkpoint tensor `name` hold a KV scale, by the model's own mapping?"""
+    from fp8serve.model_loader.weights_mapper import is_kv_scale_param
+
+    mapper = llm.llm_engine.model_runner.weights_mapper
+    return lambda name: any(is_kv_scale_param(t.param_name) for t in mapper.map(name))
+
+
+def run(args: argparse.Namespace) -> int:
+    from fp8serve.calibration.observers import KVAmaxObserver
+    from fp8serve.calibration.runner import build_llm, run_chunks
+    from fp8serve.calibration.text import load_text, token_chunks
+    from fp8serve.calibration.writers import write_kv_scale_checkpoint, write_kv_scales_json
+    from fp8serve.errors import UserError
+
+    if not args.margin > 0:
+        raise UserError(f"--margin must be > 0, got {args.margin}")
+    source = load_text(args.text)
+    llm = build_llm(args.model, seq_len=args.seq_len, dtype=args.dtype, device=args.device,
+                    kv_cache_memory=args.kv_cache_memory)
+    engine = llm.llm_engine
+    chunks = token_chunks(llm.get_tokenizer(), source.text, args.num_tokens, args.seq_len)
+    with KVAmaxObserver(engine.model_runner.attn_layers) as observer:
+        num_tokens = run_chunks(llm, chunks, "Calibrating KV")
+    stats = observer.stats
+    model_dir = engine.config.model_config.model
+    print(f"model: {model_dir}\ntext: {source.description}, {num_tokens} tokens in {len(chunks)} chunks "
+          f"of <= {args.seq_len}\ncompute dtype: {engine.config.model_config.dtype_name}, KV cache: "
+          f"{engine.model_runner.kv_cache_spec.kv_cache_dtype} (unquantized while calibrating)")
+    print(format_kv_table(stats, args.margin))
+
+    k_scales = [s.k_scale(args.margin) for s in stats]
+    v_scales = [s.v_scale(args.margin) for s in stats]
+    if args.out_json:
+        model_type = engine.config.model_config.hf_config.get("model_type", "llama")
+        path = write_kv_scales_json(args.out_json, model_type, k_scales, v_scales)
+        print(f"wrote {path}  (use: --kv-cache-dtype fp8 --quantization-param-path {path})")
+    if args.out_checkpoint:
+        path = write_kv_scale_checkpoint(model_dir, args.out_checkpoint, k_scales, v_scales,
+                                         kv_scale_format=args.kv_scale_format,
+                                         is_kv_scale_tensor=is_kv_scale_tensor_fn(llm))
+        print(f"wrote {path}  (use: --kv-cache-dtype fp8; check with: fp8serve scales {path} --kv-cache-dtype fp8)")
+    if not (args.out_json or args.out_checkpoint):
+        print("nothing written: pass --out-json FILE and/or --out-checkpoint DIR to keep the scales")
+    return 0

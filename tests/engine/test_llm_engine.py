@@ -1,0 +1,141 @@
+"""The engine loop on a tiny Llama with a KV cache too small for all requests at once:
+preemption by recompute must finish every request, exactly, and give every block back."""
+
+import random
+
+import pytest
+from checkpoints import write_tiny_llama
+
+from fp8serve.engine.llm_engine import LLMEngine
+from fp8serve.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 32
+NUM_BLOCKS = 12  # 48 token slots; one max_model_len request needs 8 blocks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("engine") / "llama"))
+
+
+def make_engine(model_dir: str, num_blocks: int) -> LLMEngine:
+    # float32 K and V of 4 tokens x 2 kv heads x 16 dims x 2 layers.
+    bytes_per_block = 2 * BLOCK_SIZE * 2 * 16 * 4 * 2
+    engine = LLMEngine.from_args(
+        model_dir, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+        kv_cache_memory=num_blocks * bytes_per_block, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+    )
+    assert engine.block_manager.num_blocks == num_blocks
+    return engine
+
+
+def make_requests(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        prompt = [rng.randrange(3, 512) for _ in range(rng.randint(3, 12))]  # 0-2 are special tokens
+        requests.append((prompt, rng.randint(4, MAX_MODEL_LEN - len(prompt))))
+    return requests
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 2000) -> dict:
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finished
+        for out in engine.step():
+            assert out.request_id not in finished, "output after the request finished"
+            if out.finished:
+                finished[out.request_id] = out
+    pytest.fail(f"not finished after {max_steps} steps")
+
+
+def submit(engine: LLMEngine, requests) -> list[str]:
+    ids = []
+    for i, (prompt, max_tokens) in enumerate(requests):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        ids.append(engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params).request_id)
+    return ids
+
+
+def test_more_requests_than_fit_all_finish_exactly(model_dir):
+    requests = make_requests(10)
+    # The cache holds far fewer tokens than the requests need together.
+    assert sum(len(p) + m for p, m in requests) > 3 * NUM_BLOCKS * BLOCK_SIZE
+    engine = make_engine(model_dir, NUM_BLOCKS)
+    ids = submit(engine, requests)
+    finished = run_to_completion(engine)
+
+    assert set(finished) == set(ids)
+    for rid, (prompt, max_tokens) in zip(ids, requests):
+        out = finished[rid]
+        assert out.prompt_token_ids == prompt
+        assert len(out.outputs[0].token_ids) == max_tokens, rid
+        assert out.outputs[0].finish_reason == "length"
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
+    assert engine.seqs == {}
+
+    # Recompute reproduces what an uninterrupted run computes: greedy tokens match an engine
+    # with room for everything at once (no preemptions).
+    roomy = make_engine(model_dir, 128)
+    submit(roomy, requests)
+    reference = run_to_completion(roomy)
+    assert roomy.scheduler.num_preemptions == 0
+    for rid in ids:
+        assert finished[rid].outputs[0].token_ids == reference[rid].outputs[0].token_ids, rid
+
+
+def test_abort_mid_generation_frees_blocks(model_dir):
+    engine = make_engine(model_dir, NUM_BLOCKS)
+    requests = [([5, 6, 7, 8, 9], 20), ([10, 11, 12], 20), ([13, 14, 15, 16], 6)]
+    ids = submit(engine, requests)
+    for _ in range(4):  # a prefill, then decodes: everyone holds blocks
+        engine.step()
+    victim = engine.seqs["r0"]
+    assert victim.block_table and victim.output_token_ids
+    held = len(victim.block_table)
+    free_before = engine.block_manager.num_free_blocks
+
+    assert engine.abort_request("r0") is True
+    assert victim.block_table == [] and victim.finish_reason == "abort"
+    assert engine.block_manager.num_free_blocks == free_before + held
+    assert victim not in engine.scheduler.running and victim not in engine.scheduler.waiting
+    assert engine.abort_request("r0") is False  # already gone
+    assert engine.abort_request("no-such-request") is False
+
+    finished = run_to_completion(engine)
+    assert set(finished) == {"r1", "r2"}, "an aborted request produces no more outputs"
+    assert len(finished["r1"].outputs[0].token_ids) == 20
+    assert len(finished["r2"].outputs[0].token_ids) == 6
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.abort_request("r1") is False  # finished requests cannot be aborted
+
+
+def test_abort_a_waiting_request(model_dir):
+    # max_model_len prompts: one at a time fits in 12 blocks, so the second waits.
+    engine = make_engine(model_dir, NUM_BLOCKS)
+    long_prompt = list(range(3, 3 + 24))
+    submit(engine, [(long_prompt, 4), (long_prompt, 4)])
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["r1"]
+    assert engine.abort_request("r1") is True
+    assert engine.scheduler.num_waiting == 0
+    finished = run_to_completion(engine)
+    assert set(finished) == {"r0"}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_abort_every_request_leaves_the_engine_empty(model_dir):
+    engine = make_engine(model_dir, NUM_BLOCKS)
+    ids = submit(engine, make_requests(6, seed=1))
+    for _ in range(6):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    for rid in ids:
+        engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
