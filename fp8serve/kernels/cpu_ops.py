@@ -20,7 +20,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SRC_DIR = Path(__file__).resolve().parent / "cpu"
-_SOURCES = [_SRC_DIR / "paged_attention.cpp"]
+# Every .cpp registers its own ops under torch.ops.fp8serve (TORCH_LIBRARY_FRAGMENT).
+_SOURCES = sorted(_SRC_DIR.glob("*.cpp"))
 
 # The cache storage formats the kernel reads; see paged_attention.cpp.
 KV_FORMATS = {"float32": 0, "bfloat16": 1, "float16": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
@@ -45,20 +46,23 @@ def _build_dir() -> Path:
 
 @functools.cache
 def load_cpu_ops():
-    """The compiled module, or None (with one warning) if it cannot be built."""
+    """`torch.ops.fp8serve` once the library is built and loaded, or None
+    (with one warning) if it cannot be built."""
     if os.environ.get("FP8SERVE_DISABLE_CPU_KERNELS"):
         logger.info("FP8SERVE_DISABLE_CPU_KERNELS is set: using the PyTorch reference attention")
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(
+        load(
             name="fp8serve_cpu_ops",
             sources=[str(s) for s in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             build_directory=str(_build_dir()),
+            is_python_module=False,
             verbose=False,
         )
+        module = torch.ops.fp8serve
     except Exception as e:  # a missing compiler or ninja must not stop the engine
         logger.warning("C++ CPU kernels unavailable (%s: %s); using the slower PyTorch reference path",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")

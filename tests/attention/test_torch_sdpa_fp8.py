@@ -1,4 +1,6 @@
-"""TorchSDPABackend with an FP8 KV cache against a float64 reference.
+"""The attention backends with an FP8 KV cache against a float64 reference:
+TorchSDPABackend (the reference path) and CpuPagedBackend (the C++ decode
+kernel the engine picks on CPU; skipped when the extension cannot be built).
 
 The reference keeps every sequence's K/V history unquantized, applies the
 storage contract (x in float32 / scale, saturated, rounded to the nearest
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
+from fp8serve.kernels.cpu_ops import load_cpu_ops
 from fp8serve.attention.kv_cache_spec import KVCacheSpec
 from fp8serve.attention.metadata import AttentionMetadata
 
@@ -24,6 +27,17 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 37  # odd, and more than the sequences need, so block ids are scattered
 PROMPT_LENS = [5, 16, 23, 1, 37]  # last blocks partially filled; one exactly full
 NUM_DECODE_STEPS = 3
+
+
+def _cpu_paged_backend():
+    if load_cpu_ops() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    from fp8serve.attention.backends.cpu_paged import CpuPagedBackend
+
+    return CpuPagedBackend
+
+
+BACKENDS = {"torch_sdpa": lambda: TorchSDPABackend, "cpu_paged": _cpu_paged_backend}
 TORCH_FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 
 
@@ -89,12 +103,12 @@ class PagedSequences:
         return md, positions
 
 
-def run_and_compare(kv_cache_dtype, num_kv_heads, group, head_size, k_scale, v_scale, k_std, v_std, seed):
+def run_and_compare(backend_cls, kv_cache_dtype, num_kv_heads, group, head_size, k_scale, v_scale, k_std, v_std, seed):
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
     softmax_scale = head_size**-0.5
     spec = KVCacheSpec(kv_cache_dtype, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
-    backend = TorchSDPABackend(spec, torch.float32)
+    backend = backend_cls(spec, torch.float32)
     cache = backend.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
     seqs = PagedSequences([n + NUM_DECODE_STEPS for n in PROMPT_LENS], gen)
 
@@ -139,6 +153,7 @@ def run_and_compare(kv_cache_dtype, num_kv_heads, group, head_size, k_scale, v_s
     return worst_vs_qdq, worst_vs_exact
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("kv_cache_dtype, k_scale, v_scale", [
@@ -148,13 +163,13 @@ def run_and_compare(kv_cache_dtype, num_kv_heads, group, head_size, k_scale, v_s
     ("fp8_e5m2", 1.0, 1.0),
     ("fp8_e5m2", 0.3, 3.0),
 ])
-def test_fp8_attention_matches_float64_reference(kv_cache_dtype, k_scale, v_scale, group, head_size):
+def test_fp8_attention_matches_float64_reference(kv_cache_dtype, k_scale, v_scale, group, head_size, backend):
     k_std, v_std = 2.0, 3.0
     worst_vs_qdq, worst_vs_exact = run_and_compare(
-        kv_cache_dtype, num_kv_heads=2, group=group, head_size=head_size,
+        BACKENDS[backend](), kv_cache_dtype, num_kv_heads=2, group=group, head_size=head_size,
         k_scale=k_scale, v_scale=v_scale, k_std=k_std, v_std=v_std, seed=head_size * 10 + group,
     )
-    print(f"{kv_cache_dtype} k_scale={k_scale} v_scale={v_scale} group={group} head_size={head_size}: "
+    print(f"{backend} {kv_cache_dtype} k_scale={k_scale} v_scale={v_scale} group={group} head_size={head_size}: "
           f"max |engine - qdq reference| / v_std = {worst_vs_qdq:.2e}, vs unquantized = {worst_vs_exact:.2e}")
     # float32 arithmetic against float64, relative to the values' scale.
     assert worst_vs_qdq < 2e-5, worst_vs_qdq
@@ -162,13 +177,14 @@ def test_fp8_attention_matches_float64_reference(kv_cache_dtype, k_scale, v_scal
     assert worst_vs_exact > 50 * max(worst_vs_qdq, 1e-7), (worst_vs_exact, worst_vs_qdq)
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_scale_of_two_halves_stored_values(kv_cache_dtype):
+def test_scale_of_two_halves_stored_values(kv_cache_dtype, backend):
     """value = code * scale: with scale 2 the stored codes hold x / 2."""
     spec = KVCacheSpec(kv_cache_dtype, BLOCK_SIZE, 1, 64, num_layers=1)
-    backend = TorchSDPABackend(spec, torch.float32)
+    backend = BACKENDS[backend]()(spec, torch.float32)
     cache = backend.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
-    seqs = PagedSequences([4], torch.Generator().manual_seed(0))
+    seqs = PagedSequences([5], torch.Generator().manual_seed(0))
     md, _ = seqs.metadata([0], [4])
     backend.build_metadata(md)
     # Values exact in both formats (and after halving), so the check is exact.
@@ -182,3 +198,9 @@ def test_scale_of_two_halves_stored_values(kv_cache_dtype):
     assert torch.equal(stored_v, v / 2)
     # ...and reading multiplies the scale back in.
     torch.testing.assert_close(out, torch.full((4, 1, 64), 6.0))
+    # A decode step (cpu_paged's C++ kernel) reads the same way: q = 0 averages V uniformly.
+    md, _ = seqs.metadata([0], [1])
+    backend.build_metadata(md)
+    out = backend.forward(torch.zeros(1, 1, 64), torch.ones(1, 1, 64), torch.full((1, 1, 64), 10.0), cache, md,
+                          softmax_scale=0.125, k_scale=2.0, v_scale=2.0)
+    torch.testing.assert_close(out, torch.full((1, 1, 64), (4 * 6.0 + 10.0) / 5))

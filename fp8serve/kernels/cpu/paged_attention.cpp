@@ -15,7 +15,8 @@
 // thread-local buffer and reads each K and V row exactly once.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/library.h>
+#include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
@@ -264,7 +265,9 @@ bool has_avx2() {
 #endif
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_decode", &paged_attention_decode, "decode attention over the paged KV cache");
-  m.def("has_avx2", &has_avx2, "built with the AVX2/FMA/F16C path");
+// Each source file registers its own ops in the `fp8serve` namespace, so
+// kernels can be added without a shared binding file.
+TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
+  m.def("paged_attention_decode", &paged_attention_decode);
+  m.def("has_avx2", &has_avx2);
 }

@@ -1,0 +1,1 @@
+"""Serving benchmarks: `fp8serve bench serve` and `fp8serve bench sweep`."""

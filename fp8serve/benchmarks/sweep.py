@@ -1,0 +1,187 @@
+"""`fp8serve bench sweep`: the seed PR's table, one server per configuration.
+
+For each `MODEL@KVDTYPE` configuration: start `fp8serve serve` on a free
+loopback port with the same `--kv-cache-memory`, wait for /health, read the
+block count from `fp8serve:cache_config_info`, run `bench serve`, stop the
+server with SIGTERM. Prints Model dtype | KV dtype | blocks | TTFT | ITL |
+e2e and writes the table, the raw results and a plot to `--out-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from fp8serve.benchmarks.serve import benchmark, format_results
+
+# The seed PR's workload (QPS 1, 30 requests, 512 in / 256 out), and one that
+# takes a minute or two per configuration on a two-core CPU.
+WORKLOADS = {
+    "seed": dict(request_rate=1.0, num_prompts=30, input_len=512, output_len=256, max_model_len=1024),
+    "cpu": dict(request_rate=0.5, num_prompts=16, input_len=256, output_len=64, max_model_len=512),
+}
+DEFAULT_CONFIGS = "default@auto,default@bfloat16,default@fp8"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("sweep", help="the seed's table: one server per MODEL@KVDTYPE, bench serve on each")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma-separated MODEL@KVDTYPE; MODEL 'default' is the built-in model")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu")
+    p.add_argument("--kv-cache-memory", default="128MiB", help="the same budget for every configuration")
+    p.add_argument("--dtype", default="auto", help="compute dtype passed to every server")
+    p.add_argument("--num-prompts", type=int, default=None, help="override the workload's request count")
+    p.add_argument("--out-dir", default="benchmarks/results/sweep")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.set_defaults(func=run)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except OSError:
+        return 0, ""
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
+        if _get(f"{base_url}/health")[0] == 200:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"server not healthy after {timeout:.0f} s")
+
+
+def cache_config(base_url: str) -> dict:
+    _, text = _get(f"{base_url}/metrics")
+    m = re.search(r"^fp8serve:cache_config_info\{([^}]*)\}", text, re.M)
+    if not m:
+        raise RuntimeError("fp8serve:cache_config_info not found in /metrics")
+    return dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+
+
+def _weights_dtype(log_path: Path) -> str:
+    m = re.search(r"Loaded .*\(\w+, (\S+) weights\)", log_path.read_text())
+    return m.group(1) if m else "?"
+
+
+def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> dict:
+    model, _, kv_dtype = spec.partition("@")
+    kv_dtype = kv_dtype or "auto"
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "fp8serve.entrypoints.cli", "serve"]
+    if model != "default":
+        cmd.append(model)
+    cmd += ["--kv-cache-dtype", kv_dtype, "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype,
+            "--max-model-len", str(workload["max_model_len"]), "--port", str(port), "--seed", str(args.seed)]
+    log_path = out_dir / f"server_{index}_{kv_dtype}.log"
+    print(f"[{spec}] starting: {' '.join(cmd)}", flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        wait_healthy(base_url, proc, args.startup_timeout)
+        cache = cache_config(base_url)
+        summary = asyncio.run(benchmark(
+            base_url, None, workload["request_rate"], workload["num_prompts"], workload["input_len"],
+            workload["output_len"], seed=args.seed))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    print(format_results(summary), flush=True)
+    with open(out_dir / f"bench_{index}_{kv_dtype}.json", "w") as f:
+        json.dump(summary, f, indent=1)
+    return {
+        "config": spec,
+        "model": model,
+        "model_dtype": _weights_dtype(log_path),
+        "kv_cache_dtype": cache["kv_cache_dtype"],
+        "num_blocks": int(cache["num_blocks"]),
+        "block_size": int(cache["block_size"]),
+        "ttft_ms": summary["ttft_ms"]["mean"],
+        "itl_ms": summary["itl_ms"]["mean"],
+        "tpot_ms": summary["tpot_ms"]["mean"],
+        "e2e_s": summary["e2el_ms"]["mean"] / 1000,
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "server_exit_code": rc,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model_dtype']} | {r['kv_cache_dtype']} | {r['num_blocks']} | {r['ttft_ms']:.1f} | "
+                     f"{r['itl_ms']:.1f} | {r['e2e_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model_dtype']}\nKV {r['kv_cache_dtype']}" for r in rows]
+    panels = [("num_blocks", "KV cache blocks"), ("ttft_ms", "mean TTFT (ms)"), ("itl_ms", "mean ITL (ms)"),
+              ("e2e_s", "mean e2e (s)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
+    for ax, (key, name) in zip(axes, panels):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color="tab:blue")
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+        ax.set_title(name)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = dict(WORKLOADS[args.workload])
+    if args.num_prompts:
+        workload["num_prompts"] = args.num_prompts
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    desc = (f"workload '{args.workload}': QPS {workload['request_rate']}, {workload['num_prompts']} requests, "
+            f"{workload['input_len']} in / {workload['output_len']} out (ignore_eos, temperature 0), "
+            f"--kv-cache-memory {args.kv_cache_memory}, --max-model-len {workload['max_model_len']}")
+    print(desc, flush=True)
+    rows = [run_config(spec.strip(), workload, args, out_dir, i)
+            for i, spec in enumerate(args.configs.split(",")) if spec.strip()]
+    table = format_table(rows)
+    print(desc)
+    print(table)
+    (out_dir / "sweep.md").write_text(f"{desc}\n\n{table}\n")
+    with open(out_dir / "sweep.json", "w") as f:
+        json.dump({"workload": args.workload, **workload, "kv_cache_memory": args.kv_cache_memory, "rows": rows},
+                  f, indent=1)
+    plot(rows, out_dir / "sweep.png", desc)
+    print(f"wrote {out_dir}/sweep.md, sweep.json, sweep.png")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1

@@ -1,0 +1,310 @@
+"""The OpenAI-compatible server, end to end: one `fp8serve serve` subprocess on
+a free loopback port serving the tiny Llama, driven by the real `openai`
+client (and httpx for raw status codes, SSE and disconnects)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from checkpoints import write_tiny_llama
+from fp8serve.entrypoints.llm import LLM
+from fp8serve.sampling_params import SamplingParams
+
+API_KEY = "test-key"
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 128
+MAX_BODY = 64 * 1024
+ENGINE_ARGS = dict(dtype="float32", kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir, *extra: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "fp8serve.entrypoints.cli", "serve", str(model_dir), "--port", str(self.port),
+               "--dtype", "float32", "--kv-cache-memory", "1MiB", "--max-model-len", str(MAX_MODEL_LEN), *extra]
+        env = dict(os.environ, OMP_NUM_THREADS="2")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.2)
+
+    def stop(self) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return self.proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("serve") / "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = ServerProcess(model_dir, "--api-key", API_KEY, "--served-model-name", MODEL,
+                      "--max-request-body-size", str(MAX_BODY))
+    yield s
+    rc, out = s.stop()
+    assert rc == 0, out
+    assert "KV cache: float32" in out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), **ENGINE_ARGS)
+
+
+def _post(server, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (bytes, str)):
+        return httpx.post(server.url + path, content=body, headers={**headers, "content-type": "application/json"},
+                          timeout=60, **kw)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+# ---------------------------------------------------------------- completions
+def test_completion_greedy_matches_offline_llm_and_usage(client, llm):
+    prompt = "The quick brown fox"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == len(ref.prompt_token_ids) + 12
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completion_prompt_forms(client, llm):
+    ids = llm.get_tokenizer().encode("Hello there")
+    r = client.completions.create(model=MODEL, prompt=["Hello there", "Numbers such as"], max_tokens=3,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text
+    batch = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=3, temperature=0)
+    assert batch.choices[0].text == r.choices[0].text
+    assert batch.usage.prompt_tokens == len(ids) + 2
+
+
+def test_echo_logprobs_for_loglikelihood(client, llm):
+    """lm-evaluation-harness local-completions: echo, max_tokens=0, logprobs=k."""
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=3, temperature=0)
+    c = r.choices[0]
+    ref = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    n = len(ref.prompt_token_ids)
+    assert c.text == prompt
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == n
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, n):
+        want = ref.prompt_logprobs[i][ref.prompt_token_ids[i]].logprob
+        assert lp.token_logprobs[i] == pytest.approx(want, abs=1e-4)
+        assert 3 <= len(lp.top_logprobs[i]) <= 4
+        assert max(lp.top_logprobs[i].values()) >= lp.token_logprobs[i] - 1e-6
+    assert "".join(lp.tokens) == prompt
+
+
+def test_generated_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, logprobs=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(x is not None and x <= 0 for x in lp.token_logprobs)
+    # Greedy: the chosen token is the most likely one.
+    assert all(abs(max(top.values()) - x) < 1e-5 for top, x in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_vllm_extra_fields_and_unknown_fields(client):
+    r = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=8, temperature=0.8, seed=3,
+        extra_body={"top_k": 5, "min_p": 0.05, "ignore_eos": True, "repetition_penalty": 1.1, "min_tokens": 2,
+                    "skip_special_tokens": True, "include_stop_str_in_output": False, "stop_token_ids": [],
+                    "some_unknown_field": 1})
+    again = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=8, temperature=0.8, seed=3,
+        extra_body={"top_k": 5, "min_p": 0.05, "ignore_eos": True, "repetition_penalty": 1.1, "min_tokens": 2})
+    assert r.usage.completion_tokens == 8
+    assert r.choices[0].text == again.choices[0].text  # seeded
+
+
+# ----------------------------------------------------------------------- chat
+def test_chat_matches_offline_and_streams(client, llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.logprob <= 0
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-5)
+
+
+# --------------------------------------------------------------------- errors
+def _assert_error(resp: httpx.Response, status: int, fragment: str = "") -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["code"] == status
+    assert fragment.lower() in err["message"].lower()
+    return err
+
+
+def test_validation_errors(server, client):
+    long_prompt = list(range(5, 5 + MAX_MODEL_LEN + 1))
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt}), 400, "context length")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}),
+                  400, "maximum context length")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}), 400,
+                  "temperature")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}), 400, "top_p")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 99999]}), 400, "out of range")
+    _assert_error(_post(server, "/v1/completions", b'{"model": "tiny-llama", "prompt": '), 400, "json")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10_000)
+    # The server is still fine.
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_auth_model_and_size_errors(server):
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"}, key=None), 401)
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"}, key="wrong"), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    _assert_error(_post(server, "/v1/completions", {"model": "nope", "prompt": "hi"}), 404, "does not exist")
+    big = {"model": MODEL, "prompt": "a" * (MAX_BODY + 10)}
+    _assert_error(_post(server, "/v1/completions", big), 413)
+    # Chunked upload (no content-length) is limited as well.
+    def gen():
+        yield json.dumps(big).encode()
+    _assert_error(_post(server, "/v1/completions", gen()), 413)
+    # Health and metrics need no key.
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ---------------------------------------------------------- other endpoints
+def test_models_tokenize_detokenize(server, client, llm):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    tok = _post(server, "/tokenize", {"model": MODEL, "prompt": "Hello there"}).json()
+    assert tok["tokens"] == llm.get_tokenizer().encode("Hello there") and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == MAX_MODEL_LEN
+    assert _post(server, "/detokenize", {"model": MODEL, "tokens": tok["tokens"]}).json()["prompt"] == "Hello there"
+
+
+def test_metrics_names(server, client):
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=3)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("fp8serve:num_requests_running", "fp8serve:num_requests_waiting", "fp8serve:kv_cache_usage_perc",
+                 "fp8serve:prompt_tokens_total", "fp8serve:generation_tokens_total", "fp8serve:num_preemptions_total",
+                 "fp8serve:time_to_first_token_seconds_bucket", "fp8serve:inter_token_latency_seconds_bucket",
+                 "fp8serve:e2e_request_latency_seconds_bucket"):
+        assert re.search(rf"^{name}\{{", text, re.M), name
+    info = re.search(r"^fp8serve:cache_config_info\{(.*)\} 1\.0$", text, re.M).group(1)
+    assert 'num_blocks="128"' in info and 'block_size="16"' in info and 'kv_cache_dtype="float32"' in info
+    assert _metric(server, "fp8serve:generation_tokens_total") >= 3
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    for path, payload in (("/v1/completions", body),
+                          ("/v1/chat/completions", {**{k: v for k, v in body.items() if k != "prompt"},
+                                                    "messages": [{"role": "user", "content": "story"}]})):
+        with httpx.stream("POST", server.url + path, json=payload, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 3:
+                    break
+            assert _metric(server, "fp8serve:kv_cache_usage_perc") > 0
+        deadline = time.monotonic() + 20
+        while _metric(server, "fp8serve:kv_cache_usage_perc") != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _metric(server, "fp8serve:kv_cache_usage_perc") == 0.0
+        assert _metric(server, "fp8serve:num_requests_running") == 0
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_disconnect_non_streaming_aborts(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 110, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    deadline = time.monotonic() + 20
+    while _metric(server, "fp8serve:kv_cache_usage_perc") != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, "fp8serve:kv_cache_usage_perc") == 0.0
