@@ -85,7 +85,7 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache()
         cc.num_blocks = self.num_blocks
         self.sampler = Sampler()
-        self._scales_pending_log = cc.calculate_kv_scales and self.kv_cache_spec.fp8 is not None
+        self._scales_pending_log = any(layer.calculate_kv_scales for layer in self.attn_layers)
 
     # ------------------------------------------------------------------ setup
     def _apply_kv_scales(self) -> None:
@@ -102,7 +102,10 @@ class ModelRunner:
         )
         for layer, s in zip(self.attn_layers, scales):
             layer.set_kv_scales(s.k_scale, s.v_scale, s.source)
-        if cc.calculate_kv_scales and self.kv_cache_spec.fp8 is not None:
+        if cc.calculate_kv_scales and self.kv_cache_spec.kv_cache_dtype == "fp8_e5m2":
+            # The seed's rule: e5m2 has the range to go unscaled; scale 1.0.
+            logger.info("--calculate-kv-scales is ignored with fp8_e5m2 (scale 1.0)")
+        elif cc.calculate_kv_scales and self.kv_cache_spec.fp8 is not None:
             if any(s.source != "default" for s in scales):
                 logger.info("--calculate-kv-scales: scales were supplied, so they are used as given")
             else:

@@ -158,6 +158,14 @@ def test_calculate_kv_scales_sets_scales_from_first_prefill(base_checkpoints):
         assert kp > 0 and vp > 0 and kf == pytest.approx(kp) and vf == pytest.approx(vp)
 
 
+def test_calculate_kv_scales_is_ignored_for_e5m2(base_checkpoints, caplog):
+    caplog.set_level(logging.INFO, logger="fp8serve.engine.model_runner")
+    llm = build(base_checkpoints["llama"], "fp8_e5m2", calculate_kv_scales=True)
+    generate_a_little(llm)
+    assert_defaults(llm)  # the seed's rule: e5m2 runs with scale 1.0
+    assert any("ignored with fp8_e5m2" in r.getMessage() for r in caplog.records)
+
+
 # ----------------------------------------------------------------- memory
 
 # storage dtype of each --kv-cache-dtype with float32 compute, and its bytes per element
