@@ -66,8 +66,13 @@ class Attention(nn.Module):
             self.kv_observer(self, k, v)
         if self.calculate_kv_scales:
             self._calculate_scales(k, v)
+        # Scales only mean something for FP8 storage; a 16-bit cache stores
+        # values as they are.
+        is_fp8 = self.backend.spec.fp8 is not None
         out = self.backend.forward(
             q, k, v, self.kv_cache, metadata,
-            softmax_scale=self.softmax_scale, k_scale=self._k_scale, v_scale=self._v_scale,
+            softmax_scale=self.softmax_scale,
+            k_scale=self._k_scale if is_fp8 else 1.0,
+            v_scale=self._v_scale if is_fp8 else 1.0,
         )
         return out.reshape(n, self.num_heads * self.head_size)

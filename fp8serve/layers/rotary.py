@@ -39,13 +39,19 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim // 2] each; kept out of the state dict.
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        # One module serves every layer of a model, and every layer of a
+        # forward pass gets the same `positions` tensor: look cos/sin up once.
+        if positions is not self._positions:
+            self._positions = positions
+            self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        cos, sin = self._cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

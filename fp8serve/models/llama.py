@@ -17,7 +17,10 @@ from fp8serve.quantization.base import QuantizationConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, quant_config: QuantizationConfig | None, prefix: str, dtype) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, quant_config: QuantizationConfig | None, prefix: str, dtype,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -30,7 +33,7 @@ class LlamaAttention(nn.Module):
             self.num_heads * self.head_dim, cfg.hidden_size,
             quant_config=quant_config, prefix=f"{prefix}.o_proj", params_dtype=dtype,
         )
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, cfg.rope, dtype)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, prefix=f"{prefix}.attn"
         )
@@ -65,9 +68,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, quant_config, prefix: str, dtype, mlp: nn.Module | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, quant_config, prefix: str, dtype, rotary_emb: RotaryEmbedding,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, quant_config, f"{prefix}.self_attn", dtype)
+        self.self_attn = LlamaAttention(cfg, quant_config, f"{prefix}.self_attn", dtype, rotary_emb)
         self.mlp = mlp if mlp is not None else LlamaMLP(cfg, quant_config, f"{prefix}.mlp", dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -89,8 +95,12 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, quant_config, dtype, layer_factory=None) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        make_layer = layer_factory or (lambda i: LlamaDecoderLayer(cfg, quant_config, f"model.layers.{i}", dtype))
-        self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_hidden_layers))
+        # One table for all layers (they share head_dim and RoPE settings).
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, dtype)
+        make_layer = layer_factory or (
+            lambda i, rope: LlamaDecoderLayer(cfg, quant_config, f"model.layers.{i}", dtype, rope)
+        )
+        self.layers = nn.ModuleList(make_layer(i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

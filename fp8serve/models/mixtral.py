@@ -10,14 +10,13 @@ from fp8serve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMode
 
 class MixtralForCausalLM(LlamaForCausalLM):
     def _build_model(self, cfg: ModelArchConfig, quant_config, dtype) -> LlamaModel:
-        def make_layer(i: int) -> LlamaDecoderLayer:
+        def make_layer(i: int, rotary_emb) -> LlamaDecoderLayer:
             prefix = f"model.layers.{i}"
             moe = SparseMoE(
                 cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok,
                 quant_config, f"{prefix}.block_sparse_moe", dtype,
             )
-            layer = LlamaDecoderLayer(cfg, quant_config, prefix, dtype, mlp=moe)
-            return layer
+            return LlamaDecoderLayer(cfg, quant_config, prefix, dtype, rotary_emb, mlp=moe)
 
         return LlamaModel(cfg, quant_config, dtype, layer_factory=make_layer)
 

@@ -23,17 +23,40 @@ from fp8serve.quantization.fp8 import dequantize_fp8, quantize_fp8
 
 @dataclass
 class _StepData:
-    gather_slots: torch.Tensor  # [num_seqs * max_seq_len] slot of each padded key position
-    attn_mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_seq_len] bool, True = attend
+    # Both None for a fresh prefill (causal attention over the new K/V).
+    gather_slots: torch.Tensor | None  # [num_seqs * max_seq_len] slot of each padded key position
+    attn_mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, max_seq_len] bool, True = attend
     pad_index: torch.Tensor | None  # [num_tokens] row of each token in [num_seqs * max_query_len]
 
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
+    def _fresh_prefill(self, md: AttentionMetadata) -> bool:
+        """A prefill with no cached context whose cache round trip is
+        lossless (storage dtype == compute dtype) can attend to the fresh
+        K/V with a plain causal mask: same result, no gather, no mask tensor.
+        FP8 and narrower storage always read back what decode will read."""
+        return (
+            not md.is_decode_only
+            and md.max_seq_len == md.max_query_len
+            and bool((md.seq_lens == md.query_start_loc[1:] - md.query_start_loc[:-1]).all())
+            and self.spec.storage_dtype == self.compute_dtype
+        )
+
     def build_metadata(self, md: AttentionMetadata) -> None:
         device = md.slot_mapping.device
         bs = self.spec.block_size
+        pad_index = None
+        if not md.is_decode_only:
+            q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+            seq_of_token = torch.repeat_interleave(torch.arange(md.num_seqs, device=device), q_lens)
+            pad_index = seq_of_token * md.max_query_len + (
+                torch.arange(md.num_tokens, device=device) - md.query_start_loc[seq_of_token]
+            )
+        if self._fresh_prefill(md):
+            md.backend_data = _StepData(None, None, pad_index)
+            return
         pos = torch.arange(md.max_seq_len, device=device)
         key_valid = pos[None, :] < md.seq_lens[:, None]
         gather_slots = md.block_tables[:, pos // bs] * bs + pos % bs  # [num_seqs, max_seq_len]
@@ -41,9 +64,7 @@ class TorchSDPABackend(AttentionBackend):
         gather_slots = torch.where(key_valid, gather_slots, md.null_block_id * bs)
         if md.is_decode_only:
             mask = key_valid[:, None, None, :]
-            pad_index = None
         else:
-            q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
             i = torch.arange(md.max_query_len, device=device)
             q_pos = (md.seq_lens - q_lens)[:, None] + i[None, :]  # absolute position of each query row
             mask = key_valid[:, None, :] & (pos[None, None, :] <= q_pos[:, :, None])
@@ -52,11 +73,16 @@ class TorchSDPABackend(AttentionBackend):
             row_valid = i[None, :] < q_lens[:, None]
             mask[:, :, 0] |= ~row_valid
             mask = mask[:, None]
-            seq_of_token = torch.repeat_interleave(torch.arange(md.num_seqs, device=device), q_lens)
-            pad_index = seq_of_token * md.max_query_len + (
-                torch.arange(md.num_tokens, device=device) - md.query_start_loc[seq_of_token]
-            )
         md.backend_data = _StepData(gather_slots.reshape(-1), mask, pad_index)
+
+    @staticmethod
+    def _pad(x: torch.Tensor, md: AttentionMetadata, step: _StepData) -> torch.Tensor:
+        """[num_tokens, heads, head_size] -> [num_seqs, max_query_len, heads, head_size]."""
+        if step.pad_index is None:
+            return x.view(md.num_seqs, 1, x.shape[1], x.shape[2])
+        padded = x.new_zeros(md.num_seqs * md.max_query_len, x.shape[1], x.shape[2])
+        padded.index_copy_(0, step.pad_index, x)
+        return padded.view(md.num_seqs, md.max_query_len, x.shape[1], x.shape[2])
 
     def _store(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         fmt = self.spec.fp8
@@ -79,22 +105,23 @@ class TorchSDPABackend(AttentionBackend):
         k_cache.index_copy_(0, md.slot_mapping, self._store(key, k_scale))
         v_cache.index_copy_(0, md.slot_mapping, self._store(value, v_scale))
 
-        # [num_seqs, num_kv_heads, max_seq_len, head_size]
-        k = self._load(k_cache.index_select(0, step.gather_slots))
-        v = self._load(v_cache.index_select(0, step.gather_slots))
-        k = k.view(md.num_seqs, md.max_seq_len, num_kv_heads, head_size).transpose(1, 2)
-        v = v.view(md.num_seqs, md.max_seq_len, num_kv_heads, head_size).transpose(1, 2)
-
         num_heads = query.shape[1]
-        q = query if k_scale == 1.0 else query * k_scale
-        if step.pad_index is None:
-            q = q.view(md.num_seqs, 1, num_heads, head_size)
+        if step.gather_slots is None:
+            k = self._pad(key, md, step)
+            v = self._pad(value, md, step)
         else:
-            padded = q.new_zeros(md.num_seqs * md.max_query_len, num_heads, head_size)
-            padded.index_copy_(0, step.pad_index, q)
-            q = padded.view(md.num_seqs, md.max_query_len, num_heads, head_size)
+            # [num_seqs, max_seq_len, num_kv_heads, head_size]
+            k = self._load(k_cache.index_select(0, step.gather_slots))
+            v = self._load(v_cache.index_select(0, step.gather_slots))
+            k = k.view(md.num_seqs, md.max_seq_len, num_kv_heads, head_size)
+            v = v.view(md.num_seqs, md.max_seq_len, num_kv_heads, head_size)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+
+        q = query if k_scale == 1.0 else query * k_scale
+        q = self._pad(q, md, step)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=step.attn_mask, scale=softmax_scale, enable_gqa=True
+            q.transpose(1, 2), k, v, attn_mask=step.attn_mask, scale=softmax_scale, enable_gqa=True,
+            is_causal=step.attn_mask is None,
         )  # [num_seqs, num_heads, max_query_len, head_size]
         out = out.transpose(1, 2).reshape(-1, num_heads, head_size)
         if step.pad_index is not None:
