@@ -20,7 +20,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-import aiohttp
 import numpy as np
 
 # Tokenized to get a pool of valid, ordinary token ids for any tokenizer.
@@ -60,13 +59,13 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+async def _first_model(session, base_url: str) -> str:
     async with session.get(f"{base_url}/v1/models") as r:
         r.raise_for_status()
         return (await r.json())["data"][0]["id"]
 
 
-async def _id_pool(session: aiohttp.ClientSession, base_url: str, model: str) -> list[int]:
+async def _id_pool(session, base_url: str, model: str) -> list[int]:
     async with session.post(f"{base_url}/tokenize", json={"model": model, "prompt": _ID_POOL_TEXT,
                                                           "add_special_tokens": False}) as r:
         r.raise_for_status()
@@ -79,6 +78,8 @@ def make_prompts(pool: list[int], num_prompts: int, input_len: int, seed: int) -
 
 
 async def _send(session, url: str, headers: dict, payload: dict, prompt_len: int) -> RequestResult:
+    import aiohttp
+
     result = RequestResult(prompt_len=prompt_len)
     start = time.perf_counter()
     last = start
@@ -117,6 +118,8 @@ async def _send(session, url: str, headers: dict, payload: dict, prompt_len: int
 
 async def benchmark(base_url: str, model: str | None, request_rate: float, num_prompts: int, input_len: int,
                     output_len: int, seed: int = 0, api_key: str | None = None) -> dict:
+    import aiohttp  # here, not at import: every `fp8serve` command builds this parser
+
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)

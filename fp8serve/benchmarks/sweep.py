@@ -28,7 +28,7 @@ from fp8serve.benchmarks.serve import benchmark, format_results
 # takes a minute or two per configuration on a two-core CPU.
 WORKLOADS = {
     "seed": dict(request_rate=1.0, num_prompts=30, input_len=512, output_len=256, max_model_len=1024),
-    "cpu": dict(request_rate=0.5, num_prompts=16, input_len=256, output_len=64, max_model_len=512),
+    "cpu": dict(request_rate=0.5, num_prompts=16, input_len=128, output_len=32, max_model_len=512),
 }
 DEFAULT_CONFIGS = "default@auto,default@bfloat16,default@fp8"
 

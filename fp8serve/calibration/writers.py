@@ -32,11 +32,11 @@ INDEX_FILE = "model.safetensors.index.json"
 KV_SCALES_FILE = "kv_scales.safetensors"
 
 # How per-layer scale tensors are named on disk:
-#   k_v: self_attn.k_scale + self_attn.v_scale (AutoFP8 / vLLM >= 0.6; keeps K and V apart)
-#   kv:  self_attn.kv_scale = max(k, v) (the seed PR's single tensor)
-# Both at once is not offered: the engine rejects a layer whose K scale
-# comes from two tensors (`kv_scale` maps to K and V, `k_scale` to K again).
-KV_SCALE_FORMATS = ("k_v", "kv")
+#   k_v:  self_attn.k_scale + self_attn.v_scale (AutoFP8 / vLLM >= 0.6; keeps K and V apart)
+#   kv:   self_attn.kv_scale = max(k, v) (the seed PR's single tensor)
+#   both: all three, for engines that read only kv_scale; readers that know
+#         k_scale/v_scale (fp8serve included) prefer them.
+KV_SCALE_FORMATS = ("both", "k_v", "kv")
 
 # A 16-bit-weight checkpoint whose only quantization is the KV cache, as
 # llm-compressor marks it; `is_fp8_checkpoint` accepts it.
@@ -70,17 +70,17 @@ def write_kv_scales_json(path: str | Path, model_type: str, k_scales: Sequence[f
 
 
 def kv_scale_tensors(attn_prefixes: Sequence[str], k_scales: Sequence[float], v_scales: Sequence[float],
-                     kv_scale_format: str = "k_v") -> dict[str, torch.Tensor]:
+                     kv_scale_format: str = "both") -> dict[str, torch.Tensor]:
     """Scalar float32 scale tensors per layer; `attn_prefixes[i]` is layer i's
     checkpoint prefix, e.g. `model.layers.3.self_attn`."""
     if kv_scale_format not in KV_SCALE_FORMATS:
         raise ValueError(f"kv_scale_format must be one of {KV_SCALE_FORMATS}, got {kv_scale_format!r}")
     out = {}
     for prefix, k, v in zip(attn_prefixes, k_scales, v_scales, strict=True):
-        if kv_scale_format == "k_v":
+        if kv_scale_format in ("k_v", "both"):
             out[f"{prefix}.k_scale"] = torch.tensor(k, dtype=torch.float32)
             out[f"{prefix}.v_scale"] = torch.tensor(v, dtype=torch.float32)
-        else:
+        if kv_scale_format in ("kv", "both"):
             out[f"{prefix}.kv_scale"] = torch.tensor(max(k, v), dtype=torch.float32)
     return out
 
@@ -155,7 +155,7 @@ def fp8_kv_quantization_config(hf_config: dict) -> dict:
 
 
 def write_kv_scale_checkpoint(src: str | Path, dst: str | Path, k_scales: Sequence[float],
-                              v_scales: Sequence[float], *, kv_scale_format: str = "k_v",
+                              v_scales: Sequence[float], *, kv_scale_format: str = "both",
                               is_kv_scale_tensor=None) -> Path:
     """Copy checkpoint `src` to `dst` with per-layer KV scale tensors added.
 

@@ -74,6 +74,8 @@ class _ScaleTensor:
     file: Path
     layer: int
     kind: str  # "k" | "v"
+    # True for the seed's single `kv_scale` (one tensor for both K and V).
+    shared: bool = False
 
 
 def is_fp8_checkpoint(hf_config: dict) -> bool:
@@ -91,9 +93,8 @@ def _find_scale_tensors(model_dir: str | Path, mapper: WeightsMapper) -> list[_S
         with safe_open(str(file), framework="pt") as f:
             names = list(f.keys())
         for name in names:
-            for target in mapper.map(name):
-                if not is_kv_scale_param(target.param_name):
-                    continue
+            targets = [t for t in mapper.map(name) if is_kv_scale_param(t.param_name)]
+            for target in targets:
                 layer = layer_index(target.param_name)
                 if layer is None:
                     raise ConfigError(
@@ -101,7 +102,7 @@ def _find_scale_tensors(model_dir: str | Path, mapper: WeightsMapper) -> list[_S
                         "expected a name like 'model.layers.<N>.self_attn...'"
                     )
                 kind = "k" if target.param_name.endswith(".k_scale") else "v"
-                found.append(_ScaleTensor(name, file, layer, kind))
+                found.append(_ScaleTensor(name, file, layer, kind, shared=len(targets) > 1))
     return found
 
 
@@ -127,6 +128,13 @@ def _read_values(tensors: list[_ScaleTensor]) -> dict[int, dict[str, tuple[float
             values = {t.name: _scalar_value(f.get_tensor(t.name), t.name, file) for t in items}
         for t in items:
             previous = scales[t.layer].get(t.kind)
+            if previous is not None and previous[1].shared != t.shared:
+                # Calibration tools write per-tensor k_scale/v_scale and the
+                # seed's kv_scale (their max) side by side for older readers;
+                # the specific scale is the more precise one.
+                if previous[1].shared:
+                    scales[t.layer][t.kind] = (values[t.name], t)
+                continue
             if previous is not None:
                 raise ConfigError(
                     f"{file}: tensor '{t.name}' gives layer {t.layer} a second {t.kind.upper()} scale "

@@ -34,9 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="write the scales as a --quantization-param-path JSON (vLLM schema)")
     p.add_argument("--out-checkpoint", default=None, metavar="DIR",
                    help="write a copy of the checkpoint with per-layer KV scale tensors (DIR must not exist)")
-    p.add_argument("--kv-scale-format", default="k_v", choices=("k_v", "kv"),
-                   help="checkpoint tensor names: k_v = self_attn.k_scale + v_scale (default), "
-                        "kv = the seed PR's single self_attn.kv_scale = max(k, v)")
+    p.add_argument("--kv-scale-format", default="both", choices=("both", "k_v", "kv"),
+                   help="checkpoint tensor names: both = k_scale + v_scale + the seed PR's kv_scale = max(k, v) "
+                        "(default); k_v = self_attn.k_scale + v_scale only; kv = kv_scale only")
     p.set_defaults(func=run)
 
 

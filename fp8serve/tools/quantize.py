@@ -37,9 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--activation-scheme", default="static", choices=("static", "dynamic"),
                    help="static: calibrated per-tensor input_scale (default); dynamic: none")
     p.add_argument("--kv-cache", action="store_true", help="also calibrate and write FP8 KV cache scales")
-    p.add_argument("--kv-scale-format", default="k_v", choices=("k_v", "kv"),
-                   help="KV scale tensor names: k_v = self_attn.k_scale + v_scale (default), "
-                        "kv = self_attn.kv_scale = max(k, v)")
+    p.add_argument("--kv-scale-format", default="both", choices=("both", "k_v", "kv"),
+                   help="KV scale tensor names: both = k_scale + v_scale + kv_scale = max(k, v) (default); "
+                        "k_v = self_attn.k_scale + v_scale only; kv = kv_scale only")
     p.set_defaults(func=run)
 
 

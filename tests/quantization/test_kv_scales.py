@@ -408,7 +408,21 @@ def test_checkpoint_scales_for_extra_layers(tmp_path):
 
 
 def test_two_scales_for_one_slot(tmp_path):
-    tensors = {**kv_scale_family(), "model.layers.0.self_attn.k_scale": torch.tensor(0.3)}
+    tensors = {**k_v_scale_family(), "model.layers.0.self_attn.k_proj.output_scale": torch.tensor(0.3)}
     msg = errors_for(tmp_path, tensors)
-    assert "model.layers.0.self_attn.k_scale" in msg and "model.layers.0.self_attn.kv_scale" in msg
+    assert "model.layers.0.self_attn.k_scale" in msg and "model.layers.0.self_attn.k_proj.output_scale" in msg
     assert "expected exactly one" in msg
+
+
+def test_specific_scales_win_over_the_shared_kv_scale(tmp_path):
+    # Calibration tools write k_scale, v_scale and the seed's kv_scale together.
+    specific = k_v_scale_family()
+    shared = {n: torch.tensor(7.0) for n in kv_scale_family()}
+    d = write_checkpoint(tmp_path / "m", {**shared, **specific}, FP8_CONFIG)
+    got = resolve(d, FP8_CONFIG, "fp8_e4m3")
+    for s in got:
+        assert s.k_scale == pytest.approx(float(specific[f"model.layers.{s.layer}.self_attn.k_scale"]))
+        assert s.v_scale == pytest.approx(float(specific[f"model.layers.{s.layer}.self_attn.v_scale"]))
+        assert "kv_scale" not in s.source
+
+

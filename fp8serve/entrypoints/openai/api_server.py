@@ -24,11 +24,11 @@ from fp8serve.entrypoints.openai.protocol import (
 from fp8serve.entrypoints.openai.serving_chat import ChatServer
 from fp8serve.entrypoints.openai.serving_common import RequestError, run_unless_disconnected, sse
 from fp8serve.entrypoints.openai.serving_completion import CompletionServer
+from fp8serve.entrypoints.openai.serve import DEFAULT_MAX_BODY_BYTES
 from fp8serve.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
 @dataclass

@@ -12,14 +12,14 @@ import asyncio
 import logging
 import signal
 
-import uvicorn
-
 from fp8serve.default_model import DEFAULT_MODEL_NAME
-from fp8serve.engine.async_engine import AsyncLLMEngine
 from fp8serve.entrypoints.engine_args import add_engine_args, engine_kwargs
-from fp8serve.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES, build_app
 from fp8serve.errors import UserError
 from fp8serve.utils.memory import parse_size
+
+# The server stack (uvicorn, FastAPI, the async engine) is imported in run():
+# `fp8serve --help` and every other command build this parser too.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,16 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-class _DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app, engine: AsyncLLMEngine, drain_timeout: float) -> None:
+def _draining_server_class():
+    import uvicorn
+
+    return type("DrainingServer", (_DrainingMixin, uvicorn.Server), {})
+
+
+class _DrainingMixin:
+    """uvicorn.Server whose first SIGTERM/SIGINT drains instead of stopping."""
+
+    def __init__(self, config, app, engine, drain_timeout: float) -> None:
         super().__init__(config)
         self._app, self._engine, self._drain_timeout = app, engine, drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -76,6 +84,11 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from fp8serve.engine.async_engine import AsyncLLMEngine
+    from fp8serve.entrypoints.openai.api_server import build_app
+
     model = args.model_flag or args.model
     try:
         max_body = parse_size(args.max_request_body_size)
@@ -86,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5, access_log=False)
-    server = _DrainingServer(config, app, engine, args.shutdown_timeout)
+    server = _draining_server_class()(config, app, engine, args.shutdown_timeout)
     logger.info("serving %s at http://%s:%d (model name '%s')", model or DEFAULT_MODEL_NAME, args.host, args.port,
                 name)
     server.run()

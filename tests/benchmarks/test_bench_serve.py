@@ -1,0 +1,68 @@
+"""`fp8serve bench serve` against a real server, and the sweep's helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from checkpoints import write_tiny_llama
+from fp8serve.benchmarks.serve import benchmark, format_results
+from fp8serve.benchmarks.sweep import cache_config, format_table
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    model_dir = write_tiny_llama(tmp_path_factory.mktemp("bench") / "llama")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "fp8serve.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
+           "--dtype", "float32", "--kv-cache-memory", "1MiB", "--kv-cache-dtype", "fp8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300  # a cold start may compile the C++ kernels
+    while True:
+        assert proc.poll() is None, "server exited early"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy"
+        time.sleep(0.2)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+
+
+def test_bench_serve_exact_lengths(server_url):
+    s = asyncio.run(benchmark(server_url, None, request_rate=float("inf"), num_prompts=4, input_len=20,
+                              output_len=6, seed=1))
+    assert s["completed"] == 4 and s["failed"] == 0
+    assert s["output_lens"] == [6] * 4
+    assert s["total_input_tokens"] == 80 and s["total_output_tokens"] == 24
+    assert all(len(r["itl"]) == 5 for r in s["requests"])
+    assert 0 < s["ttft_ms"]["mean"] <= s["e2el_ms"]["mean"]
+    text = format_results(s)
+    for label in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
+                  "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):", "P99 E2EL (ms):"):
+        assert label in text
+    # A Poisson rate still sends everything.
+    s = asyncio.run(benchmark(server_url, None, request_rate=20.0, num_prompts=3, input_len=8, output_len=3))
+    assert s["output_lens"] == [3] * 3
+
+
+def test_sweep_reads_cache_config_and_formats_table(server_url):
+    cache = cache_config(server_url)
+    assert cache["kv_cache_dtype"] == "fp8_e4m3" and int(cache["num_blocks"]) == 512
+    table = format_table([{"model_dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "num_blocks": 512,
+                           "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25}])
+    assert "| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) |" in table
+    assert "| float32 | fp8_e4m3 | 512 | 12.3 | 5.0 | 1.2 |" in table

@@ -1,0 +1,129 @@
+"""AsyncLLMEngine: one engine thread, per-request streams, aborts, failures, health."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from checkpoints import write_tiny_llama
+from fp8serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineDrainingError
+from fp8serve.engine.llm_engine import LLMEngine
+from fp8serve.errors import UserError
+from fp8serve.sampling_params import SamplingParams
+
+ENGINE_ARGS = dict(dtype="float32", kv_cache_memory=1 << 20, max_model_len=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("async") / "llama")
+
+
+@pytest.fixture
+def engine(llama_dir):
+    e = AsyncLLMEngine(LLMEngine.from_args(str(llama_dir), **ENGINE_ARGS), stall_timeout=5.0)
+    yield e
+    if e.is_running:
+        asyncio.run(e.shutdown(drain_timeout=0))
+
+
+async def _collect(engine, prompt, params, request_id=None):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def test_generate_matches_sync_engine_and_runs_concurrently(engine, llama_dir):
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+    async def main():
+        return await asyncio.gather(*(_collect(engine, {"prompt_token_ids": p}, GREEDY) for p in prompts))
+
+    results = asyncio.run(main())
+    sync = LLMEngine.from_args(str(llama_dir), **ENGINE_ARGS)
+    for p, outs in zip(prompts, results):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+        sync.add_request("r", {"prompt_token_ids": p}, GREEDY)
+        while sync.has_unfinished_requests():
+            final = [o for o in sync.step() if o.finished]
+        assert outs[-1].outputs[0].token_ids == final[0].outputs[0].token_ids
+    assert engine.snapshot.num_free_blocks == engine.snapshot.num_blocks and engine.is_healthy()
+
+
+def test_invalid_request_raises_without_affecting_others(engine):
+    async def main():
+        good = asyncio.ensure_future(_collect(engine, {"prompt_token_ids": [5, 6, 7]}, GREEDY))
+        with pytest.raises(UserError, match="more than --max-model-len"):
+            await _collect(engine, {"prompt_token_ids": [5] * 100}, GREEDY)
+        with pytest.raises(UserError, match="out of range"):
+            await _collect(engine, {"prompt_token_ids": [10**6]}, GREEDY)
+        return await good
+
+    assert asyncio.run(main())[-1].outputs[0].finish_reason == "length"
+
+
+def test_consumer_leaving_aborts_and_frees_blocks(engine):
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        gen = engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "leaver")
+        async for out in gen:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        await gen.aclose()
+        # An explicit abort of a running request ends its stream with finish_reason "abort".
+        outs = []
+        async for out in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "aborted"):
+            outs.append(out)
+            if len(outs) == 2:
+                engine.abort("aborted")
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        for _ in range(100):
+            if engine.snapshot.num_free_blocks == engine.snapshot.num_blocks and engine.snapshot.num_running == 0:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_step_failure_fails_requests_and_marks_unhealthy(engine):
+    def broken_step():
+        raise RuntimeError("kernel exploded")
+
+    engine.engine.step = broken_step
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="kernel exploded"):
+            await _collect(engine, {"prompt_token_ids": [5, 6]}, GREEDY)
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, {"prompt_token_ids": [5, 6]}, GREEDY)
+
+    asyncio.run(main())
+    assert not engine.is_healthy() and not engine.is_running
+
+
+def test_stalled_engine_is_unhealthy(engine):
+    engine.stall_timeout = 0.2
+    engine.has_work = True
+    engine.last_progress_time = time.monotonic() - 1.0
+    assert not engine.is_healthy()
+
+
+def test_shutdown_drains_then_refuses(engine):
+    async def main():
+        running = asyncio.ensure_future(_collect(engine, {"prompt_token_ids": [5, 6, 7]}, GREEDY))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        shutdown = asyncio.ensure_future(engine.shutdown(drain_timeout=30))
+        await asyncio.sleep(0.01)
+        with pytest.raises(EngineDrainingError):
+            await _collect(engine, {"prompt_token_ids": [5]}, GREEDY)
+        outs = await running
+        await shutdown
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
+    assert not engine.is_running

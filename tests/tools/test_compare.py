@@ -1,0 +1,69 @@
+"""`fp8serve compare`: configurations from MODEL lists and MODEL@SPEC, and a
+markdown table that marks the first token differing from configuration #1."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpoints import make_tokenizer, write_tiny_llama
+
+from fp8serve.calibration.kv_config import KVConfig
+from fp8serve.engine.tokenizer import load_tokenizer
+from fp8serve.entrypoints.cli import main
+from fp8serve.tools.compare import first_difference, parse_run_configs, render_marked, token_pieces
+
+
+def test_first_difference_and_marking():
+    ref = ["The", " cat", " sat", "."]
+    assert first_difference(ref, ref) is None
+    assert first_difference(["The", " dog", " sat", "."], ref) == 1
+    assert first_difference(["The", " cat"], ref) == 2
+    assert render_marked(["The", " dog", " sat", "|", "\n"], 1) == "The⟦ dog⟧ sat\\|\\n"
+    assert render_marked(["The", " cat"], 2) == "The cat⟦⏹⟧"
+    # a token ending mid-character is marked with the token completing it
+    assert render_marked(["a", "", "é", "b"], 1) == "a⟦é⟧b"
+
+
+def test_token_pieces_join_to_the_text(tmp_path):
+    make_tokenizer(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    ids = tok.encode("Hello world, the cat sat.", add_special_tokens=False)
+    pieces = token_pieces(tok, ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == tok.decode(ids)
+
+
+def test_parse_run_configs(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    configs = parse_run_configs([a, f"{b}@fp8_e4m3:scale1"], ["auto", "fp8_e5m2"], None)
+    assert [(c.model, c.kv) for c in configs] == [
+        (a, KVConfig("auto")), (a, KVConfig("fp8_e5m2")), (b, KVConfig("fp8_e4m3", "scale1"))]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    return write_tiny_llama(root / "a", seed=0), write_tiny_llama(root / "b", seed=1)
+
+
+def test_compare_table(models, tmp_path, capsys):
+    a, b = models
+    out = tmp_path / "cmp.md"
+    rc = main(["compare", f"{a}@auto", f"{a}@fp8_e4m3:scale1", f"{b}@auto", "--max-tokens", "6",
+               "--prompt", "Hello there", "--prompt", "What is the capital of France?",
+               "--dtype", "float32", "--kv-cache-memory", "4MiB", "--out", str(out)])
+    assert rc == 0
+    md = out.read_text()
+    assert md.strip() == capsys.readouterr().out.split("\nwrote ")[0].strip()
+    lines = md.splitlines()
+    config_rows = [line for line in lines if line.startswith("| 1 |") or line.startswith("| 2 |")
+                   or line.startswith("| 3 |")]
+    assert len(config_rows) == 3
+    assert "forced" in config_rows[1] and "fp8_e4m3" in config_rows[1]
+    assert "2/2" in config_rows[0]  # #1 is identical to itself
+    output_rows = [line for line in lines if line.startswith("| Hello there |") or line.startswith("| What is")]
+    assert len(output_rows) == 2
+    # a different random model diverges: its cells carry the first-difference mark, #1's never do
+    for row in output_rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert "⟦" not in cells[1]
+        assert "⟦" in cells[3]
