@@ -4,7 +4,9 @@ step that never breaks the engine, and a plain PyTorch reference.
 The extension is compiled once per machine (it targets the build CPU's
 instruction set, `-march=native`) into the fp8serve cache directory; `make
 setup` triggers the build. Without a compiler the engine logs one warning and
-uses the reference path.
+uses the reference path. FP8SERVE_CPU_MARCH overrides the target (e.g.
+`x86-64-v3` to check the AVX2 path on an AVX-512 machine, `x86-64` for the
+scalar path); each target gets its own build directory.
 """
 
 from __future__ import annotations
@@ -25,8 +27,15 @@ _SOURCES = sorted(_SRC_DIR.glob("*.cpp"))
 
 # The cache storage formats the kernel reads; see paged_attention.cpp.
 KV_FORMATS = {"float32": 0, "bfloat16": 1, "float16": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
+# The torch dtype each format is stored in (FP8 as uint8 codes).
+KV_STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                     "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8}
 # e4m3 codes are decoded as fp16 bit patterns worth value * 2^-8.
 E4M3_DECODE_MULTIPLIER = 256.0
+
+
+def _march() -> str:
+    return os.environ.get("FP8SERVE_CPU_MARCH", "native")
 
 
 def _build_dir() -> Path:
@@ -36,6 +45,7 @@ def _build_dir() -> Path:
     for src in _SOURCES:
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
+    h.update(_march().encode())
     from fp8serve.utils.platform import cpu_flags
 
     h.update(" ".join(sorted(cpu_flags())).encode())
@@ -57,7 +67,7 @@ def load_cpu_ops():
         load(
             name="fp8serve_cpu_ops",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            extra_cflags=["-O3", f"-march={_march()}", "-fopenmp-simd"],
             build_directory=str(_build_dir()),
             is_python_module=False,
             verbose=False,
@@ -77,25 +87,46 @@ def paged_attention_decode(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
-    seq_lens: torch.Tensor,  # [num_seqs] int64
+    seq_lens: torch.Tensor,  # [num_seqs] int64, each in [1, max_blocks * block_size]
     kv_format: str,
     out_scale: float,
+    *,
+    scalar_path: bool = False,  # the portable path non-AVX2 builds run (for tests)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_size] float32
+    """softmax(q k^T) v * out_scale for one query token per sequence, reading
+    K/V from the paged cache in its storage format. The query must already
+    carry softmax_scale * k_scale (and 2^8 for e4m3, E4M3_DECODE_MULTIPLIER);
+    out_scale carries v_scale (and 2^8 for e4m3)."""
     ops = load_cpu_ops()
     if ops is None:
         raise RuntimeError("C++ CPU kernels are not available")
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"unknown kv_format {kv_format!r}; expected one of {list(KV_FORMATS)}")
     if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"bad shapes: query {tuple(query.shape)}, cache {tuple(key_cache.shape)}")
-    if query.shape[2] != key_cache.shape[3] or query.shape[1] % key_cache.shape[2]:
-        raise ValueError("query heads/head_size do not match the cache")
-    if block_tables.shape[0] != query.shape[0] or seq_lens.shape != (query.shape[0],):
-        raise ValueError("block_tables/seq_lens do not match the batch")
+        raise ValueError(f"bad shapes: query {tuple(query.shape)}, key_cache {tuple(key_cache.shape)}, "
+                         f"value_cache {tuple(value_cache.shape)}")
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if head_size != key_cache.shape[3] or num_heads % num_kv_heads:
+        raise ValueError(f"query heads/head_size {tuple(query.shape[1:])} do not match the cache's "
+                         f"{num_kv_heads} kv heads of size {key_cache.shape[3]}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"do not match {num_seqs} sequences")
+    storage = KV_STORAGE_DTYPES[kv_format]
+    if key_cache.dtype != storage or value_cache.dtype != storage:
+        raise TypeError(f"a {kv_format} cache is stored as {storage}, got {key_cache.dtype}/{value_cache.dtype}")
+    if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+        raise TypeError(f"block_tables and seq_lens must be int64, got {block_tables.dtype}/{seq_lens.dtype}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous (the kernel walks raw block strides)")
+    if query.device.type != "cpu" or key_cache.device.type != "cpu":
+        raise ValueError("paged_attention_decode is a CPU kernel")
     q = query.contiguous().float()
     out = torch.empty_like(q)
-    ops.paged_attention_decode(
-        out, q, key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(),
-        KV_FORMATS[kv_format], float(out_scale),
-    )
+    op = ops.paged_attention_decode_scalar if scalar_path else ops.paged_attention_decode
+    op(out, q, key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(),
+       KV_FORMATS[kv_format], float(out_scale))
     return out
 
 

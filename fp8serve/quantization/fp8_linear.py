@@ -5,11 +5,18 @@ per-tensor `weight_scale`; static activation schemes add a per-tensor
 `input_scale`. A fused layer (qkv, gate_up) receives one scale per shard,
 and the shards' scales may differ, so scales are kept per shard.
 
-CPU path (weight-only): after loading, weights are decoded (`fp8 * scale`,
-per shard) into the compute dtype and the layer runs as a float matmul.
-Activations are not quantized on CPU, so a static `input_scale` is loaded,
-validated and kept but not applied; the model's numerics are those of its
-FP8 weights. The engine reports it in the load log.
+CPU path (weight-only): weights stay FP8, one byte each, as uint8 e4m3 codes
+with one float32 scale per output row (each shard's scale repeated over its
+rows, so fused shards with different scales need no requantization). `apply`
+runs `fp8serve.kernels.fp8_linear_ops.fp8_linear`: decoded in registers for
+few rows (decode), decoded block by block into a float GEMM for many
+(prefill). Activations stay in the compute dtype (float32 or bfloat16) and are
+not quantized, so a static `input_scale` is loaded, validated and kept but not
+applied; the model's numerics are those of its FP8 weights. The engine reports
+it in the load log. Without the C++ kernels (no compiler,
+FP8SERVE_DISABLE_CPU_KERNELS) or with another compute dtype, weights are
+decoded (`fp8 * scale`, per shard) into the compute dtype at load and the layer
+runs as a float matmul.
 
 CUDA path (compute capability >= 8.9): weights stay FP8, requantized to one
 per-tensor scale (the shards' maximum), and the layer runs `torch._scaled_mm`
@@ -25,6 +32,7 @@ import torch
 from torch import nn
 
 from fp8serve.errors import ConfigError
+from fp8serve.kernels import fp8_linear_ops
 from fp8serve.quantization.base import LinearMethod, QuantizationConfig, set_weight_loader
 from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8, quantize_fp8
 from fp8serve.quantization.loaders import load_output_shard, load_per_shard_scalar
@@ -69,6 +77,10 @@ def _use_scaled_mm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "_scaled_mm")
 
 
+def _use_cpu_kernel(device: torch.device, compute_dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and compute_dtype in (torch.float32, torch.bfloat16) and fp8_linear_ops.is_available()
+
+
 class Fp8LinearMethod(LinearMethod):
     def __init__(self, config: Fp8Config) -> None:
         self.config = config
@@ -94,6 +106,9 @@ class Fp8LinearMethod(LinearMethod):
             if s is not None and not (torch.isfinite(s).all() and (s > 0).all()):
                 raise ConfigError(f"FP8 checkpoint: '{name}.{pname}' is missing or not a finite number > 0 ({s.tolist()})")
         codes = layer.weight.data.view(torch.uint8)
+        # e4m3fn's only non-finite codes; the CPU kernel would read them as +-480.
+        if ((codes & 0x7F) == 0x7F).any():
+            raise ConfigError(f"FP8 checkpoint: '{name}.weight' contains NaN codes")
         offsets = [0]
         for size in layer.output_sizes:
             offsets.append(offsets[-1] + size)
@@ -108,20 +123,30 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight_scale = nn.Parameter(torch.tensor(max_scale, device=codes.device), requires_grad=False)
             if layer.input_scale is not None:
                 layer.input_scale = nn.Parameter(layer.input_scale.max(), requires_grad=False)
-            layer.fp8_gemm = True
+            layer.fp8_backend = "scaled_mm"
             return
         dtype = layer.compute_dtype
+        if _use_cpu_kernel(codes.device, dtype):
+            layer.weight = nn.Parameter(codes.contiguous(), requires_grad=False)  # [N, K] uint8
+            layer.weight_scale = nn.Parameter(
+                fp8_linear_ops.expand_shard_scales(layer.weight_scale.data, layer.output_sizes), requires_grad=False
+            )  # [N] float32
+            layer.fp8_backend = "cpu_kernel"
+            return
         w = torch.empty(codes.shape, dtype=dtype, device=codes.device)
         for (a, b), s in zip(zip(offsets, offsets[1:]), scales):
             w[a:b] = dequantize_fp8(codes[a:b], s, FP8_E4M3, dtype)
         layer.weight = nn.Parameter(w, requires_grad=False)
-        layer.fp8_gemm = False
+        layer.fp8_backend = "dequantized"
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not layer.fp8_gemm:
+        if layer.fp8_backend == "dequantized":
             return torch.nn.functional.linear(x, layer.weight, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if layer.fp8_backend == "cpu_kernel":
+            out = fp8_linear_ops.fp8_linear(x2, layer.weight, layer.weight_scale, bias)
+            return out.reshape(*shape[:-1], out.shape[-1])
         if layer.input_scale is not None:
             x_scale = layer.input_scale
         else:

@@ -5,6 +5,8 @@ use the reference path (compute-bound, the gather is a small part)."""
 
 from __future__ import annotations
 
+import torch
+
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, paged_attention_decode
@@ -19,14 +21,26 @@ class CpuPagedBackend(TorchSDPABackend):
         else:
             super().build_metadata(md)
 
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        k_scale: float,
+        v_scale: float,
+    ) -> None:
+        """Quantize (or convert) this step's K/V to the storage format and scatter them into their slots."""
+        num_kv_heads, head_size = key.shape[1], key.shape[2]
+        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, self._store(key, k_scale))
+        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, self._store(value, v_scale))
+
     def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale):
         md = metadata
         if not md.is_decode_only:
             return super().forward(query, key, value, kv_cache, metadata,
                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
-        num_kv_heads, head_size = key.shape[1], key.shape[2]
-        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, md.slot_mapping, self._store(key, k_scale))
-        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, md.slot_mapping, self._store(value, v_scale))
+        self.write_kv_cache(key, value, kv_cache, md.slot_mapping, k_scale, v_scale)
         # Fold every constant into q and the output (see paged_attention.cpp).
         decode_mult = E4M3_DECODE_MULTIPLIER if self.spec.kv_cache_dtype == "fp8_e4m3" else 1.0
         q = query.float() * (softmax_scale * k_scale * decode_mult)

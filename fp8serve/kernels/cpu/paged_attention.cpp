@@ -1,6 +1,6 @@
 // Decode attention over the paged KV cache, reading K/V in their storage
 // format (float32, bf16, fp16, fp8 e4m3, fp8 e5m2) and converting to float32
-// in registers. One query token per sequence.
+// in registers, fused with the FMAs that use them. One query token per sequence.
 //
 // FP8 is decoded through fp16 bit patterns and F16C:
 //   e5m2 is the top byte of an fp16, so half = code << 8;
@@ -8,20 +8,42 @@
 //   right mantissa and an exponent 8 too small (bias 15), for normals and
 //   subnormals alike, so value = half * 2^8. That constant is folded into the
 //   per-layer scales by the caller (`kv_multiplier`), as are k_scale (into q)
-//   and v_scale (into the output): no per-element scaling here.
+//   and v_scale (into the output): no per-element scaling here. (e4m3's NaN
+//   codes 0x7f/0xff decode as 480: quantize_fp8 never writes them for finite
+//   inputs.) In 16-bit lanes holding code << 8, the e4m3 pattern is one
+//   arithmetic shift right and one AND away.
 //
-// Work is split over (sequence, kv head) pairs on torch's thread pool; each task keeps
-// the scores of its query heads (all heads that share this kv head, GQA) in a
-// thread-local buffer and reads each K and V row exactly once.
+// Schedule. The work is split into items (sequence, range of its context),
+// each covering every kv head, so one item streams whole blocks (contiguous
+// block_size * num_kv_heads * head_size elements) instead of one head's rows
+// strided through them. Long contexts are split when there are too few
+// sequences to keep every thread busy (flash-decoding): each split keeps its
+// own running max / sum / weighted V and a merge pass combines them. Threads
+// pull items from an atomic counter, so uneven sequence lengths balance.
+//
+// Inside an item, tokens go in tiles of 16 (across block boundaries, any
+// block_size) with online softmax: the tile's scores for all query heads of a
+// kv head (GQA group) from one read of each K row, then one rescale of the
+// running state when the max grows, then one read of each V row. Each K/V
+// element is converted once and used for `group` FMAs. Scores are reduced
+// eight tokens at a time (one transpose-add) instead of a horizontal sum per
+// dot product. The next tile's rows are prefetched: blocks are scattered, so
+// the hardware prefetchers lose the stream at every block boundary.
+//
+// The scalar path (no AVX2/FMA/F16C at build time, head_size % 8 != 0, or
+// asked for: `paged_attention_decode_scalar`, which tests use to keep it
+// correct on AVX2 machines) has the same schedule and plain C++ decoding.
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -33,17 +55,49 @@ namespace {
 
 enum KVFormat : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
-inline float half_bits_to_float(uint16_t h) {
-#ifdef FP8SERVE_AVX2
-  return _cvtsh_ss(h);
-#else
-  // Portable fallback (normals, subnormals, zero; inf/NaN are never stored).
-  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+constexpr int64_t kTileTokens = 16;
+// A context is split only into pieces of at least this many tokens: a split
+// costs one partial result (num_heads * (head_size + 2) floats) and its merge.
+constexpr int64_t kMinSplitTokens = 64;
+// Largest GQA group handled in registers at once; bigger groups go in slices.
+constexpr int kMaxGroupSlice = 8;
+
+struct Problem {
+  float* out;                // [num_seqs, num_heads, head_size]
+  const float* q;            // [num_seqs, num_heads, head_size], pre-scaled
+  const uint8_t* k_cache;    // [num_blocks, block_size, num_kv_heads, head_size]
+  const uint8_t* v_cache;
+  const int64_t* block_tables;  // [num_seqs, max_blocks]
+  const int64_t* seq_lens;      // [num_seqs]
+  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks;
+  int64_t row_bytes;    // one token, one kv head
+  int64_t slot_bytes;   // one token, all kv heads
+  int64_t block_bytes;  // one block
+  float out_scale;
+};
+
+// Tokens [begin, end) of sequence `seq`; `partial` >= 0 is its slot in the
+// scratch buffer when the sequence is split, -1 when the item is the whole context.
+struct WorkItem {
+  int64_t seq, begin, end, partial;
+};
+
+// The running online-softmax state of `group` query heads.
+struct HeadState {
+  float* m;    // [group] running max of the scores
+  float* l;    // [group] running sum of exp(score - m)
+  float* acc;  // [group, head_size] running sum of exp(score - m) * v
+};
+
+// ---------------------------------------------------------------- scalar path
+
+inline float half_bits_to_float_portable(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
   float v;
   if (exp == 0) {
     v = std::ldexp(static_cast<float>(man), -24);
   } else if (exp == 31) {
-    v = man ? NAN : INFINITY;
+    v = man ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
   } else {
     v = std::ldexp(static_cast<float>(man | 0x400u), static_cast<int>(exp) - 25);
   }
@@ -52,74 +106,121 @@ inline float half_bits_to_float(uint16_t h) {
   bits |= sign;
   std::memcpy(&v, &bits, 4);
   return v;
-#endif
 }
 
-// Convert `n` elements of one cache row to float32.
 template <int64_t F>
-inline void load_row(const void* src, float* dst, int64_t n) {
+inline float decode_scalar(const uint8_t* row, int64_t i) {
   if constexpr (F == kF32) {
-    std::memcpy(dst, src, n * sizeof(float));
+    float v;
+    std::memcpy(&v, row + 4 * i, 4);
+    return v;
   } else if constexpr (F == kBF16) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    int64_t i = 0;
-#ifdef FP8SERVE_AVX2
-    for (; i + 8 <= n; i += 8) {
-      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-      __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(w));
-    }
-#endif
-    for (; i < n; ++i) {
-      uint32_t b = static_cast<uint32_t>(s[i]) << 16;
-      std::memcpy(dst + i, &b, 4);
-    }
+    uint16_t h;
+    std::memcpy(&h, row + 2 * i, 2);
+    const uint32_t b = static_cast<uint32_t>(h) << 16;
+    float v;
+    std::memcpy(&v, &b, 4);
+    return v;
   } else if constexpr (F == kF16) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    int64_t i = 0;
-#ifdef FP8SERVE_AVX2
-    for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-    }
-#endif
-    for (; i < n; ++i) dst[i] = half_bits_to_float(s[i]);
+    uint16_t h;
+    std::memcpy(&h, row + 2 * i, 2);
+    return half_bits_to_float_portable(h);
   } else if constexpr (F == kE5M2) {
-    const uint8_t* s = static_cast<const uint8_t*>(src);
-    int64_t i = 0;
-#ifdef FP8SERVE_AVX2
-    for (; i + 8 <= n; i += 8) {
-      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + i));
-      __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
-    }
-#endif
-    for (; i < n; ++i) dst[i] = half_bits_to_float(static_cast<uint16_t>(s[i]) << 8);
+    return half_bits_to_float_portable(static_cast<uint16_t>(row[i] << 8));
   } else {  // kE4M3, value * 2^-8 (see header)
-    const uint8_t* s = static_cast<const uint8_t*>(src);
-    int64_t i = 0;
-#ifdef FP8SERVE_AVX2
-    const __m128i sign_mask = _mm_set1_epi16(0x80), mag_mask = _mm_set1_epi16(0x7f);
-    for (; i + 8 <= n; i += 8) {
-      __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + i)));
-      __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign_mask), 8),
-                               _mm_slli_epi16(_mm_and_si128(b, mag_mask), 7));
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    const uint16_t b = row[i];
+    return half_bits_to_float_portable(static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)));
+  }
+}
+
+// One tile of n tokens for `group` query heads sharing the kv head at byte
+// offset `head_off` of each slot.
+template <int64_t F>
+void tile_scalar(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
+                 int64_t head_size, int64_t group, const float* q, HeadState st) {
+  float s[kTileTokens];
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * head_size;
+    float tile_max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) {
+      const uint8_t* row = krows[t] + head_off;
+      float dot = 0.f;
+      for (int64_t d = 0; d < head_size; ++d) dot += qg[d] * decode_scalar<F>(row, d);
+      s[t] = dot;
+      tile_max = std::max(tile_max, dot);
     }
-#endif
-    for (; i < n; ++i) {
-      uint16_t b = s[i];
-      dst[i] = half_bits_to_float(static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)));
+    float* acc = st.acc + g * head_size;
+    const float m_new = std::max(st.m[g], tile_max);
+    if (m_new > st.m[g]) {
+      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile (m = -inf)
+      st.l[g] *= alpha;
+      for (int64_t d = 0; d < head_size; ++d) acc[d] *= alpha;
+      st.m[g] = m_new;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float p = std::exp(s[t] - st.m[g]);
+      st.l[g] += p;
+      const uint8_t* row = vrows[t] + head_off;
+      for (int64_t d = 0; d < head_size; ++d) acc[d] += p * decode_scalar<F>(row, d);
     }
   }
 }
 
+// ------------------------------------------------------------------ AVX2 path
+
 #ifdef FP8SERVE_AVX2
-// exp for x <= 0 (softmax after max subtraction); relative error ~1e-7.
+
+// 16 consecutive elements of a row (starting at element i) as two float32 vectors.
+template <int64_t F>
+inline void load16(const uint8_t* row, int64_t i, __m256& lo, __m256& hi) {
+  if constexpr (F == kF32) {
+    const float* p = reinterpret_cast<const float*>(row) + i;
+    lo = _mm256_loadu_ps(p);
+    hi = _mm256_loadu_ps(p + 8);
+  } else if constexpr (F == kBF16) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(row + 2 * i);
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
+    hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + 1)), 16));
+  } else if constexpr (F == kF16) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(row + 2 * i);
+    lo = _mm256_cvtph_ps(_mm_loadu_si128(p));
+    hi = _mm256_cvtph_ps(_mm_loadu_si128(p + 1));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+    __m128i h0 = _mm_unpacklo_epi8(_mm_setzero_si128(), b);  // code << 8 in 16-bit lanes
+    __m128i h1 = _mm_unpackhi_epi8(_mm_setzero_si128(), b);
+    if constexpr (F == kE4M3) {
+      const __m128i keep = _mm_set1_epi16(static_cast<short>(0xBFFF));  // drop the sign's copy in bit 14
+      h0 = _mm_and_si128(_mm_srai_epi16(h0, 1), keep);
+      h1 = _mm_and_si128(_mm_srai_epi16(h1, 1), keep);
+    }
+    lo = _mm256_cvtph_ps(h0);
+    hi = _mm256_cvtph_ps(h1);
+  }
+}
+
+// 8 consecutive elements (head sizes that are an odd multiple of 8).
+template <int64_t F>
+inline __m256 load8(const uint8_t* row, int64_t i) {
+  if constexpr (F == kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  } else if constexpr (F == kBF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (F == kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
+  } else {
+    __m128i h = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
+    if constexpr (F == kE4M3) h = _mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+    return _mm256_cvtph_ps(h);
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their max); relative error ~1e-7. NaN stays NaN.
 inline __m256 exp256(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  x = _mm256_max_ps(x, lo);
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  // NaN in the second operand passes through
   const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // x - fx*ln2 in two parts for accuracy
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
@@ -129,90 +230,359 @@ inline __m256 exp256(__m256 x) {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  __m256 x2 = _mm256_mul_ps(x, x);
+  const __m256 x2 = _mm256_mul_ps(x, x);
   y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
-#endif
 
-// exp(s - m) in place over n scores; returns their sum.
-inline float exp_sum(float* s, int64_t n, float m) {
-  int64_t i = 0;
-  float sum = 0.f;
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lane j of the result = sum of the 8 lanes of v[j].
+inline __m256 transpose_sum8(const __m256* v) {
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// One tile of n <= 16 tokens for G query heads sharing one kv head (see header).
+template <int64_t F, int G>
+void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
+               int64_t head_size, const float* q, HeadState st) {
+  // Two accumulator sets per head while registers allow: shorter FMA chains.
+  constexpr bool kSplitAcc = G <= 4;
+  alignas(32) __m256 partial[G][8];  // per-token dot-product lanes, 8 tokens at a time
+  alignas(32) float s[G][kTileTokens];
+
+  // Scores: each K element converted once, used by G FMAs.
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* row = krows[t] + head_off;
+    __m256 a[G], b[G];
+    for (int g = 0; g < G; ++g) a[g] = b[g] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= head_size; d += 16) {
+      __m256 x0, x1;
+      load16<F>(row, d, x0, x1);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + g * head_size + d;
+        a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), x0, a[g]);
+        if constexpr (kSplitAcc) {
+          b[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), x1, b[g]);
+        } else {
+          a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), x1, a[g]);
+        }
+      }
+    }
+    if (d < head_size) {
+      const __m256 x0 = load8<F>(row, d);
+      for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_size + d), x0, a[g]);
+    }
+    for (int g = 0; g < G; ++g) partial[g][t & 7] = kSplitAcc ? _mm256_add_ps(a[g], b[g]) : a[g];
+    if ((t & 7) == 7 || t == n - 1) {
+      // Lanes past t hold stale data; they are masked below.
+      for (int g = 0; g < G; ++g) _mm256_store_ps(&s[g][t & ~int64_t{7}], transpose_sum8(partial[g]));
+    }
+  }
+
+  // Online softmax update; p overwrites s.
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), nv = _mm256_set1_ps(static_cast<float>(n));
+  const __m256 valid0 = _mm256_cmp_ps(lane, nv, _CMP_LT_OQ);
+  const __m256 valid1 = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.f)), nv, _CMP_LT_OQ);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int g = 0; g < G; ++g) {
+    const __m256 s0 = _mm256_blendv_ps(neg_inf, _mm256_load_ps(s[g]), valid0);
+    const __m256 s1 = _mm256_blendv_ps(neg_inf, _mm256_load_ps(s[g] + 8), valid1);
+    const float m_new = std::max(st.m[g], hmax(_mm256_max_ps(s0, s1)));
+    if (m_new > st.m[g]) {
+      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile (m = -inf)
+      st.l[g] *= alpha;
+      if (alpha != 1.f) {
+        float* acc = st.acc + g * head_size;
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int64_t d = 0; d < head_size; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(va, _mm256_loadu_ps(acc + d)));
+      }
+      st.m[g] = m_new;
+    }
+    const __m256 vm = _mm256_set1_ps(st.m[g]);
+    const __m256 p0 = _mm256_and_ps(exp256(_mm256_sub_ps(s0, vm)), valid0);
+    const __m256 p1 = _mm256_and_ps(exp256(_mm256_sub_ps(s1, vm)), valid1);
+    _mm256_store_ps(s[g], p0);
+    _mm256_store_ps(s[g] + 8, p1);
+    st.l[g] += hsum(_mm256_add_ps(p0, p1));
+  }
+
+  // Weighted V: each V element converted once, used by G FMAs; the
+  // accumulators of 16 output lanes stay in registers across the tile.
+  int64_t d = 0;
+  if constexpr (2 * G + 3 <= 16) {
+    for (; d + 16 <= head_size; d += 16) {
+      __m256 a0[G], a1[G];
+      for (int g = 0; g < G; ++g) {
+        a0[g] = _mm256_loadu_ps(st.acc + g * head_size + d);
+        a1[g] = _mm256_loadu_ps(st.acc + g * head_size + d + 8);
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        __m256 x0, x1;
+        load16<F>(vrows[t] + head_off, d, x0, x1);
+        for (int g = 0; g < G; ++g) {
+          const __m256 p = _mm256_broadcast_ss(&s[g][t]);
+          a0[g] = _mm256_fmadd_ps(p, x0, a0[g]);
+          a1[g] = _mm256_fmadd_ps(p, x1, a1[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        _mm256_storeu_ps(st.acc + g * head_size + d, a0[g]);
+        _mm256_storeu_ps(st.acc + g * head_size + d + 8, a1[g]);
+      }
+    }
+  }
+  for (; d < head_size; d += 8) {
+    __m256 a0[G];
+    for (int g = 0; g < G; ++g) a0[g] = _mm256_loadu_ps(st.acc + g * head_size + d);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 x0 = load8<F>(vrows[t] + head_off, d);
+      for (int g = 0; g < G; ++g) a0[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&s[g][t]), x0, a0[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(st.acc + g * head_size + d, a0[g]);
+  }
+}
+
+#endif  // FP8SERVE_AVX2
+
+// ------------------------------------------------------------------- schedule
+
+using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, int64_t, int64_t, const float*,
+                        HeadState);
+
+template <int64_t F>
+struct TileTable {
+  TileFn by_group[kMaxGroupSlice + 1] = {};  // [g] handles a slice of g query heads
+  TileTable() {
 #ifdef FP8SERVE_AVX2
-  __m256 vm = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
-    _mm256_storeu_ps(s + i, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, acc);
-  for (float t : tmp) sum += t;
+    by_group[1] = tile_avx2<F, 1>;
+    by_group[2] = tile_avx2<F, 2>;
+    by_group[3] = tile_avx2<F, 3>;
+    by_group[4] = tile_avx2<F, 4>;
+    by_group[5] = tile_avx2<F, 5>;
+    by_group[6] = tile_avx2<F, 6>;
+    by_group[7] = tile_avx2<F, 7>;
+    by_group[8] = tile_avx2<F, 8>;
 #endif
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - m);
-    sum += s[i];
   }
-  return sum;
+};
+
+inline void prefetch_rows(const uint8_t* const* rows, int64_t n, int64_t head_off, int64_t row_bytes) {
+#ifdef FP8SERVE_AVX2
+  for (int64_t t = 0; t < n; ++t) {
+    const char* p = reinterpret_cast<const char*>(rows[t] + head_off);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+#else
+  (void)rows, (void)n, (void)head_off, (void)row_bytes;
+#endif
+}
+
+// Slot addresses of tokens [t, t + n) of one sequence.
+inline void tile_rows(const Problem& p, const int64_t* bt, int64_t t, int64_t n, const uint8_t** krows,
+                      const uint8_t** vrows) {
+  int64_t blk = t / p.block_size, off = t % p.block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = bt[blk] * p.block_bytes + off * p.slot_bytes;
+    krows[i] = p.k_cache + pos;
+    vrows[i] = p.v_cache + pos;
+    if (++off == p.block_size) off = 0, ++blk;
+  }
+}
+
+// Attends tokens [item.begin, item.end) of one sequence for every head,
+// leaving the unnormalized state in m, l, acc ([num_heads], [num_heads],
+// [num_heads, head_size]).
+template <int64_t F>
+void run_item(const Problem& p, const WorkItem& item, bool vector_path, float* m, float* l, float* acc) {
+  static const TileTable<F> table;
+  const int64_t group = p.num_heads / p.num_kv_heads, hs = p.head_size;
+  const int64_t* bt = p.block_tables + item.seq * p.max_blocks;
+  const float* q = p.q + item.seq * p.num_heads * hs;
+  std::fill(m, m + p.num_heads, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + p.num_heads, 0.f);
+  std::fill(acc, acc + p.num_heads * hs, 0.f);
+
+  const uint8_t *krows[2][kTileTokens], *vrows[2][kTileTokens];
+  int cur = 0;
+  int64_t n = std::min(kTileTokens, item.end - item.begin);
+  tile_rows(p, bt, item.begin, n, krows[cur], vrows[cur]);
+  for (int64_t t = item.begin; t < item.end; t += kTileTokens) {
+    const int64_t next_t = t + kTileTokens;
+    const int64_t next_n = std::min(kTileTokens, item.end - next_t);
+    if (next_n > 0) tile_rows(p, bt, next_t, next_n, krows[cur ^ 1], vrows[cur ^ 1]);
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      const int64_t head_off = h * p.row_bytes;
+      if (next_n > 0 && vector_path) {
+        prefetch_rows(krows[cur ^ 1], next_n, head_off, p.row_bytes);
+        prefetch_rows(vrows[cur ^ 1], next_n, head_off, p.row_bytes);
+      }
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroupSlice) {
+        const int64_t gs = std::min<int64_t>(kMaxGroupSlice, group - g0);
+        const int64_t qh = h * group + g0;  // first query head of the slice
+        const HeadState st{m + qh, l + qh, acc + qh * hs};
+        if (vector_path) {
+          table.by_group[gs](krows[cur], vrows[cur], n, head_off, hs, q + qh * hs, st);
+        } else {
+          tile_scalar<F>(krows[cur], vrows[cur], n, head_off, hs, gs, q + qh * hs, st);
+        }
+      }
+    }
+    cur ^= 1;
+    n = next_n;
+  }
 }
 
 template <int64_t F>
-void decode_impl(float* out, const float* q, const uint8_t* k_cache, const uint8_t* v_cache,
-                 const int64_t* block_tables, const int64_t* seq_lens, int64_t num_seqs, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t max_blocks,
-                 int64_t elem_size, float out_scale) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_bytes = head_size * elem_size;               // one token, one kv head
-  const int64_t slot_bytes = num_kv_heads * row_bytes;            // one token, all kv heads
-  const int64_t block_bytes = block_size * slot_bytes;
-  // torch's own thread pool: a second OpenMP runtime in the process would
-  // fight torch's spinning worker threads for the same cores.
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row(head_size), acc;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = seq_lens[b];
-      const float* qh = q + (b * num_heads + h * group) * head_size;  // [group, head_size]
-      scores.assign(group * len, 0.f);
-      const int64_t* bt = block_tables + b * max_blocks;
-      // Scores: one pass over K.
-      for (int64_t t = 0; t < len; ++t) {
-        const uint8_t* src = k_cache + bt[t / block_size] * block_bytes + (t % block_size) * slot_bytes + h * row_bytes;
-        load_row<F>(src, row.data(), head_size);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qh + g * head_size;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_size; ++d) dot += qg[d] * row[d];
-          scores[g * len + t] = dot;
+void decode_impl(const Problem& p, bool vector_path) {
+  const int64_t hs = p.head_size, nh = p.num_heads;
+  const int64_t num_threads = at::get_num_threads();
+
+  // Split contexts only when there are too few sequences for the threads.
+  int64_t total_tokens = 0, max_len = 0;
+  for (int64_t b = 0; b < p.num_seqs; ++b) total_tokens += p.seq_lens[b], max_len = std::max(max_len, p.seq_lens[b]);
+  const int64_t target_items = 4 * num_threads;
+  int64_t split_tokens = max_len;
+  if (p.num_seqs < target_items && num_threads > 1) {
+    split_tokens = std::max(kMinSplitTokens, (total_tokens + target_items - 1) / target_items);
+    split_tokens = (split_tokens + kTileTokens - 1) / kTileTokens * kTileTokens;
+  }
+  std::vector<WorkItem> items;
+  items.reserve(p.num_seqs + total_tokens / std::max<int64_t>(split_tokens, 1) + 1);
+  std::vector<int64_t> first_partial(p.num_seqs + 1, 0);  // seq b's partials: [first[b], first[b+1])
+  int64_t num_partials = 0;
+  for (int64_t b = 0; b < p.num_seqs; ++b) {
+    const int64_t len = p.seq_lens[b];
+    first_partial[b] = num_partials;
+    if (len <= split_tokens) {
+      items.push_back({b, 0, len, -1});
+    } else {
+      for (int64_t t = 0; t < len; t += split_tokens) items.push_back({b, t, std::min(len, t + split_tokens), num_partials++});
+    }
+  }
+  first_partial[p.num_seqs] = num_partials;
+  // Partial results: [num_partials, num_heads, head_size + 2] (acc, then m and l).
+  const int64_t partial_stride = nh * (hs + 2);
+  std::vector<float> partials(num_partials * partial_stride);
+
+  std::atomic<int64_t> next_item{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min(num_threads, num_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    // One buffer per worker per call, not per item.
+    std::vector<float> state(nh * (hs + 2));
+    float* acc = state.data();
+    float* m = acc + nh * hs;
+    float* l = m + nh;
+    for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const WorkItem& item = items[i];
+      run_item<F>(p, item, vector_path, m, l, acc);
+      if (item.partial < 0) {
+        float* o = p.out + item.seq * nh * hs;
+        for (int64_t h = 0; h < nh; ++h) {
+          const float f = p.out_scale / l[h];
+          for (int64_t d = 0; d < hs; ++d) o[h * hs + d] = acc[h * hs + d] * f;
         }
-      }
-      std::vector<float> inv_sum(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        float m = *std::max_element(s, s + len);
-        inv_sum[g] = out_scale / exp_sum(s, len, m);
-      }
-      // Weighted sum: one pass over V.
-      acc.assign(group * head_size, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const uint8_t* src = v_cache + bt[t / block_size] * block_bytes + (t % block_size) * slot_bytes + h * row_bytes;
-        load_row<F>(src, row.data(), head_size);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * head_size;
-#pragma omp simd
-          for (int64_t d = 0; d < head_size; ++d) a[d] += p * row[d];
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = out + (b * num_heads + h * group + g) * head_size;
-        for (int64_t d = 0; d < head_size; ++d) o[d] = acc[g * head_size + d] * inv_sum[g];
+      } else {
+        std::memcpy(partials.data() + item.partial * partial_stride, state.data(), partial_stride * sizeof(float));
       }
     }
   });
+
+  if (num_partials == 0) return;
+  // Merge the splits of each split sequence: rescale every split to the common max.
+  at::parallel_for(0, p.num_seqs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = first_partial[b], count = first_partial[b + 1] - first;
+      if (count == 0) continue;
+      float* o = p.out + b * nh * hs;
+      for (int64_t h = 0; h < nh; ++h) {
+        float m_max = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < count; ++s) m_max = std::max(m_max, partials[(first + s) * partial_stride + nh * hs + h]);
+        float l_sum = 0.f;
+        std::fill(o + h * hs, o + (h + 1) * hs, 0.f);
+        for (int64_t s = 0; s < count; ++s) {
+          const float* part = partials.data() + (first + s) * partial_stride;
+          const float w = std::exp(part[nh * hs + h] - m_max);
+          l_sum += w * part[nh * hs + nh + h];
+          for (int64_t d = 0; d < hs; ++d) o[h * hs + d] += w * part[h * hs + d];
+        }
+        const float f = p.out_scale / l_sum;
+        for (int64_t d = 0; d < hs; ++d) o[h * hs + d] *= f;
+      }
+    }
+  });
+}
+
+void paged_attention_decode_dispatch(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale,
+                                     bool vector_path) {
+  TORCH_CHECK(out.is_contiguous() && query.is_contiguous(), "out and query must be contiguous");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "query and out must be float32");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_seqs, num_heads, head_size]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "caches must be [num_blocks, block_size, num_kv_heads, head_size], K and V alike");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "K and V caches must have one dtype");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "block_tables/seq_lens must be contiguous");
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_size, "head_size mismatch between query and cache");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs, "block_tables must be [num_seqs, max_blocks]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs, "seq_lens must be [num_seqs]");
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t elem = key_cache.element_size();
+  const auto* bt = block_tables.data_ptr<int64_t>();
+  const auto* sl = seq_lens.data_ptr<int64_t>();
+  // Every block the kernel will read must exist: a bad table would read out of bounds.
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    TORCH_CHECK(sl[b] >= 1 && sl[b] <= max_blocks * block_size, "seq_lens[", b, "] = ", sl[b],
+                " is outside [1, max_blocks * block_size]");
+    for (int64_t i = 0; i < (sl[b] + block_size - 1) / block_size; ++i) {
+      const int64_t id = bt[b * max_blocks + i];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", i, "] = ", id, " is not a block id");
+    }
+  }
+  Problem p{out.data_ptr<float>(), query.data_ptr<float>(),
+            static_cast<const uint8_t*>(key_cache.data_ptr()), static_cast<const uint8_t*>(value_cache.data_ptr()),
+            bt, sl, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks,
+            head_size * elem, num_kv_heads * head_size * elem, block_size * num_kv_heads * head_size * elem,
+            static_cast<float>(out_scale)};
+  if (num_seqs == 0) return;
+#ifdef FP8SERVE_AVX2
+  vector_path = vector_path && head_size % 8 == 0;
+#else
+  vector_path = false;
+#endif
+  const auto dt = key_cache.scalar_type();
+  switch (kv_format) {
+    case kF32: TORCH_CHECK(dt == at::kFloat, "float32 cache expected"); decode_impl<kF32>(p, vector_path); break;
+    case kBF16: TORCH_CHECK(dt == at::kBFloat16, "bfloat16 cache expected"); decode_impl<kBF16>(p, vector_path); break;
+    case kF16: TORCH_CHECK(dt == at::kHalf, "float16 cache expected"); decode_impl<kF16>(p, vector_path); break;
+    case kE4M3: TORCH_CHECK(dt == at::kByte, "uint8 cache expected"); decode_impl<kE4M3>(p, vector_path); break;
+    case kE5M2: TORCH_CHECK(dt == at::kByte, "uint8 cache expected"); decode_impl<kE5M2>(p, vector_path); break;
+    default: TORCH_CHECK(false, "unknown kv_format ", kv_format);
+  }
 }
 
 }  // namespace
@@ -221,40 +591,18 @@ void decode_impl(float* out, const float* q, const uint8_t* k_cache, const uint8
 // pre-multiplied by softmax_scale * k_scale (* 2^8 for e4m3).
 // key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
 // contiguous, dtype per `kv_format` (fp8 as uint8).
-// block_tables: [num_seqs, max_blocks] int64; seq_lens: [num_seqs] int64.
-void paged_attention_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                            int64_t kv_format, double out_scale) {
-  TORCH_CHECK(out.is_contiguous() && query.is_contiguous(), "out and query must be contiguous");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
-              "query and out must be float32");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
-              "block_tables and seq_lens must be int64");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "block_tables/seq_lens must be contiguous");
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_size, "head_size mismatch between query and cache");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t elem = key_cache.element_size();
-  auto* o = out.data_ptr<float>();
-  const auto* q = query.data_ptr<float>();
-  const auto* kc = static_cast<const uint8_t*>(key_cache.data_ptr());
-  const auto* vc = static_cast<const uint8_t*>(value_cache.data_ptr());
-  const auto* bt = block_tables.data_ptr<int64_t>();
-  const auto* sl = seq_lens.data_ptr<int64_t>();
-  const float os = static_cast<float>(out_scale);
-#define FP8SERVE_CALL(F) decode_impl<F>(o, q, kc, vc, bt, sl, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks, elem, os)
-  switch (kv_format) {
-    case kF32: TORCH_CHECK(elem == 4, "float32 cache expected"); FP8SERVE_CALL(kF32); break;
-    case kBF16: TORCH_CHECK(elem == 2, "bf16 cache expected"); FP8SERVE_CALL(kBF16); break;
-    case kF16: TORCH_CHECK(elem == 2, "fp16 cache expected"); FP8SERVE_CALL(kF16); break;
-    case kE4M3: TORCH_CHECK(elem == 1, "uint8 cache expected"); FP8SERVE_CALL(kE4M3); break;
-    case kE5M2: TORCH_CHECK(elem == 1, "uint8 cache expected"); FP8SERVE_CALL(kE5M2); break;
-    default: TORCH_CHECK(false, "unknown kv_format ", kv_format);
-  }
-#undef FP8SERVE_CALL
+// block_tables: [num_seqs, max_blocks] int64; seq_lens: [num_seqs] int64, >= 1.
+void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                            at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
+  paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
+                                  /*vector_path=*/true);
+}
+
+// Same contract, always the portable scalar path (what non-AVX2 builds run).
+void paged_attention_decode_scalar(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                   at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
+  paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
+                                  /*vector_path=*/false);
 }
 
 bool has_avx2() {
@@ -269,5 +617,6 @@ bool has_avx2() {
 // kernels can be added without a shared binding file.
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("paged_attention_decode", &paged_attention_decode);
+  m.def("paged_attention_decode_scalar", &paged_attention_decode_scalar);
   m.def("has_avx2", &has_avx2);
 }

@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""Decode attention over the paged KV cache on CPU: the C++ kernel against the
+machine's measured memory bandwidth and against the PyTorch reference path.
+
+For every KV storage format and (batch, context) cell it reports
+  - kernel time per call (`paged_attention_decode`, one query token per sequence),
+  - achieved read bandwidth: bytes of K+V the kernel actually reads (every
+    sequence's context, in the storage format) divided by that time,
+  - that bandwidth as a fraction of this run's measured copy bandwidth
+    (`Tensor.copy_` of a 256 MiB buffer, read + write bytes counted) and of the
+    read-only bandwidth (`Tensor.sum` of the same buffer),
+  - one decode step of each backend (`CpuPagedBackend.forward`, which also writes
+    the new token and folds the scales; `TorchSDPABackend.forward`, gather +
+    dequantize + SDPA),
+and separately the cache write (quantize + scatter) of a decode batch and of a
+16 x 512-token prefill.
+
+Timings are the best of several repeats after warm-up (the CPU may be shared:
+the best repeat is the least disturbed one); every ratio comes from the same
+run. Fixed seeds. Targets (issue "Fast on CPU"): FP8 reads >= 50% of the copy
+bandwidth, FP8 attention time <= 16-bit attention time.
+
+Examples:
+  python benchmarks/attention.py                         # SmolLM2 shapes, full grid, saves results
+  python benchmarks/attention.py --batch-sizes 1 --context-lens 2048 --kv-dtypes fp8_e4m3 --no-save
+  python benchmarks/attention.py --num-heads 32 --num-kv-heads 8 --head-size 128
+  # compare against another build of the kernel (its ops registered under another namespace):
+  python benchmarks/attention.py --baseline-lib /tmp/old.so --baseline-namespace fp8serve_base
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fp8serve.attention.backends.cpu_paged import CpuPagedBackend
+from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
+from fp8serve.attention.kv_cache_spec import KVCacheSpec
+from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, KV_FORMATS, load_cpu_ops, paged_attention_decode
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BANDWIDTH_BUFFER_BYTES = 256 << 20
+K_SCALE, V_SCALE = 0.05, 0.03  # != 1, so the scale folding is part of what is timed
+
+
+def best_time(fn, min_time: float, repeats: int) -> float:
+    """Seconds per call: best of `repeats` timed loops of about min_time/repeats each."""
+    for _ in range(3):
+        fn()
+    t = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t, 1e-7)
+    inner = max(1, int(min_time / repeats / once))
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t) / inner)
+    return best
+
+
+def measure_bandwidth(min_time: float, repeats: int) -> tuple[float, float]:
+    """(copy GB/s counting read + write bytes, read-only GB/s) of a 256 MiB float32 buffer."""
+    src = torch.ones(BANDWIDTH_BUFFER_BYTES // 4)
+    dst = torch.empty_like(src)
+    copy_s = best_time(lambda: dst.copy_(src), min_time, repeats)
+    sum_s = best_time(lambda: src.sum(), min_time, repeats)
+    return 2 * BANDWIDTH_BUFFER_BYTES / copy_s / 1e9, BANDWIDTH_BUFFER_BYTES / sum_s / 1e9
+
+
+def machine_description() -> list[str]:
+    model = platform.processor() or "unknown CPU"
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    ops = load_cpu_ops()
+    kernel = "unavailable" if ops is None else ("AVX2/FMA/F16C path" if ops.has_avx2() else "scalar path")
+    return [
+        f"CPU: {model}, {os.cpu_count()} logical CPUs, ISA: {isa}",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; python {platform.python_version()}",
+        f"kernel: {kernel}",
+        f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+    ]
+
+
+class DecodeCase:
+    """One layer's paged cache holding `batch` sequences of `context` tokens in
+    scattered blocks, plus one decode step's inputs (the last token of each)."""
+
+    def __init__(self, args, kv_dtype: str, batch: int, context: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        bs, hkv, hs = args.block_size, args.num_kv_heads, args.head_size
+        blocks_per_seq = math.ceil(context / bs)
+        num_blocks = batch * blocks_per_seq
+        self.spec = KVCacheSpec(kv_dtype, bs, hkv, hs, num_layers=1)
+        self.paged = CpuPagedBackend(self.spec, torch.float32)
+        self.reference = TorchSDPABackend(self.spec, torch.float32)
+        self.kv_cache = self.paged.allocate_kv_cache(num_blocks, torch.device("cpu"))
+        # Fill every usable block the way the engine does (quantize-on-write), in slices
+        # to bound the float32 temporaries.
+        rows = self.kv_cache[0].view(-1, hkv, hs).shape[0] - bs  # all but the null block
+        for kv, scale in ((0, K_SCALE), (1, V_SCALE)):
+            flat = self.kv_cache[kv].view(-1, hkv, hs)
+            for start in range(0, rows, 1 << 15):
+                n = min(1 << 15, rows - start)
+                x = torch.randn(n, hkv, hs, generator=g) * (scale * 8)
+                flat[start:start + n] = self.paged._store(x, scale)
+        ids = torch.randperm(num_blocks, generator=g)
+        self.block_tables = ids.view(batch, blocks_per_seq).contiguous()
+        self.seq_lens = torch.full((batch,), context, dtype=torch.int64)
+        last = self.seq_lens - 1
+        slot_mapping = self.block_tables[torch.arange(batch), last // bs] * bs + last % bs
+        self.md = AttentionMetadata(
+            slot_mapping=slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
+            query_start_loc=torch.arange(batch + 1), max_query_len=1, max_seq_len=context,
+            num_seqs=batch, num_tokens=batch, null_block_id=num_blocks,
+        )
+        self.query = torch.randn(batch, args.num_heads, hs, generator=g)
+        self.key = torch.randn(batch, hkv, hs, generator=g) * (K_SCALE * 8)
+        self.value = torch.randn(batch, hkv, hs, generator=g) * (V_SCALE * 8)
+        self.softmax_scale = hs ** -0.5
+        decode_mult = E4M3_DECODE_MULTIPLIER if kv_dtype == "fp8_e4m3" else 1.0
+        self.kernel_query = self.query * (self.softmax_scale * K_SCALE * decode_mult)
+        self.out_scale = V_SCALE * decode_mult
+        self.bytes_read = 2 * batch * context * hkv * hs * self.spec.element_size
+        self.kv_dtype = kv_dtype
+
+    def kernel(self, op=None):
+        if op is None:
+            return paged_attention_decode(self.kernel_query, self.kv_cache[0], self.kv_cache[1], self.block_tables,
+                                          self.seq_lens, self.kv_dtype, self.out_scale)
+        out = torch.empty_like(self.kernel_query)
+        op(out, self.kernel_query, self.kv_cache[0], self.kv_cache[1], self.block_tables, self.seq_lens,
+           KV_FORMATS[self.kv_dtype], self.out_scale)
+        return out
+
+    def backend_step(self, backend):
+        return backend.forward(self.query, self.key, self.value, self.kv_cache, self.md,
+                               softmax_scale=self.softmax_scale, k_scale=K_SCALE, v_scale=V_SCALE)
+
+
+def time_cache_write(args, kv_dtype: str, num_tokens: int, min_time: float, repeats: int) -> tuple[float, float]:
+    """(seconds, GB/s counting float32 K+V read and cache bytes written) of one write."""
+    g = torch.Generator().manual_seed(1)
+    bs, hkv, hs = args.block_size, args.num_kv_heads, args.head_size
+    spec = KVCacheSpec(kv_dtype, bs, hkv, hs, num_layers=1)
+    backend = CpuPagedBackend(spec, torch.float32)
+    num_blocks = math.ceil(num_tokens / bs) * 2
+    kv_cache = backend.allocate_kv_cache(num_blocks, torch.device("cpu"))
+    slots = torch.randperm(num_blocks * bs, generator=g)[:num_tokens]
+    key = torch.randn(num_tokens, hkv, hs, generator=g)
+    value = torch.randn(num_tokens, hkv, hs, generator=g)
+    s = best_time(lambda: backend.write_kv_cache(key, value, kv_cache, slots, K_SCALE, V_SCALE), min_time, repeats)
+    nbytes = 2 * num_tokens * hkv * hs * (4 + spec.element_size)
+    return s, nbytes / s / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--batch-sizes", type=ints, default=[1, 16, 64])
+    p.add_argument("--context-lens", type=ints, default=[512, 2048])
+    p.add_argument("--kv-dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--num-heads", type=int, default=9)  # SmolLM2-135M
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--skip-reference", action="store_true", help="do not time the TorchSDPABackend step")
+    p.add_argument("--baseline-lib", help="another build of the kernel library to time side by side")
+    p.add_argument("--baseline-namespace", default="fp8serve_base", help="its torch.ops namespace")
+    p.add_argument("--output", type=Path, default=None,
+                   help="markdown results file (default benchmarks/results/attention_<date>.md)")
+    p.add_argument("--no-save", action="store_true")
+    args = p.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if load_cpu_ops() is None:
+        sys.exit("the C++ CPU kernels are unavailable on this machine (see the warning above)")
+    baseline = None
+    if args.baseline_lib:
+        torch.ops.load_library(args.baseline_lib)
+        baseline = getattr(torch.ops, args.baseline_namespace).paged_attention_decode
+    torch.manual_seed(0)
+
+    lines: list[str] = []
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    emit(f"# Paged decode attention on CPU ({datetime.date.today().isoformat()})")
+    emit()
+    emit("Command: `python " + " ".join(shlex.quote(a) for a in sys.argv) + "`")
+    emit()
+    for line in machine_description():
+        emit(f"- {line}")
+    emit(f"- shapes: {args.num_heads} heads, {args.num_kv_heads} kv heads, head size {args.head_size}, "
+         f"block size {args.block_size}; float32 query and compute")
+    # Bandwidth is measured before and after the attention cells; the
+    # percentages use the best of the two (a shared CPU disturbs one or the
+    # other; the better one is closer to the machine's limit).
+    copy_start, read_start = measure_bandwidth(args.min_time, args.repeats)
+    print(f"(bandwidth at start: copy {copy_start:.1f} GB/s, read {read_start:.1f} GB/s)", flush=True)
+    rows: list[dict] = []
+    kernel_ms: dict[tuple[str, int, int], float] = {}
+    for kv_dtype in args.kv_dtypes:
+        for batch in args.batch_sizes:
+            for context in args.context_lens:
+                case = DecodeCase(args, kv_dtype, batch, context, seed=batch * 100003 + context)
+                r = dict(kv_dtype=kv_dtype, batch=batch, context=context, mib=case.bytes_read / 2**20)
+                r["kernel"] = best_time(case.kernel, args.min_time, args.repeats)
+                r["gbs"] = case.bytes_read / r["kernel"] / 1e9
+                kernel_ms[kv_dtype, batch, context] = r["kernel"] * 1e3
+                if baseline:
+                    r["base"] = best_time(lambda: case.kernel(baseline), args.min_time, args.repeats)
+                r["paged"] = best_time(lambda: case.backend_step(case.paged), args.min_time, args.repeats)
+                if not args.skip_reference:
+                    case.reference.build_metadata(case.md)
+                    r["ref"] = best_time(lambda: case.backend_step(case.reference), args.min_time, args.repeats)
+                print(f"  {kv_dtype} batch {batch} context {context}: kernel {r['kernel'] * 1e3:.3f} ms "
+                      f"({r['gbs']:.1f} GB/s)", flush=True)
+                rows.append(r)
+                del case
+    copy_end, read_end = measure_bandwidth(args.min_time, args.repeats)
+    copy_bw, read_bw = max(copy_start, copy_end), max(read_start, read_end)
+    emit(f"- measured bandwidth (256 MiB float32 buffer, best of before/after the attention cells): "
+         f"copy {copy_bw:.1f} GB/s (read + write; {copy_start:.1f} before, {copy_end:.1f} after), "
+         f"read-only sum {read_bw:.1f} GB/s ({read_start:.1f} before, {read_end:.1f} after)")
+    emit()
+    emit("Kernel: `paged_attention_decode` alone. GB/s: K+V bytes read / kernel time. "
+         "Steps: one decode step of a backend (cache write of the new token included).")
+    emit()
+    base_cols = " baseline ms | speedup |" if baseline else ""
+    base_sep = "---|---|" if baseline else ""
+    emit(f"| kv dtype | batch | context | K+V MiB | kernel ms | GB/s | % copy | % read |{base_cols}"
+         " cpu_paged step ms | torch_sdpa step ms | step speedup |")
+    emit(f"|---|---|---|---|---|---|---|---|{base_sep}---|---|---|")
+    for r in rows:
+        line = (f"| {r['kv_dtype']} | {r['batch']} | {r['context']} | {r['mib']:.1f} | {r['kernel'] * 1e3:.3f} "
+                f"| {r['gbs']:.1f} | {100 * r['gbs'] / copy_bw:.0f}% | {100 * r['gbs'] / read_bw:.0f}% |")
+        if baseline:
+            line += f" {r['base'] * 1e3:.3f} | {r['base'] / r['kernel']:.2f}x |"
+        if "ref" in r:
+            line += f" {r['paged'] * 1e3:.3f} | {r['ref'] * 1e3:.3f} | {r['ref'] / r['paged']:.1f}x |"
+        else:
+            line += f" {r['paged'] * 1e3:.3f} | - | - |"
+        emit(line)
+
+    fp8 = [d for d in args.kv_dtypes if d.startswith("fp8")]
+    sixteen = [d for d in args.kv_dtypes if d in ("bfloat16", "float16")]
+    if fp8 and sixteen:
+        emit()
+        emit("FP8 kernel time / 16-bit kernel time (target <= 1):")
+        emit()
+        emit("| batch | context | " + " | ".join(f"{f} / {s}" for f in fp8 for s in sixteen) + " |")
+        emit("|---|---|" + "---|" * (len(fp8) * len(sixteen)))
+        for batch in args.batch_sizes:
+            for context in args.context_lens:
+                ratios = [kernel_ms[f, batch, context] / kernel_ms[s, batch, context] for f in fp8 for s in sixteen]
+                emit(f"| {batch} | {context} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+
+    emit()
+    emit("Cache write (`CpuPagedBackend.write_kv_cache`: quantize/convert + scatter of K and V into "
+         "random slots). GB/s: float32 K+V read + cache bytes written.")
+    emit()
+    write_shapes = [(f"decode batch {b}", b) for b in args.batch_sizes] + [("prefill 16 x 512", 16 * 512)]
+    emit("| kv dtype | " + " | ".join(name for name, _ in write_shapes) + " |")
+    emit("|---|" + "---|" * len(write_shapes))
+    for kv_dtype in args.kv_dtypes:
+        cells = []
+        for _, n in write_shapes:
+            s, gbs = time_cache_write(args, kv_dtype, n, args.min_time, args.repeats)
+            cells.append(f"{s * 1e6:.0f} us ({gbs:.2f} GB/s)")
+        emit(f"| {kv_dtype} | " + " | ".join(cells) + " |")
+
+    emit()
+    emit(f"Load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+    if not args.no_save:
+        out = args.output or RESULTS_DIR / f"attention_{datetime.date.today().isoformat()}.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
+        print(f"\nsaved {out}")
+
+
+if __name__ == "__main__":
+    main()

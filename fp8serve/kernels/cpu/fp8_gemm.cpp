@@ -1,0 +1,300 @@
+// Linear layers over FP8 (e4m3) weights kept as one byte per element:
+//   out[m, n] = scale[n] * sum_k e4m3(w[n, k]) * x[m, k] + bias[n]
+//
+// fp8_linear decodes the weights in registers and multiplies them with a few
+// activation rows at once (decode, small M): the weight matrix is read from
+// memory once per call, at one byte per element instead of four (float32) or
+// two (bf16). fp8_dequantize writes decoded rows to a float buffer for the
+// large-M path, where a float GEMM library is faster than our FMA loops.
+//
+// e4m3 -> fp16 bits (see paged_attention.cpp): the fp16 pattern
+// (sign << 15) | ((code & 0x7f) << 7) is worth value * 2^-8 for normals and
+// subnormals alike; F16C converts it to float32 exactly. The 2^8 is folded into
+// the per-row scale. The NaN codes (0x7f, 0xff) would decode as +-480: callers
+// reject them when weights are loaded.
+//
+// With AVX2 the pattern comes from a sign-extending widen: int16(int8(code)) << 7
+// has the sign in bits 15 and 14 and the magnitude in bits 13..7; clearing bit
+// 14 gives the fp16 pattern in three integer instructions per 16 codes.
+//
+// Threads: rows of w are split over torch's thread pool (at::parallel_for).
+
+// ATen rather than torch/torch.h: same types, a fraction of the compile time.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FP8SERVE_GEMM_AVX2 1
+#endif
+
+// Tests build this file a second time without AVX2 under another namespace to
+// check the scalar path on machines that have AVX2.
+#ifndef FP8SERVE_GEMM_NS
+#define FP8SERVE_GEMM_NS fp8serve
+#endif
+
+namespace {
+
+constexpr float kE4M3DecodeMultiplier = 256.f;  // 2^8, see header
+
+inline uint16_t e4m3_to_half_bits(uint8_t code) {
+  return static_cast<uint16_t>(((code & 0x80u) << 8) | ((code & 0x7fu) << 7));
+}
+
+inline float half_bits_to_float(uint16_t h) {
+#ifdef FP8SERVE_GEMM_AVX2
+  return _cvtsh_ss(h);
+#else
+  // Only the patterns e4m3_to_half_bits makes: no inf/NaN exponents.
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  float v = exp == 0 ? std::ldexp(static_cast<float>(man), -24)
+                     : std::ldexp(static_cast<float>(man | 0x400u), static_cast<int>(exp) - 25);
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  bits |= sign;
+  std::memcpy(&v, &bits, 4);
+  return v;
+#endif
+}
+
+// value * 2^-8 of each code, for scalar tails and the scalar build.
+struct DecodeTable {
+  float v[256];
+  DecodeTable() {
+    for (int c = 0; c < 256; ++c) v[c] = half_bits_to_float(e4m3_to_half_bits(static_cast<uint8_t>(c)));
+  }
+};
+const DecodeTable& decode_table() {
+  static const DecodeTable table;
+  return table;
+}
+
+#ifdef FP8SERVE_GEMM_AVX2
+// 16 codes -> two vectors of 8 floats (value * 2^-8), in order.
+inline void decode16(const uint8_t* w, __m256& lo, __m256& hi) {
+  const __m256i bit14 = _mm256_set1_epi16(static_cast<int16_t>(0xbfff));
+  __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  h = _mm256_and_si256(_mm256_slli_epi16(h, 7), bit14);
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// 8 codes -> 8 floats (value * 2^-8).
+inline __m256 decode8(const uint8_t* w) {
+  __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xbfff)));
+  return _mm256_cvtph_ps(h);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// Dot products of R weight rows with MT activation rows over `len` columns
+// (row stride ld for both): dots[r][m] += sum_k decode(w[r * ld + k]) * x[m * ld + k].
+// R * MT accumulators stay in registers (at most 8, leaving room for decoded
+// weights), so each decoded weight vector feeds MT FMAs and each activation
+// load R FMAs.
+template <int R, int MT>
+inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, float* dots) {
+  int64_t k = 0;
+#ifdef FP8SERVE_GEMM_AVX2
+  __m256 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (; k + 16 <= len; k += 16) {
+    for (int r = 0; r < R; ++r) {
+      __m256 lo, hi;
+      decode16(w + r * ld + k, lo, hi);
+      for (int m = 0; m < MT; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + m * ld + k), acc[r][m]);
+        acc[r][m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + m * ld + k + 8), acc[r][m]);
+      }
+    }
+  }
+  for (; k + 8 <= len; k += 8) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = decode8(w + r * ld + k);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + m * ld + k), acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) dots[r * MT + m] += hsum(acc[r][m]);
+#endif
+  const float* table = decode_table().v;
+  for (; k < len; ++k) {
+    for (int r = 0; r < R; ++r) {
+      const float v = table[w[r * ld + k]];
+      for (int m = 0; m < MT; ++m) dots[r * MT + m] += v * x[m * ld + k];
+    }
+  }
+}
+
+// Activation columns per pass: a tile of MT rows of this many floats (16 KiB)
+// stays in L1 while every weight row of a block passes over it; with whole
+// rows of a large K, MT = 8 read its activations from L2 at every FMA.
+// Multiple of 16 (the vector step).
+template <int MT>
+constexpr int64_t kColBlock = (4096 / MT) / 16 * 16;
+
+// Rows [n_begin, n_end) of out (row stride N) for MT activation rows; `dots`
+// holds (n_end - n_begin) * MT partial sums across column blocks.
+template <int R, int MT>
+void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale, const float* bias, int64_t N,
+               int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
+  std::fill(dots, dots + (n_end - n_begin) * MT, 0.f);
+  for (int64_t k0 = 0; k0 < K; k0 += kColBlock<MT>) {
+    const int64_t len = std::min(kColBlock<MT>, K - k0);
+    int64_t n = n_begin;
+    for (; n + R <= n_end; n += R) dot_tile<R, MT>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT);
+    for (; n < n_end; ++n) dot_tile<1, MT>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT);
+  }
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const float s = scale[n] * kE4M3DecodeMultiplier, b = bias ? bias[n] : 0.f;
+    for (int m = 0; m < MT; ++m) out[m * N + n] = dots[(n - n_begin) * MT + m] * s + b;
+  }
+}
+
+// MT activation rows at a time; rows per tile keep R * MT <= 8 accumulators.
+template <int MT>
+void rows_mtile(float* out, const float* x, const uint8_t* w, const float* scale, const float* bias, int64_t N,
+                int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
+  constexpr int R = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
+  rows_tile<R, MT>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
+}
+
+void rows_any_m(int64_t mt, float* out, const float* x, const uint8_t* w, const float* scale, const float* bias,
+                int64_t N, int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
+  switch (mt) {
+#define FP8SERVE_CASE(T) \
+  case T: rows_mtile<T>(out, x, w, scale, bias, N, K, n_begin, n_end, dots); break;
+    FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
+    FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
+#undef FP8SERVE_CASE
+    default: TORCH_CHECK(false, "bad activation tile ", mt);
+  }
+}
+
+constexpr int64_t kMaxTileM = 8;
+// Rows of w per task, at least: enough work to pay for waking a thread.
+constexpr int64_t kMinRowsPerTask = 16;
+// Rows of w per pass over all activation tiles: their codes (64 * K bytes)
+// stay in L2 while each tile of 8 activation rows re-reads them.
+constexpr int64_t kRowBlock = 64;
+
+void check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "w must be a contiguous [N, K] uint8 tensor of e4m3 codes");
+  TORCH_CHECK(w.size(1) == K, "w has ", w.size(1), " columns, expected K = ", K);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0) && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous(),
+              "scale must be a contiguous float32 [N] tensor (one scale per output row)");
+  TORCH_CHECK(w.device().is_cpu() && scale.device().is_cpu(), "CPU tensors expected");
+}
+
+}  // namespace
+
+// x: [M, K] float32 or bf16, contiguous; w: [N, K] uint8 e4m3 codes,
+// contiguous; scale: [N] float32 (true per-row scale); bias: [N] float32 or
+// none. Returns [M, N] in x's dtype, accumulated in float32.
+at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous [M, K] CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, scale, K);
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(),
+                "bias must be a contiguous float32 [N] tensor");
+  }
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor xf = is_bf16 ? x.to(at::kFloat) : x;
+  // float32 result; bf16 callers get it rounded once at the end.
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return is_bf16 ? out.to(at::kBFloat16) : out;
+
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> dots(kRowBlock * kMaxTileM);
+    for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
+      const int64_t n1 = std::min(end, n0 + kRowBlock);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM) {
+        const int64_t mt = std::min(kMaxTileM, M - m0);
+        rows_any_m(mt, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
+      }
+    }
+  });
+  return is_bf16 ? out.to(at::kBFloat16) : out;
+}
+
+// out[n, k] = e4m3(w[n, k]) * scale[n] for a block of rows; out is a
+// contiguous float32 or bf16 [n, K] buffer the caller reuses.
+void fp8_dequantize(at::Tensor out, at::Tensor w, at::Tensor scale) {
+  const int64_t N = w.size(0), K = w.dim() == 2 ? w.size(1) : -1;
+  check_weight(w, scale, K);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "out must be a contiguous [N, K] tensor");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "out must be float32 or bf16");
+  const bool is_bf16 = out.scalar_type() == at::kBFloat16;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* of = is_bf16 ? nullptr : out.data_ptr<float>();
+  c10::BFloat16* ob = is_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
+  at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
+    const float* table = decode_table().v;
+    std::vector<float> row(is_bf16 ? K : 0);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* src = wp + n * K;
+      float* dst = is_bf16 ? row.data() : of + n * K;
+      const float s = sp[n] * kE4M3DecodeMultiplier;
+      int64_t k = 0;
+#ifdef FP8SERVE_GEMM_AVX2
+      const __m256 vs = _mm256_set1_ps(s);
+      for (; k + 16 <= K; k += 16) {
+        __m256 lo, hi;
+        decode16(src + k, lo, hi);
+        _mm256_storeu_ps(dst + k, _mm256_mul_ps(lo, vs));
+        _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(hi, vs));
+      }
+#endif
+      for (; k < K; ++k) dst[k] = table[src[k]] * s;
+      if (is_bf16) {
+        c10::BFloat16* d = ob + n * K;
+        for (k = 0; k < K; ++k) d[k] = c10::BFloat16(row[k]);  // round to nearest even
+      }
+    }
+  });
+}
+
+bool fp8_gemm_has_avx2() {
+#ifdef FP8SERVE_GEMM_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(FP8SERVE_GEMM_NS, m) {
+  m.def("fp8_linear", &fp8_linear);
+  m.def("fp8_dequantize", &fp8_dequantize);
+  m.def("fp8_gemm_has_avx2", &fp8_gemm_has_avx2);
+}

@@ -1,0 +1,112 @@
+"""Linear layers over FP8 e4m3 weights kept at one byte per element on CPU:
+a thin wrapper over the C++ kernels in `cpu/fp8_gemm.cpp`, its float64
+reference, and the choice between the two ways to run it.
+
+- Few activation rows (decode): `fp8_linear` decodes the weights in registers
+  and multiplies them with up to 8 rows at once. The call is bound by reading
+  the weights, so one byte per weight beats a float32 matmul.
+- Many rows (prefill): the matmul is bound by arithmetic, which a float GEMM
+  library does better than our FMA loops. Weights are decoded block by block
+  into a small buffer in x's dtype and multiplied there, so the full-size
+  float weight never exists.
+
+`max_fused_rows` says where the switch happens; the numbers come from
+`benchmarks/fp8_linear.py` (see benchmarks/results/fp8_linear_*.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8serve.kernels.cpu_ops import load_cpu_ops
+
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+
+# Largest M that runs the fused kernel, per activation dtype. Measured with
+# benchmarks/fp8_linear.py on a shared 2-core Xeon (one thread, CPU time): the
+# fused kernel wins at M <= 16 on every shape, dequantize + GEMM at M = 512,
+# and they are within ~30% of each other at M = 32..64 (float32 and bf16 x;
+# the bf16 GEMM ran on AMX, yet decoding to bf16 costs more than to float32).
+_MAX_FUSED_ROWS = {torch.float32: 32, torch.bfloat16: 16}
+
+# Weight rows decoded per GEMM call on the large-M path: 128 rows of K = 14336
+# are 7 MiB of float32, small next to the weight and large enough for the GEMM.
+_DEQUANT_ROWS = 128
+
+
+def max_fused_rows(dtype: torch.dtype) -> int:
+    return _MAX_FUSED_ROWS[dtype]
+
+
+def is_available() -> bool:
+    ops = load_cpu_ops()
+    return ops is not None and hasattr(ops, "fp8_linear")
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.dtype not in _ACTIVATION_DTYPES:
+        raise ValueError(f"x must be [M, K] float32 or bfloat16, got {tuple(x.shape)} {x.dtype}")
+    if weight.dim() != 2 or weight.dtype != torch.uint8:
+        raise ValueError(f"weight must be [N, K] uint8 e4m3 codes, got {tuple(weight.shape)} {weight.dtype}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x has K = {x.shape[1]} columns, weight has {weight.shape[1]}")
+    n = weight.shape[0]
+    if weight_scale.shape != (n,) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be float32 [{n}] (one per output row), got "
+                         f"{tuple(weight_scale.shape)} {weight_scale.dtype}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if not all(t.device.type == "cpu" for t in (x, weight, weight_scale)):
+        raise ValueError("fp8_linear runs on CPU tensors")
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K] float32 or bfloat16
+    weight: torch.Tensor,  # [N, K] uint8 e4m3 codes
+    weight_scale: torch.Tensor,  # [N] float32, the true scale of each output row
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """``x @ (e4m3(weight) * weight_scale[:, None]).T + bias``, accumulated in
+    float32. Weight codes must not be NaN (0x7f, 0xff); loaders reject them."""
+    _check(x, weight, weight_scale, bias)
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("C++ CPU kernels are not available")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    if x.shape[0] <= _MAX_FUSED_ROWS[x.dtype]:
+        return ops.fp8_linear(x, weight, weight_scale.contiguous(), None if bias is None else bias.float().contiguous())
+    return _dequantize_and_matmul(ops, x, weight, weight_scale.contiguous(), bias)
+
+
+def _dequantize_and_matmul(ops, x, weight, weight_scale, bias) -> torch.Tensor:
+    n, k = weight.shape
+    # out^T row blocks are contiguous, so each GEMM writes its block in place.
+    out_t = torch.empty(n, x.shape[0], dtype=x.dtype)
+    buf = torch.empty(min(n, _DEQUANT_ROWS), k, dtype=x.dtype)
+    for n0 in range(0, n, _DEQUANT_ROWS):
+        n1 = min(n, n0 + _DEQUANT_ROWS)
+        w = buf[: n1 - n0]
+        ops.fp8_dequantize(w, weight[n0:n1], weight_scale[n0:n1])
+        torch.mm(w, x.t(), out=out_t[n0:n1])
+    if bias is not None:
+        out_t += bias.to(x.dtype)[:, None]
+    return out_t.t().contiguous()
+
+
+def fp8_linear_ref(x, weight, weight_scale, bias=None) -> torch.Tensor:
+    """float64 reference of `fp8_linear` (decode with the cache's table,
+    matmul in float64), returned in float64."""
+    from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8
+
+    w = dequantize_fp8(weight, 1.0, FP8_E4M3, torch.float32).double() * weight_scale.double()[:, None]
+    out = x.double() @ w.t()
+    return out if bias is None else out + bias.double()
+
+
+def expand_shard_scales(shard_scales: torch.Tensor, output_sizes: list[int]) -> torch.Tensor:
+    """[num_shards] scales -> [sum(output_sizes)] float32, one per output row,
+    so fused shards with different scales share one kernel call."""
+    sizes = torch.tensor(output_sizes, device=shard_scales.device)
+    return shard_scales.float().repeat_interleave(sizes).contiguous()
+

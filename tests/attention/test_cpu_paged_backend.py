@@ -1,0 +1,111 @@
+"""CpuPagedBackend (C++ decode kernel) against TorchSDPABackend (gather +
+dequantize + SDPA) on one decode step over the same paged cache: same cache
+writes (quantize + scatter into the step's slots), same outputs, for every KV
+cache dtype with scales != 1. Fresh random data each run; the seed is in every
+failure message (FP8SERVE_TEST_SEED replays one)."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
+from fp8serve.attention.kv_cache_spec import KVCacheSpec
+from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.kernels.cpu_ops import load_cpu_ops
+from fp8serve.quantization.fp8 import quantize_fp8
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 41  # odd, more than needed: block ids are scattered
+# Context lengths after the decode step: length 1 (the new token only),
+# partial last blocks, exactly full blocks, a long one.
+SEQ_LENS = [1, 17, 32, 9, 200, 48]
+K_SCALE, V_SCALE = 0.05, 0.03
+
+
+@pytest.fixture(scope="module")
+def cpu_paged_backend():
+    if load_cpu_ops() is None:
+        pytest.skip("C++ CPU kernels unavailable (load_cpu_ops() returned None)")
+    from fp8serve.attention.backends.cpu_paged import CpuPagedBackend
+
+    return CpuPagedBackend
+
+
+@pytest.fixture
+def seed():
+    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def decode_metadata(block_tables: list[list[int]], seq_lens: list[int]) -> AttentionMetadata:
+    last = [n - 1 for n in seq_lens]
+    slots = [bt[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for bt, p in zip(block_tables, last)]
+    width = max(len(bt) for bt in block_tables) + 1  # padded with the null block, as the runner does
+    tables = [bt + [NUM_BLOCKS] * (width - len(bt)) for bt in block_tables]
+    n = len(seq_lens)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables), seq_lens=torch.tensor(seq_lens),
+        query_start_loc=torch.arange(n + 1), max_query_len=1, max_seq_len=max(seq_lens),
+        num_seqs=n, num_tokens=n, null_block_id=NUM_BLOCKS,
+    )
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+def test_decode_step_matches_torch_sdpa(cpu_paged_backend, seed, kv_cache_dtype, group):
+    g = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_size = 3, 64
+    num_heads = num_kv_heads * group
+    spec = KVCacheSpec(kv_cache_dtype, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
+    paged = cpu_paged_backend(spec, torch.float32)
+    reference = TorchSDPABackend(spec, torch.float32)
+
+    # The context before this step, written as the engine writes it (quantize-on-write).
+    cache = paged.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
+    ids = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    block_tables, start = [], 0
+    for n in SEQ_LENS:
+        block_tables.append(ids[start:start + math.ceil(n / BLOCK_SIZE)])
+        start += len(block_tables[-1])
+    history = [(bt[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE) for bt, n in zip(block_tables, SEQ_LENS)
+               for p in range(n - 1)]
+    if history:
+        slots = torch.tensor(history)
+        k = torch.randn(len(history), num_kv_heads, head_size, generator=g) * 2
+        v = torch.randn(len(history), num_kv_heads, head_size, generator=g) * 2
+        paged.write_kv_cache(k, v, cache, slots, K_SCALE, V_SCALE)
+
+    md = decode_metadata(block_tables, SEQ_LENS)
+    query = torch.randn(len(SEQ_LENS), num_heads, head_size, generator=g)
+    key = torch.randn(len(SEQ_LENS), num_kv_heads, head_size, generator=g) * 2
+    value = torch.randn(len(SEQ_LENS), num_kv_heads, head_size, generator=g) * 2
+    kwargs = dict(softmax_scale=head_size**-0.5, k_scale=K_SCALE, v_scale=V_SCALE)
+
+    cache_ref = cache.clone()
+    paged.build_metadata(md)
+    out = paged.forward(query, key, value, cache, md, **kwargs)
+    md.backend_data = None
+    reference.build_metadata(md)
+    want = reference.forward(query, key, value, cache_ref, md, **kwargs)
+
+    # The write: bit-identical caches (compared as bytes: never-written slots may hold NaN
+    # patterns), holding the new tokens in the storage format.
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8)), \
+        f"seed={seed}: the backends wrote different caches"
+    written_k = cache[0].view(-1, num_kv_heads, head_size)[md.slot_mapping]
+    written_v = cache[1].view(-1, num_kv_heads, head_size)[md.slot_mapping]
+    if spec.fp8 is not None:
+        assert torch.equal(written_k, quantize_fp8(key, K_SCALE, spec.fp8)), f"seed={seed}"
+        assert torch.equal(written_v, quantize_fp8(value, V_SCALE, spec.fp8)), f"seed={seed}"
+    else:
+        assert torch.equal(written_k, key.to(spec.storage_dtype)), f"seed={seed}"
+        assert torch.equal(written_v, value.to(spec.storage_dtype)), f"seed={seed}"
+
+    # The attention: both in float32 over the same stored values.
+    assert out.shape == want.shape == (len(SEQ_LENS), num_heads, head_size) and out.dtype == torch.float32
+    err = ((out - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-5, f"seed={seed}: CpuPagedBackend differs from TorchSDPABackend by {err:.2e} (relative)"

@@ -1,0 +1,214 @@
+"""The C++ paged decode-attention kernel (`paged_attention_decode`) against
+float64 references, for every storage format, on fresh random data each run
+(the seed is in every failure message; FP8SERVE_TEST_SEED replays one).
+
+Two comparisons per case:
+  - with `paged_attention_decode_ref` on the same stored cache: both decode the
+    same codes exactly, so only float32 accumulation separates them, whatever
+    the format;
+  - with float64 attention over the unquantized K/V: the storage format's own
+    rounding, at a tolerance per format. This one also checks that the e4m3
+    2^8 decode factor and the k/v scales are folded where the contract says.
+
+Both the AVX2 path and the portable scalar path (what non-AVX2 builds run)
+are checked, with several threads (contexts split and merged) and with one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from fp8serve.kernels.cpu_ops import (
+    E4M3_DECODE_MULTIPLIER,
+    KV_FORMATS,
+    KV_STORAGE_DTYPES,
+    load_cpu_ops,
+    paged_attention_decode,
+    paged_attention_decode_ref,
+)
+from fp8serve.quantization.fp8 import fp8_format, quantize_fp8
+
+# Max |kernel - reference| / max |reference|, same stored codes: float32 sums
+# over head_size and up to a few hundred tokens (observed ~1e-6).
+TOL_SAME_CODES = {fmt: 2e-5 for fmt in KV_FORMATS}
+# ... and against the unquantized K/V: the format's relative step (float32
+# 2^-24, float16 2^-11, bfloat16 2^-8, e4m3 2^-4, e5m2 2^-3) through the
+# softmax (scores of a few units here), observed at about a third of these.
+TOL_UNQUANTIZED = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2, "fp8_e4m3": 1.5e-1, "fp8_e5m2": 3e-1}
+# Storage scales != 1 (FP8 only: 16/32-bit caches store values as they are).
+K_SCALE, V_SCALE = 0.05, 0.03
+# Sequence lengths: length 1, partial last blocks, one exactly full block, a long one.
+SEQ_LENS = [1, 37, 16, 5, 300, 130, 2]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip("C++ CPU kernels unavailable (load_cpu_ops() returned None)")
+    return ops
+
+
+@pytest.fixture
+def seed():
+    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+class Case:
+    """A paged cache holding `seq_lens` sequences in scattered blocks (an odd
+    number of them, block tables padded past each sequence's last block), the
+    unquantized K/V it was written from, and the kernel's inputs."""
+
+    def __init__(self, seed: int, kv_format: str, head_size: int, num_kv_heads: int, group: int,
+                 seq_lens: list[int], block_size: int = 16) -> None:
+        g = torch.Generator().manual_seed(seed)
+        blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 4
+        num_blocks += 1 - num_blocks % 2  # odd
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        self.key = torch.randn(shape, generator=g, dtype=torch.float64) * 2
+        self.value = torch.randn(shape, generator=g, dtype=torch.float64) * 2
+        is_fp8 = kv_format.startswith("fp8")
+        k_scale, v_scale = (K_SCALE, V_SCALE) if is_fp8 else (1.0, 1.0)
+        if is_fp8:
+            fmt = fp8_format(kv_format)
+            self.key_cache = quantize_fp8(self.key, k_scale, fmt)
+            self.value_cache = quantize_fp8(self.value, v_scale, fmt)
+        else:
+            self.key_cache = self.key.to(KV_STORAGE_DTYPES[kv_format])
+            self.value_cache = self.value.to(KV_STORAGE_DTYPES[kv_format])
+        ids = torch.randperm(num_blocks, generator=g).tolist()
+        max_blocks = max(blocks_per_seq) + 1
+        self.block_tables = torch.full((len(seq_lens), max_blocks), num_blocks - 1, dtype=torch.int64)
+        start = 0
+        for i, n in enumerate(blocks_per_seq):
+            self.block_tables[i, :n] = torch.tensor(ids[start:start + n])
+            start += n
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        self.q = torch.randn(len(seq_lens), num_kv_heads * group, head_size, generator=g, dtype=torch.float64)
+        self.softmax_scale = head_size ** -0.5
+        mult = E4M3_DECODE_MULTIPLIER if kv_format == "fp8_e4m3" else 1.0
+        self.kernel_query = (self.q * (self.softmax_scale * k_scale * mult)).float()
+        self.out_scale = v_scale * mult
+        self.kv_format = kv_format
+        self.block_size = block_size
+
+    def run(self, scalar_path: bool = False) -> torch.Tensor:
+        return paged_attention_decode(self.kernel_query, self.key_cache, self.value_cache, self.block_tables,
+                                      self.seq_lens, self.kv_format, self.out_scale, scalar_path=scalar_path)
+
+    def reference_same_codes(self) -> torch.Tensor:
+        return paged_attention_decode_ref(self.kernel_query, self.key_cache, self.value_cache, self.block_tables,
+                                          self.seq_lens, self.kv_format, self.out_scale)
+
+    def reference_unquantized(self) -> torch.Tensor:
+        """float64 attention over the K/V before they were stored."""
+        num_seqs, num_heads, head_size = self.q.shape
+        num_kv_heads = self.key.shape[2]
+        out = torch.empty(num_seqs, num_heads, head_size, dtype=torch.float64)
+        for b, n in enumerate(self.seq_lens.tolist()):
+            pos = torch.arange(n)
+            slots = self.block_tables[b, pos // self.block_size] * self.block_size + pos % self.block_size
+            k = self.key.reshape(-1, num_kv_heads, head_size)[slots].repeat_interleave(num_heads // num_kv_heads, 1)
+            v = self.value.reshape(-1, num_kv_heads, head_size)[slots].repeat_interleave(num_heads // num_kv_heads, 1)
+            p = (torch.einsum("hd,nhd->hn", self.q[b], k) * self.softmax_scale).softmax(-1)
+            out[b] = torch.einsum("hn,nhd->hd", p, v)
+        return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("scalar_path", [False, True], ids=["vector", "scalar"])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("kv_format", list(KV_FORMATS))
+def test_matches_references(ops, seed, kv_format, head_size, group, scalar_path):
+    case = Case(seed, kv_format, head_size, num_kv_heads=2, group=group, seq_lens=SEQ_LENS)
+    out = case.run(scalar_path)
+    assert out.shape == case.q.shape and out.dtype == torch.float32
+    err = rel_err(out, case.reference_same_codes())
+    assert err < TOL_SAME_CODES[kv_format], f"seed={seed}: {err:.2e} from the reference on the same codes"
+    err = rel_err(out, case.reference_unquantized())
+    assert err < TOL_UNQUANTIZED[kv_format], f"seed={seed}: {err:.2e} from the unquantized attention"
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("kv_format", ["bfloat16", "fp8_e4m3"])
+def test_thread_counts_and_context_splits(ops, seed, kv_format, num_threads):
+    """One long sequence (split across threads, then merged), and a batch of
+    more sequences than it takes to split none."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for seq_lens in ([1000], [3, 200, 17] * 6):
+            case = Case(seed, kv_format, 64, num_kv_heads=3, group=3, seq_lens=seq_lens)
+            err = rel_err(case.run(), case.reference_same_codes())
+            assert err < TOL_SAME_CODES[kv_format], f"seed={seed} lens={seq_lens[:3]}..: {err:.2e}"
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads,block_size",
+                         [(72, 6, 2, 16), (40, 24, 2, 5), (80, 10, 2, 1), (36, 4, 4, 16)])
+def test_unusual_shapes(ops, seed, head_size, num_heads, num_kv_heads, block_size):
+    """Head sizes off the 16-element step (72, 40, 80) or off the vector path
+    altogether (36), GQA groups above 8 (12) and odd (5), blocks of 5 and 1 token."""
+    for kv_format in ("float32", "fp8_e5m2"):
+        case = Case(seed, kv_format, head_size, num_kv_heads, num_heads // num_kv_heads, [1, 23, 70], block_size)
+        err = rel_err(case.run(), case.reference_same_codes())
+        assert err < TOL_SAME_CODES[kv_format], f"seed={seed} {kv_format}: {err:.2e}"
+
+
+def test_vector_path_is_built_where_the_cpu_has_it(ops):
+    from fp8serve.utils.platform import cpu_flags
+
+    if os.environ.get("FP8SERVE_CPU_MARCH") or not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("not an AVX2/FMA/F16C build")
+    assert ops.has_avx2()
+
+
+def test_wrapper_rejects_bad_inputs(ops, seed):
+    case = Case(seed, "fp8_e4m3", 64, num_kv_heads=2, group=3, seq_lens=[5, 20])
+    q, k, v, bt, sl = case.kernel_query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens
+
+    def call(q=q, k=k, v=v, bt=bt, sl=sl, fmt="fp8_e4m3"):
+        return paged_attention_decode(q, k, v, bt, sl, fmt, 1.0)
+
+    with pytest.raises(ValueError, match="kv_format"):
+        call(fmt="fp8")
+    with pytest.raises(TypeError, match="stored as"):
+        call(fmt="bfloat16")
+    with pytest.raises(TypeError, match="stored as"):
+        call(k=k.float(), v=v.float())
+    with pytest.raises(ValueError, match="shapes"):
+        call(v=v[:-1])
+    with pytest.raises(ValueError, match="shapes"):
+        call(q=q[0])
+    with pytest.raises(ValueError, match="do not match the cache"):
+        call(q=q[:, :, :32].contiguous())
+    with pytest.raises(ValueError, match="do not match the cache"):
+        call(q=q[:, :5].contiguous())
+    with pytest.raises(ValueError, match="sequences"):
+        call(bt=bt[:1])
+    with pytest.raises(ValueError, match="sequences"):
+        call(sl=sl[:1])
+    with pytest.raises(TypeError, match="int64"):
+        call(sl=sl.int())
+    with pytest.raises(ValueError, match="contiguous"):
+        call(k=k.transpose(1, 2).contiguous().transpose(1, 2), v=v.transpose(1, 2).contiguous().transpose(1, 2))
+    # Checked in C++, where the kernel would otherwise read out of bounds.
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        call(sl=torch.tensor([0, 20]))
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        call(sl=torch.tensor([5, bt.shape[1] * case.block_size + 1]))
+    bad = bt.clone()
+    bad[1, 0] = k.shape[0]
+    with pytest.raises(RuntimeError, match="block id"):
+        call(bt=bad)

@@ -1,0 +1,230 @@
+"""FP8-weight linear on CPU (cpu/fp8_gemm.cpp through fp8_linear_ops) against
+a float64 reference: weights decoded with `dequantize_fp8`, matmul in float64.
+Data is fresh on every run; a failure prints its seed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from fp8serve.kernels import fp8_linear_ops
+from fp8serve.kernels.cpu_ops import load_cpu_ops
+from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8
+
+pytestmark = pytest.mark.skipif(not fp8_linear_ops.is_available(), reason="C++ CPU kernels unavailable")
+
+ROWS = [1, 2, 7, 16, 33, 300]
+# (N, K): odd N; K a multiple of 16, of 8 only, of neither; K past one column block.
+SHAPES = [(37, 64), (101, 200), (19, 203), (9, 1037)]
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def random_codes(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+    return torch.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes)  # no NaN codes: loaders reject them
+
+
+def make_case(m, n, k, x_dtype, with_bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(x_dtype)
+    w = random_codes(n, k, gen)
+    scale = torch.rand(n, generator=gen) * 1e-2 + 1e-4
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    return x, w, scale, bias
+
+
+def reference(x, w, scale, bias):
+    """float64 output and sum |x| |w| per element (scale of the rounding error)."""
+    wd = dequantize_fp8(w, 1.0, FP8_E4M3, torch.float32).double() * scale.double()[:, None]
+    out = x.double() @ wd.t()
+    if bias is not None:
+        out = out + bias.double()
+    return out, x.double().abs() @ wd.abs().t()
+
+
+def assert_close(out, x, w, scale, bias, seed, what):
+    ref, magnitude = reference(x, w, scale, bias)
+    # float32 accumulation: a few ulps of sum |x||w|. bf16 output (and bf16
+    # weights on the dequantize + GEMM path): rounding to 8 significant bits.
+    rel = 1e-5 if x.dtype == torch.float32 else 2.0**-7
+    bound = rel * (magnitude + ref.abs()) + 1e-6
+    err = (out.double() - ref).abs()
+    assert out.dtype == x.dtype and out.shape == ref.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
+    assert bool((err <= bound).all()), (
+        f"{what}: seed={seed} max error {err.max().item():.3g}, worst error/bound {(err / bound).max().item():.3g}"
+    )
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m", ROWS)
+def test_fp8_linear_matches_float64_reference(m, with_bias, x_dtype):
+    ops = load_cpu_ops()
+    for n, k in SHAPES:
+        seed = fresh_seed()
+        x, w, scale, bias = make_case(m, n, k, x_dtype, with_bias, seed)
+        what = f"M={m} N={n} K={k} {x_dtype} bias={with_bias}"
+        # The engine's entry point, whichever way it picks for this M, and each way on its own.
+        assert_close(fp8_linear_ops.fp8_linear(x, w, scale, bias), x, w, scale, bias, seed, f"auto {what}")
+        assert_close(ops.fp8_linear(x, w, scale, bias), x, w, scale, bias, seed, f"fused {what}")
+        dq = fp8_linear_ops._dequantize_and_matmul(ops, x, w, scale, bias)
+        assert_close(dq, x, w, scale, bias, seed, f"dequant+GEMM {what}")
+
+
+def test_fp8_dequantize_is_exact_in_float32():
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = random_codes(45, 203, gen)
+    scale = torch.rand(45, generator=gen) + 0.5
+    out = torch.empty(45, 203)
+    load_cpu_ops().fp8_dequantize(out, w, scale)
+    # decoded value and scale are exact in float32; the product is rounded once.
+    expected = (dequantize_fp8(w, 1.0, FP8_E4M3).double() * scale.double()[:, None]).float()
+    assert torch.equal(out, expected), f"seed={seed}"
+
+
+def test_empty_batch():
+    w = random_codes(5, 16, torch.Generator().manual_seed(0))
+    out = fp8_linear_ops.fp8_linear(torch.empty(0, 16), w, torch.ones(5))
+    assert out.shape == (0, 5)
+
+
+@pytest.mark.parametrize("case", ["x_1d", "x_f16", "w_f32", "k_mismatch", "scale_per_shard", "scale_f64", "bias_len"])
+def test_wrapper_rejects_bad_inputs(case):
+    x, w, scale, bias = torch.randn(2, 16), random_codes(5, 16, torch.Generator().manual_seed(0)), torch.ones(5), None
+    if case == "x_1d":
+        x = x[0]
+    elif case == "x_f16":
+        x = x.half()
+    elif case == "w_f32":
+        w = w.float()
+    elif case == "k_mismatch":
+        x = torch.randn(2, 24)
+    elif case == "scale_per_shard":
+        scale = torch.ones(2)
+    elif case == "scale_f64":
+        scale = scale.double()
+    elif case == "bias_len":
+        bias = torch.zeros(4)
+    with pytest.raises(ValueError):
+        fp8_linear_ops.fp8_linear(x, w, scale, bias)
+
+
+def test_kernel_rejects_non_contiguous_weight():
+    w = random_codes(16, 10, torch.Generator().manual_seed(0)).t()  # [10, 16], strided
+    with pytest.raises(RuntimeError, match="contiguous"):
+        load_cpu_ops().fp8_linear(torch.randn(1, 16), w, torch.ones(10), None)
+
+
+def _scalar_build():
+    """fp8_gemm.cpp built for baseline x86-64 (no AVX2/FMA/F16C), registered
+    under torch.ops.fp8serve_scalar: the path AVX2-less CPUs run."""
+    from torch.utils.cpp_extension import load
+
+    from fp8serve.default_model import cache_dir
+
+    src = fp8_linear_ops.__file__.replace("fp8_linear_ops.py", "cpu/fp8_gemm.cpp")
+    h = hashlib.sha256(open(src, "rb").read() + torch.__version__.encode()).hexdigest()[:16]
+    build = cache_dir() / "kernels" / f"fp8_gemm_scalar_{h}"
+    build.mkdir(parents=True, exist_ok=True)
+    load(name="fp8serve_fp8_gemm_scalar", sources=[src], build_directory=str(build), is_python_module=False,
+         extra_cflags=["-O2", "-DFP8SERVE_GEMM_NS=fp8serve_scalar"])
+    return torch.ops.fp8serve_scalar
+
+
+def test_scalar_fallback_matches_reference():
+    ops = _scalar_build()
+    assert not ops.fp8_gemm_has_avx2()
+    for m in (1, 7, 16):
+        for n, k in SHAPES[:3]:
+            seed = fresh_seed()
+            x, w, scale, bias = make_case(m, n, k, torch.float32, True, seed)
+            assert_close(ops.fp8_linear(x, w, scale, bias), x, w, scale, bias, seed, f"scalar M={m} N={n} K={k}")
+            out = torch.empty(n, k)
+            ops.fp8_dequantize(out, w, scale)
+            assert torch.equal(out, (dequantize_fp8(w, 1.0, FP8_E4M3).double() * scale.double()[:, None]).float())
+
+
+def build_fp8_qkv(activation_scheme: str, params_dtype: torch.dtype, seed: int):
+    """A fused q/k/v MergedLinear loaded shard by shard from an FP8 checkpoint
+    whose shards have different weight scales; also returns the float64 weight
+    and bias it stands for."""
+    from fp8serve.layers.linear import MergedLinear
+    from fp8serve.quantization.fp8 import quantize_fp8
+    from fp8serve.quantization.fp8_linear import Fp8Config
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, sizes = 72, {"q": 48, "k": 24, "v": 24}
+    layer = MergedLinear(hidden, list(sizes.values()), bias=True, quant_config=Fp8Config(activation_scheme, []),
+                         prefix="model.layers.0.self_attn.qkv_proj", params_dtype=params_dtype,
+                         shard_names=tuple(sizes))
+    weights, biases = [], []
+    for (shard, rows), magnitude in zip(sizes.items(), (0.02, 0.5, 3.0)):
+        w = torch.randn(rows, hidden, generator=gen) * magnitude
+        # A float32 number, as checkpoints store it.
+        scale = float(torch.tensor(float(w.abs().max()) / FP8_E4M3.max_finite, dtype=torch.float32))
+        codes = quantize_fp8(w, scale, FP8_E4M3)
+        b = torch.randn(rows, generator=gen).to(params_dtype)
+        layer.weight.weight_loader(layer.weight, codes.view(torch.float8_e4m3fn), shard)
+        layer.weight_scale.weight_loader(layer.weight_scale, torch.tensor(scale), shard)
+        if activation_scheme == "static":
+            layer.input_scale.weight_loader(layer.input_scale, torch.tensor(0.05), shard)
+        layer.bias.weight_loader(layer.bias, b, shard)
+        weights.append(dequantize_fp8(codes, 1.0, FP8_E4M3).double() * scale)
+        biases.append(b.double())
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer, torch.cat(weights), torch.cat(biases)
+
+
+@pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("activation_scheme", ["dynamic", "static"])
+def test_fp8_merged_linear_with_per_shard_scales(activation_scheme, params_dtype):
+    seed = fresh_seed()
+    layer, w_ref, b_ref = build_fp8_qkv(activation_scheme, params_dtype, seed)
+    # Weights stay one byte each; one scale per output row, per shard.
+    assert layer.weight.dtype == torch.uint8 and layer.weight.shape == w_ref.shape
+    assert layer.weight_scale.shape == (w_ref.shape[0],)
+    assert len(set(layer.weight_scale.tolist())) == 3
+    gen = torch.Generator().manual_seed(seed + 1)
+    for m in (1, 5, 64):
+        x = torch.randn(2, m, w_ref.shape[1], generator=gen).to(params_dtype)  # leading dims pass through
+        out = layer(x)
+        ref = x.double() @ w_ref.t() + b_ref  # static input_scale is not applied on CPU
+        magnitude = x.double().abs() @ w_ref.abs().t() + b_ref.abs()
+        rel = 1e-5 if params_dtype == torch.float32 else 2.0**-7
+        err = (out.double() - ref).abs()
+        assert out.dtype == params_dtype and out.shape == ref.shape
+        assert bool((err <= rel * (magnitude + ref.abs()) + 1e-6).all()), f"seed={seed} M={m} max error {err.max():.3g}"
+
+
+def test_fp8_linear_falls_back_to_dequantized_weights(monkeypatch):
+    """Without the kernels the layer decodes weights at load, as before, and
+    gives the same output."""
+    seed = fresh_seed()
+    layer, _, _ = build_fp8_qkv("dynamic", torch.float32, seed)
+    monkeypatch.setattr(fp8_linear_ops, "is_available", lambda: False)
+    fallback, w_ref, _ = build_fp8_qkv("dynamic", torch.float32, seed)
+    assert fallback.weight.dtype == torch.float32
+    assert torch.equal(fallback.weight, w_ref.float())
+    x = torch.randn(3, w_ref.shape[1])
+    torch.testing.assert_close(layer(x), fallback(x), rtol=1e-5, atol=1e-5, msg=f"seed={seed}")
+
+
+def test_fp8_linear_rejects_nan_weight_codes():
+    from fp8serve.errors import ConfigError
+    from fp8serve.layers.linear import Linear
+    from fp8serve.quantization.fp8_linear import Fp8Config
+
+    layer = Linear(16, 4, quant_config=Fp8Config("dynamic", []), prefix="mlp.down_proj")
+    codes = torch.zeros(4, 16, dtype=torch.uint8)
+    codes[2, 3] = 0xFF
+    layer.weight.weight_loader(layer.weight, codes.view(torch.float8_e4m3fn))
+    layer.weight_scale.weight_loader(layer.weight_scale, torch.tensor(1.0))
+    with pytest.raises(ConfigError, match="NaN"):
+        layer.quant_method.process_weights_after_loading(layer)
