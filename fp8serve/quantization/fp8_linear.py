@@ -126,6 +126,10 @@ class Fp8LinearMethod(LinearMethod):
             layer.fp8_backend = "scaled_mm"
             return
         dtype = layer.compute_dtype
+        if layer.input_scale is not None and not self.config._warned_cpu:
+            self.config._warned_cpu = True
+            logger.info("FP8 checkpoint with static activation scales: on this device the input_scale values are "
+                        "validated but activations are not quantized (weight-only FP8)")
         if _use_cpu_kernel(codes.device, dtype):
             layer.weight = nn.Parameter(codes.contiguous(), requires_grad=False)  # [N, K] uint8
             layer.weight_scale = nn.Parameter(
