@@ -11,6 +11,7 @@ import torch
 
 from fp8serve.attention.kv_cache_spec import KVCacheSpec
 from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.utils.huge_pages import advise_huge_pages
 
 
 class AttentionBackend(ABC):
@@ -27,6 +28,7 @@ class AttentionBackend(ABC):
         the output. The rest is left unwritten (torch.empty), so the OS maps
         pages only as blocks are used and start-up does not touch gigabytes."""
         cache = torch.empty(self.spec.layer_shape(num_blocks + 1), dtype=self.spec.storage_dtype, device=device)
+        advise_huge_pages(cache)  # before the first write, so pages are born huge
         cache[:, num_blocks].zero_()
         return cache
 
