@@ -4,12 +4,13 @@ Decode reads every sequence's blocks in every layer each step; with 4 KiB
 pages that walk misses the TLB constantly and hardware prefetch stops at
 every page boundary. Where transparent huge pages are in `madvise` mode (a
 common default) nothing is huge unless asked for. Best effort: any failure
-leaves the buffer as it was."""
+leaves the buffer as it was; FP8SERVE_KV_HUGE_PAGES=0 turns it off."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 
 import torch
@@ -24,6 +25,8 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     """madvise(MADV_HUGEPAGE) on the 2 MiB-aligned part of `t`'s storage;
     call before the buffer is first written. True if the kernel accepted."""
     if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    if os.environ.get("FP8SERVE_KV_HUGE_PAGES", "1") == "0":
         return False
     nbytes = t.numel() * t.element_size()
     start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
