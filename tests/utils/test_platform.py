@@ -1,0 +1,28 @@
+"""`--dtype auto` on CPU: bf16 only where the CPU multiplies it natively."""
+
+import pytest
+import torch
+
+from fp8serve.utils import platform
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (set(), torch.float32),  # AVX2-only: bf16 is emulated, float32 is ~8x faster
+        ({"avx2", "fma", "f16c"}, torch.float32),
+        ({"avx2", "avx512_bf16", "amx_bf16", "amx_tile"}, torch.bfloat16),
+    ],
+)
+def test_auto_compute_dtype_follows_the_cpu(monkeypatch, flags, expected):
+    monkeypatch.setattr(platform, "cpu_flags", lambda: flags)
+    assert platform.fastest_cpu_compute_dtype.__wrapped__() == expected
+
+
+def test_avx512_bf16_alone_is_decided_by_timing(monkeypatch):
+    monkeypatch.setattr(platform, "cpu_flags", lambda: {"avx512_bf16"})
+    timings = {torch.float32: 100.0, torch.bfloat16: 300.0}
+    monkeypatch.setattr(platform, "_matmul_gflops", lambda dtype: timings[dtype])
+    assert platform.fastest_cpu_compute_dtype.__wrapped__() == torch.bfloat16
+    timings[torch.bfloat16] = 110.0  # not clearly faster: keep float32
+    assert platform.fastest_cpu_compute_dtype.__wrapped__() == torch.float32
