@@ -23,10 +23,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+# Completion-style prompts (use --chat for instructions).
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "Explain what a KV cache is in one sentence.",
-    "Write a haiku about autumn.",
+    "Once upon a time, in a small village by the sea,",
 ]
 
 
