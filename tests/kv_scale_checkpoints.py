@@ -135,3 +135,33 @@ def write_scales_json(path, model_type: str, scales: list[float]) -> str:
     }
     Path(path).write_text(json.dumps(doc))
     return str(path)
+
+
+def record_scale_reads(monkeypatch) -> list[str]:
+    """Make `fp8serve.quantization.kv_scales` open safetensors through a spy;
+    returns the list that collects every tensor name it reads."""
+    from fp8serve.quantization import kv_scales
+
+    read: list[str] = []
+    real_safe_open = kv_scales.safe_open
+
+    class RecordingHandle:
+        def __init__(self, *a, **kw):
+            self._h = real_safe_open(*a, **kw)
+
+        def __enter__(self):
+            self._h.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._h.__exit__(*exc)
+
+        def keys(self):
+            return self._h.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self._h.get_tensor(name)
+
+    monkeypatch.setattr(kv_scales, "safe_open", RecordingHandle)
+    return read

@@ -64,7 +64,9 @@ class LLMEngine:
         text: str | None = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
+                # An already-tokenized prompt may carry its text for outputs.
                 ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
             elif "prompt" in prompt:
                 return self.tokenize_prompt(prompt["prompt"])
             else:

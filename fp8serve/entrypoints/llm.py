@@ -84,9 +84,12 @@ class LLM:
         engine = self.llm_engine
         # Validate every prompt before queueing any, so one bad prompt leaves
         # nothing half-submitted in the engine.
+        tokenized = []
         for p in prompts:
-            engine.validate_prompt(engine.tokenize_prompt(p)[1])
-        ids = [engine.add_request(None, p, sp).request_id for p, sp in zip(prompts, params)]
+            text, token_ids = engine.tokenize_prompt(p)
+            engine.validate_prompt(token_ids)
+            tokenized.append({"prompt_token_ids": token_ids, "prompt": text})
+        ids = [engine.add_request(None, p, sp).request_id for p, sp in zip(tokenized, params)]
         finished: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, leave=False) as bar:

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kv_scale_checkpoints import record_scale_reads
+
 from fp8serve.errors import ConfigError
 from fp8serve.model_loader.weights_mapper import WeightsMapper, kv_scale_rules
 from fp8serve.quantization import kv_scales
@@ -161,28 +163,7 @@ def test_read_checkpoint_scales_per_family(tmp_path, family, same_tensor, num_sh
 
 def test_reader_reads_only_scale_tensors(tmp_path, monkeypatch):
     d = write_checkpoint(tmp_path / "m", k_v_scale_family(), FP8_CONFIG, num_shards=2)
-    read = []
-    real_safe_open = kv_scales.safe_open
-
-    class Spy:
-        def __init__(self, *a, **kw):
-            self._h = real_safe_open(*a, **kw)
-
-        def __enter__(self):
-            self._h.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._h.__exit__(*exc)
-
-        def keys(self):
-            return self._h.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self._h.get_tensor(name)
-
-    monkeypatch.setattr(kv_scales, "safe_open", Spy)
+    read = record_scale_reads(monkeypatch)
     read_checkpoint_kv_scales(d, MAPPER)
     assert sorted(read) == sorted(k_v_scale_family())
 

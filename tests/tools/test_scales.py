@@ -14,6 +14,7 @@ from checkpoints import write_tiny_llama, write_tiny_mixtral
 from kv_scale_checkpoints import (
     KV_SCALE_FAMILIES,
     add_kv_scales,
+    record_scale_reads,
     copy_checkpoint,
     expected_scales,
     quantize_to_fp8_checkpoint,
@@ -158,28 +159,7 @@ def test_reads_only_config_and_scale_tensors(capsys, families, monkeypatch):
     monkeypatch.setattr(loader, "load_weights", forbidden)
     monkeypatch.setattr(loader, "iterate_checkpoint", forbidden)
     monkeypatch.setattr(LlamaForCausalLM, "__init__", forbidden)
-    read = []
-    real_safe_open = kv_scales.safe_open
-
-    class RecordingHandle:
-        def __init__(self, *a, **k):
-            self._h = real_safe_open(*a, **k)
-
-        def __enter__(self):
-            self._h.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._h.__exit__(*exc)
-
-        def keys(self):
-            return self._h.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self._h.get_tensor(name)
-
-    monkeypatch.setattr(kv_scales, "safe_open", RecordingHandle)
+    read = record_scale_reads(monkeypatch)
     doc = scales_json(capsys, families["k_v_scale"], "--kv-cache-dtype", "fp8")
     assert doc["layers"][0]["source"].startswith("checkpoint:")
     assert read and all(name.endswith((".k_scale", ".v_scale")) for name in read)
