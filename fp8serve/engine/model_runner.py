@@ -27,6 +27,7 @@ from fp8serve.model_loader.loader import load_weights
 from fp8serve.models.registry import get_model_class
 from fp8serve.quantization.kv_scales import resolve_kv_scales
 from fp8serve.quantization.registry import get_quantization_config
+from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
 from fp8serve.utils.memory import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class ModelRunner:
         self.weights_mapper = model_cls.weights_mapper(arch)
         load_weights(self.model, mc.model, self.weights_mapper)
         self.model.eval()
+        if self.device.type == "cpu":
+            pack_parameters_on_huge_pages(self.model)  # decode reads every weight once per step
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         logger.info(
             "Loaded %s (%s, %s weights) in %.1f s",

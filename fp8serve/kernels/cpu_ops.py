@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 _SRC_DIR = Path(__file__).resolve().parent / "cpu"
 # Every .cpp registers its own ops under torch.ops.fp8serve (TORCH_LIBRARY_FRAGMENT).
 _SOURCES = sorted(_SRC_DIR.glob("*.cpp"))
+_HEADERS = sorted(_SRC_DIR.glob("*.h"))
 
 # The cache storage formats the kernel reads; see paged_attention.cpp.
 KV_FORMATS = {"float32": 0, "bfloat16": 1, "float16": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
@@ -42,7 +43,7 @@ def _build_dir() -> Path:
     from fp8serve.default_model import cache_dir
 
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(_march().encode())
@@ -158,3 +159,72 @@ def paged_attention_decode_ref(query, key_cache, value_cache, block_tables, seq_
         p = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("hn,nhd->hd", p, v) * out_scale
     return out.float()
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], heads contiguous
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 skips the token
+    kv_format: str,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    return_decoded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Convert (FP8: quantize x / scale, saturating, nearest-even) and scatter
+    K and V into their slots in one pass. With `return_decoded`, also return
+    the stored values read back at scale 1 in key's dtype (what attention over
+    the cache will see), for attention over a fresh prefill."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("C++ CPU kernels are not available")
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"unknown kv_format {kv_format!r}; expected one of {list(KV_FORMATS)}")
+    storage = KV_STORAGE_DTYPES[kv_format]
+    if key_cache.dtype != storage or value_cache.dtype != storage:
+        raise TypeError(f"a {kv_format} cache is stored as {storage}, got {key_cache.dtype}/{value_cache.dtype}")
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    key_out = torch.empty(key.shape, dtype=key.dtype) if return_decoded else None
+    value_out = torch.empty(value.shape, dtype=value.dtype) if return_decoded else None
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous(), KV_FORMATS[kv_format],
+                          float(k_scale), float(v_scale), key_out, value_out)
+    return (key_out, value_out) if return_decoded else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight over the last dim of a 2-D x (rows contiguous)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    load_cpu_ops().rms_norm(out, x, weight, float(eps))
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x; x = rms_norm(residual) * weight."""
+    load_cpu_ops().fused_add_rms_norm(x, residual, weight, float(eps))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :d]) * x[:, d:] for a 2-D x of width 2d."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    load_cpu_ops().silu_and_mul(out, x)
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> None:
+    """In place rotate-half RoPE of query [T, H, D] and key [T, Hkv, D]
+    (heads contiguous, any token stride) with cos/sin [max_position, D/2]."""
+    load_cpu_ops().rotary_embedding(positions, query, key, cos, sin)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def use_fused_cpu_ops(x: torch.Tensor) -> bool:
+    """Whether the fused C++ layer ops (RMSNorm, SiluAndMul, RoPE) serve `x`:
+    a CPU tensor of a float dtype they take, with the kernels built.
+    FP8SERVE_DISABLE_CPU_KERNELS turns them off with the rest."""
+    return x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and load_cpu_ops() is not None

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fp8serve.config import RopeConfig
+from fp8serve.kernels import cpu_ops
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -46,6 +47,16 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        if (cpu_ops.use_fused_cpu_ops(q) and q.dtype == self.cos.dtype
+                and q.stride(-1) == 1 and q.stride(1) == q.shape[2] and k.stride(-1) == 1 and k.stride(1) == k.shape[2]):
+            # In place on q and k (views of this layer's qkv output), one pass.
+            cpu_ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
+        return self.forward_native(positions, q, k)
+
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # One module serves every layer of a model, and every layer of a
         # forward pass gets the same `positions` tensor: look cos/sin up once.
         if positions is not self._positions:

@@ -1,10 +1,18 @@
-"""Ask Linux to back large CPU buffers (the KV cache) with 2 MiB pages.
+"""Ask Linux to back large CPU buffers (the KV cache, the weights) with 2 MiB
+pages.
 
-Decode reads every sequence's blocks in every layer each step; with 4 KiB
-pages that walk misses the TLB constantly and hardware prefetch stops at
-every page boundary. Where transparent huge pages are in `madvise` mode (a
-common default) nothing is huge unless asked for. Best effort: any failure
-leaves the buffer as it was; FP8SERVE_KV_HUGE_PAGES=0 turns it off."""
+Decode reads every sequence's blocks in every layer each step, and every
+weight once per step; with 4 KiB pages those walks miss the TLB constantly
+and hardware prefetch stops at every page boundary. Where transparent huge
+pages are in `madvise` mode (a common default) nothing is huge unless asked
+for. Best effort: any failure leaves the buffer as it was.
+FP8SERVE_HUGE_PAGES=0 turns it off everywhere; FP8SERVE_KV_HUGE_PAGES=0 and
+FP8SERVE_WEIGHT_HUGE_PAGES=0 for the KV cache or the weights only.
+
+Measured (2-vCPU Xeon VM, bf16, the default model's 120 linear layers, M=64
+rows): 50.1 ms per pass over the layers with 4 KiB pages, 31.3 ms with the
+weights packed on 2 MiB pages; 82.4 vs 67.7 ms when the caches are flushed
+between layers as a decode step's attention does."""
 
 from __future__ import annotations
 
@@ -21,12 +29,19 @@ _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 * 1024 * 1024
 
 
-def advise_huge_pages(t: torch.Tensor) -> bool:
+def huge_pages_enabled(kind: str) -> bool:
+    """kind: "kv" or "weight"."""
+    if os.environ.get("FP8SERVE_HUGE_PAGES", "1") == "0":
+        return False
+    return os.environ.get(f"FP8SERVE_{kind.upper()}_HUGE_PAGES", "1") != "0"
+
+
+def advise_huge_pages(t: torch.Tensor, kind: str = "kv") -> bool:
     """madvise(MADV_HUGEPAGE) on the 2 MiB-aligned part of `t`'s storage;
     call before the buffer is first written. True if the kernel accepted."""
     if t.device.type != "cpu" or not sys.platform.startswith("linux"):
         return False
-    if os.environ.get("FP8SERVE_KV_HUGE_PAGES", "1") == "0":
+    if not huge_pages_enabled(kind):
         return False
     nbytes = t.numel() * t.element_size()
     start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
@@ -39,3 +54,40 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+def pack_parameters_on_huge_pages(model: torch.nn.Module, min_bytes: int = 1 << 20) -> int:
+    """Move the CPU parameters of `model` (those of at least `min_bytes`)
+    into one 2 MiB-page-backed buffer per dtype, each 64-byte aligned, and
+    point the parameters at their slices. Shared (tied) parameters move
+    once. Returns the bytes moved (0 when huge pages are off or refused)."""
+    if not sys.platform.startswith("linux") or not huge_pages_enabled("weight"):
+        return 0
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen or p.device.type != "cpu" or not p.is_contiguous():
+            continue
+        seen.add(id(p))
+        if p.numel() * p.element_size() >= min_bytes:
+            by_dtype.setdefault(p.dtype, []).append(p)
+    moved = 0
+    for dtype, params in by_dtype.items():
+        esize = torch.empty((), dtype=dtype).element_size()
+        align = max(1, 64 // esize)
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += -(-p.numel() // align) * align
+        # Over-allocate one huge page so the aligned part covers everything.
+        arena = torch.empty(total + _HUGE_PAGE // esize, dtype=dtype)
+        start = (-(arena.data_ptr() % _HUGE_PAGE) % _HUGE_PAGE) // esize
+        arena = arena[start:start + total]
+        if not advise_huge_pages(arena, "weight"):
+            return moved
+        for p, off in zip(params, offsets):
+            dst = arena[off:off + p.numel()].view(p.shape)
+            dst.copy_(p.data)
+            p.data = dst
+            moved += p.numel() * esize
+    return moved

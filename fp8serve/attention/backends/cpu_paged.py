@@ -9,7 +9,7 @@ import torch
 
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
 from fp8serve.attention.metadata import AttentionMetadata
-from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, paged_attention_decode
+from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, paged_attention_decode, reshape_and_cache
 
 
 class CpuPagedBackend(TorchSDPABackend):
@@ -21,19 +21,13 @@ class CpuPagedBackend(TorchSDPABackend):
         else:
             super().build_metadata(md)
 
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        slot_mapping: torch.Tensor,  # [num_tokens] int64
-        k_scale: float,
-        v_scale: float,
-    ) -> None:
-        """Quantize (or convert) this step's K/V to the storage format and scatter them into their slots."""
-        num_kv_heads, head_size = key.shape[1], key.shape[2]
-        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, self._store(key, k_scale))
-        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, self._store(value, v_scale))
+    def write_kv_cache(self, key, value, kv_cache, slot_mapping, k_scale, v_scale, return_decoded=False):
+        """One C++ pass: quantize/convert, scatter, and (for a fresh prefill
+        over a lossy cache) the decoded values to attend to."""
+        if self.spec.fp8 is None:
+            k_scale = v_scale = 1.0  # a 16/32-bit cache stores values as they are (as _store does)
+        return reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping, self.spec.kv_cache_dtype,
+                                 k_scale, v_scale, return_decoded=return_decoded)
 
     def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale):
         md = metadata

@@ -33,15 +33,15 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
     def _fresh_prefill(self, md: AttentionMetadata) -> bool:
-        """A prefill with no cached context whose cache round trip is
-        lossless (storage dtype == compute dtype) can attend to the fresh
-        K/V with a plain causal mask: same result, no gather, no mask tensor.
-        FP8 and narrower storage always read back what decode will read."""
+        """A prefill with no cached context attends to its own K/V with a
+        plain causal mask: no gather, no mask tensor. Where the cache round
+        trip is lossy (FP8, narrower storage) it attends to the stored
+        values read back (`write_kv_cache(..., return_decoded=True)`), so
+        prefill still sees exactly what decode will read."""
         return (
             not md.is_decode_only
             and md.max_seq_len == md.max_query_len
             and bool((md.seq_lens == md.query_start_loc[1:] - md.query_start_loc[:-1]).all())
-            and self.spec.storage_dtype == self.compute_dtype
         )
 
     def build_metadata(self, md: AttentionMetadata) -> None:
@@ -96,20 +96,43 @@ class TorchSDPABackend(AttentionBackend):
             return dequantize_fp8(codes, 1.0, fmt, self.compute_dtype)
         return codes.to(self.compute_dtype)
 
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        k_scale: float,
+        v_scale: float,
+        return_decoded: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Quantize (or convert) this step's K/V to the storage format and
+        scatter them into their slots. With `return_decoded`, also return the
+        stored values as a read of the cache decodes them (scale 1, compute
+        dtype)."""
+        num_kv_heads, head_size = key.shape[1], key.shape[2]
+        k_codes, v_codes = self._store(key, k_scale), self._store(value, v_scale)
+        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, k_codes)
+        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v_codes)
+        return (self._load(k_codes), self._load(v_codes)) if return_decoded else None
+
     def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale):
         md = metadata
         step: _StepData = md.backend_data
         num_kv_heads, head_size = key.shape[1], key.shape[2]
-        k_cache = kv_cache[0].view(-1, num_kv_heads, head_size)
-        v_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
-        k_cache.index_copy_(0, md.slot_mapping, self._store(key, k_scale))
-        v_cache.index_copy_(0, md.slot_mapping, self._store(value, v_scale))
+        fresh = step.gather_slots is None
+        lossy = self.spec.storage_dtype != self.compute_dtype
+        decoded = self.write_kv_cache(key, value, kv_cache, md.slot_mapping, k_scale, v_scale,
+                                      return_decoded=fresh and lossy)
 
         num_heads = query.shape[1]
-        if step.gather_slots is None:
-            k = self._pad(key, md, step)
-            v = self._pad(value, md, step)
+        if fresh:
+            k, v = decoded if lossy else (key, value)
+            k = self._pad(k, md, step)
+            v = self._pad(v, md, step)
         else:
+            k_cache = kv_cache[0].view(-1, num_kv_heads, head_size)
+            v_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
             # [num_seqs, max_seq_len, num_kv_heads, head_size]
             k = self._load(k_cache.index_select(0, step.gather_slots))
             v = self._load(v_cache.index_select(0, step.gather_slots))

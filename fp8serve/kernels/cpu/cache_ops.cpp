@@ -1,0 +1,198 @@
+// Writing a step's K/V into the paged cache: convert (or quantize to FP8 with
+// the layer's k_scale / v_scale) and scatter into `slot_mapping` in one pass.
+//
+// The torch path took four passes per tensor (to float32, divide, clamp,
+// cast) and an index_copy_; here each element is read once, converted in
+// registers and written once. Optionally the decoded codes (what a later
+// read of the cache returns, at scale 1) are written to `key_out` /
+// `value_out` in the input dtype, so a fresh prefill can attend to exactly
+// the values decode will see without gathering them back from the cache.
+// Slots < 0 are skipped (padding tokens), as in vLLM's reshape_and_cache.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "scalar_convert.h"
+#include "vec8.h"
+
+namespace {
+
+using namespace fp8serve_cvt;
+
+enum KVFormat : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kE4M3 = 3, kE5M2 = 4 };
+
+// Input element types are tagged by their storage: 0 float32, 1 bf16, 2 fp16.
+template <int In>
+inline float load_in(const void* p, int64_t i) {
+  if constexpr (In == 0) return static_cast<const float*>(p)[i];
+  if constexpr (In == 1) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+}
+
+template <int In>
+inline void store_in(void* p, int64_t i, float v) {
+  if constexpr (In == 0) static_cast<float*>(p)[i] = v;
+  if constexpr (In == 1) static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  if constexpr (In == 2) static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
+}
+
+// One row (num_kv_heads * head_size elements) of one token.
+template <int In, int64_t F>
+inline void write_row(const void* src, void* dst, void* decoded, int64_t n, float scale) {
+  int64_t i = 0;
+  if constexpr (F == kE4M3 || F == kE5M2) {
+    constexpr bool e4m3 = F == kE4M3;
+    uint8_t* d = static_cast<uint8_t*>(dst);
+#ifdef FP8SERVE_VEC8
+    namespace v8 = fp8serve_vec8;
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (; i + 8 <= n; i += 8) {
+      v8::store_bytes(d + i, v8::fp8_codes<e4m3>(_mm256_div_ps(v8::load<In>(src, i), vs)));
+      if (decoded != nullptr) v8::store<In>(decoded, i, v8::fp8_decode<e4m3>(d + i));
+    }
+#endif
+    for (; i < n; ++i) {
+      const float x = load_in<In>(src, i) / scale;
+      d[i] = e4m3 ? f32_to_e4m3(x) : f32_to_e5m2(x);
+      if (decoded != nullptr) store_in<In>(decoded, i, e4m3 ? e4m3_to_f32(d[i]) : e5m2_to_f32(d[i]));
+    }
+  } else {
+    constexpr int Out = F == kF32 ? 0 : (F == kBF16 ? 1 : 2);
+#ifdef FP8SERVE_VEC8
+    namespace v8 = fp8serve_vec8;
+    for (; i + 8 <= n; i += 8) {
+      v8::store<Out>(dst, i, v8::load<In>(src, i));
+      if (decoded != nullptr) v8::store<In>(decoded, i, v8::load<Out>(dst, i));
+    }
+#endif
+    for (; i < n; ++i) {
+      store_in<Out>(dst, i, load_in<In>(src, i));
+      if (decoded != nullptr) store_in<In>(decoded, i, load_in<Out>(dst, i));
+    }
+  }
+}
+
+template <int In, int64_t F>
+void cache_impl(const at::Tensor& x, const at::Tensor& cache, const int64_t* slots, const at::Tensor* out, float scale) {
+  const int64_t num_tokens = x.size(0), row = x.size(1) * x.size(2);
+  const int64_t x_stride = x.stride(0) * x.element_size();
+  const int64_t slot_bytes = row * cache.element_size();
+  const int64_t out_stride = out ? out->stride(0) * out->element_size() : 0;
+  const char* src = static_cast<const char*>(x.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  char* dec = out ? static_cast<char*>(out->data_ptr()) : nullptr;
+  // ~64 KiB of input per task: small batches stay on one thread.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row * x.element_size()));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      write_row<In, F>(src + t * x_stride, dst + slot * slot_bytes, dec ? dec + t * out_stride : nullptr, row, scale);
+    }
+  });
+}
+
+template <int In>
+void dispatch_format(const at::Tensor& x, const at::Tensor& cache, const int64_t* slots, const at::Tensor* out,
+                     int64_t fmt, float scale) {
+  switch (fmt) {
+    case kF32: cache_impl<In, kF32>(x, cache, slots, out, scale); break;
+    case kBF16: cache_impl<In, kBF16>(x, cache, slots, out, scale); break;
+    case kF16: cache_impl<In, kF16>(x, cache, slots, out, scale); break;
+    case kE4M3: cache_impl<In, kE4M3>(x, cache, slots, out, scale); break;
+    case kE5M2: cache_impl<In, kE5M2>(x, cache, slots, out, scale); break;
+    default: TORCH_CHECK(false, "unknown kv_format ", fmt);
+  }
+}
+
+int in_tag(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: TORCH_CHECK(false, "key/value must be float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+  return -1;
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 3, name, " must be [num_tokens, num_kv_heads, head_size]");
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), name,
+              " must have contiguous heads within a token (any token stride)");
+}
+
+at::ScalarType storage_type(int64_t fmt) {
+  switch (fmt) {
+    case kF32: return at::kFloat;
+    case kBF16: return at::kBFloat16;
+    case kF16: return at::kHalf;
+    case kE4M3:
+    case kE5M2: return at::kByte;
+    default: TORCH_CHECK(false, "unknown kv_format ", fmt);
+  }
+  return at::kByte;
+}
+
+}  // namespace
+
+// key, value: [num_tokens, num_kv_heads, head_size] float32/bf16/fp16, heads
+// contiguous within a token. key_cache, value_cache: [num_blocks, block_size,
+// num_kv_heads, head_size] contiguous in the storage dtype of kv_format.
+// slot_mapping: [num_tokens] int64 (block * block_size + offset; < 0 skips).
+// key_out / value_out: optional [num_tokens, num_kv_heads, head_size]
+// contiguous, key's dtype: receive the decoded stored values (scale 1).
+void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                       at::Tensor slot_mapping, int64_t kv_format, double k_scale, double v_scale,
+                       c10::optional<at::Tensor> key_out, c10::optional<at::Tensor> value_out) {
+  check_rows(key, "key");
+  check_rows(value, "value");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
+              "key and value must have one shape and dtype");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "caches must be [num_blocks, block_size, num_kv_heads, head_size], K and V alike");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == storage_type(kv_format) && value_cache.scalar_type() == key_cache.scalar_type(),
+              "cache dtype ", key_cache.scalar_type(), " does not match kv_format ", kv_format);
+  TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
+              "cache rows are [", key_cache.size(2), ", ", key_cache.size(3), "], key rows [", key.size(1), ", ",
+              key.size(2), "]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be int64 [num_tokens]");
+  TORCH_CHECK(k_scale > 0 && v_scale > 0, "scales must be > 0");
+  const bool fp8 = kv_format == kE4M3 || kv_format == kE5M2;
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0), "only FP8 storage takes scales");
+  for (const auto* o : {&key_out, &value_out}) {
+    if (o->has_value()) {
+      const at::Tensor& t = o->value();
+      TORCH_CHECK(t.sizes() == key.sizes() && t.scalar_type() == key.scalar_type() && t.is_contiguous(),
+                  "key_out/value_out must be contiguous, shaped and typed like key");
+    }
+  }
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < key.size(0); ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t], " is past the cache's ", num_slots, " slots");
+  }
+  const int tag = in_tag(key);
+  const at::Tensor* ko = key_out.has_value() ? &key_out.value() : nullptr;
+  const at::Tensor* vo = value_out.has_value() ? &value_out.value() : nullptr;
+  const auto run = [&](const at::Tensor& x, const at::Tensor& cache, const at::Tensor* out, float scale) {
+    if (tag == 0) dispatch_format<0>(x, cache, slots, out, kv_format, scale);
+    if (tag == 1) dispatch_format<1>(x, cache, slots, out, kv_format, scale);
+    if (tag == 2) dispatch_format<2>(x, cache, slots, out, kv_format, scale);
+  };
+  run(key, key_cache, ko, static_cast<float>(k_scale));
+  run(value, value_cache, vo, static_cast<float>(v_scale));
+}
+
+TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
+      "int kv_format, float k_scale, float v_scale, Tensor(c!)? key_out=None, Tensor(d!)? value_out=None) -> ()");
+  m.impl("reshape_and_cache", c10::DispatchKey::CPU, &reshape_and_cache);
+}

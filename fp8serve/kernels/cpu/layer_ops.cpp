@@ -1,0 +1,277 @@
+// Fused elementwise layers: RMSNorm (with the residual add), SiluAndMul and
+// rotary embedding, each one pass over memory instead of 4-8 torch ops.
+//
+// A prefill of 8192 tokens spent more time in these than in the matmuls
+// (every torch op streams a multi-MB intermediate through DRAM); a decode
+// step paid ~5 dispatches per layer. Rounding follows the torch layers
+// exactly, so 16-bit results match them bit for bit up to the float32
+// summation order of the norm:
+//   RMSNorm:   out = dt(w * dt(x * rsqrt(mean(x^2) + eps)))  (float32: one rounding)
+//   add:       residual = dt(x + residual)
+//   SiluAndMul: out = dt(dt(silu(gate)) * up)
+//   RoPE:      x1' = dt(dt(x1 * cos) - dt(x2 * sin)), x2' = dt(dt(x2 * cos) + dt(x1 * sin))
+// where dt() rounds to the tensor's dtype (a no-op for float32).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "scalar_convert.h"
+#include "vec8.h"
+
+namespace {
+
+using namespace fp8serve_cvt;
+
+// T: 0 float32, 1 bf16, 2 fp16 (storage tags, as in cache_ops.cpp).
+template <int T>
+inline float ld(const void* p, int64_t i) {
+  if constexpr (T == 0) return static_cast<const float*>(p)[i];
+  if constexpr (T == 1) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+}
+
+template <int T>
+inline void st(void* p, int64_t i, float v) {
+  if constexpr (T == 0) static_cast<float*>(p)[i] = v;
+  if constexpr (T == 1) static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  if constexpr (T == 2) static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
+}
+
+// Round a float to the storage type and back (dt() above).
+template <int T>
+inline float rnd(float v) {
+  if constexpr (T == 0) return v;
+  if constexpr (T == 1) return bf16_to_f32(f32_to_bf16(v));
+  return f16_to_f32(f32_to_f16(v));
+}
+
+int tag(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: TORCH_CHECK(false, "expected float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+  return -1;
+}
+
+template <typename Fn>
+void by_tag(int t, Fn&& fn) {
+  if (t == 0) fn(std::integral_constant<int, 0>{});
+  if (t == 1) fn(std::integral_constant<int, 1>{});
+  if (t == 2) fn(std::integral_constant<int, 2>{});
+}
+
+// Rows per parallel task: ~32 KiB of input each.
+inline int64_t grain_for(int64_t row_bytes) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_bytes)); }
+
+void check_2d_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+template <int T>
+inline void norm_row(const void* x, void* out, const void* w, int64_t n, float eps) {
+  float ss = 0.f;
+  int64_t i = 0;
+#ifdef FP8SERVE_VEC8
+  namespace v8 = fp8serve_vec8;
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = v8::load<T>(x, i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  ss = v8::hsum(acc);
+#endif
+  for (; i < n; ++i) ss += ld<T>(x, i) * ld<T>(x, i);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  // float32: x * r * w rounded once (F.rms_norm with weight); 16-bit: the
+  // normalised value is rounded before the weight multiply (HF Llama).
+  i = 0;
+#ifdef FP8SERVE_VEC8
+  const __m256 vr = _mm256_set1_ps(r);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 y = _mm256_mul_ps(v8::round_to<T>(_mm256_mul_ps(v8::load<T>(x, i), vr)), v8::load<T>(w, i));
+    v8::store<T>(out, i, y);
+  }
+#endif
+  for (; i < n; ++i) st<T>(out, i, rnd<T>(ld<T>(x, i) * r) * ld<T>(w, i));
+}
+
+// out = rms_norm(x) * weight. x, out: [num_tokens, hidden]; weight: [hidden].
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  check_2d_rows(x, "x");
+  check_2d_rows(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "out must match x");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] contiguous, x's dtype");
+  const int64_t n = x.size(1), es = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const void* wp = weight.data_ptr();
+  const int64_t xs = x.stride(0) * es, os = out.stride(0) * es;
+  by_tag(tag(x), [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    at::parallel_for(0, x.size(0), grain_for(n * es), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) norm_row<T>(xp + r * xs, op + r * os, wp, n, static_cast<float>(eps));
+    });
+  });
+}
+
+// In place: residual = x + residual; x = rms_norm(residual) * weight.
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check_2d_rows(x, "x");
+  check_2d_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual must match x");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] contiguous, x's dtype");
+  const int64_t n = x.size(1), es = x.element_size();
+  char* xp = static_cast<char*>(x.data_ptr());
+  char* rp = static_cast<char*>(residual.data_ptr());
+  const void* wp = weight.data_ptr();
+  const int64_t xs = x.stride(0) * es, rs = residual.stride(0) * es;
+  by_tag(tag(x), [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    at::parallel_for(0, x.size(0), grain_for(n * es), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        void* xr = xp + r * xs;
+        void* rr = rp + r * rs;
+        int64_t i = 0;
+#ifdef FP8SERVE_VEC8
+        for (; i + 8 <= n; i += 8) {
+          fp8serve_vec8::store<T>(rr, i, _mm256_add_ps(fp8serve_vec8::load<T>(xr, i), fp8serve_vec8::load<T>(rr, i)));
+        }
+#endif
+        for (; i < n; ++i) st<T>(rr, i, ld<T>(xr, i) + ld<T>(rr, i));
+        norm_row<T>(rr, xr, wp, n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// ------------------------------------------------------------- SiluAndMul
+
+// out[t] = silu(x[t, :d]) * x[t, d:]. x: [num_tokens, 2d]; out: [num_tokens, d].
+void silu_and_mul(at::Tensor out, at::Tensor x) {
+  check_2d_rows(x, "x");
+  check_2d_rows(out, "out");
+  TORCH_CHECK(x.size(1) % 2 == 0 && out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2 &&
+                  out.scalar_type() == x.scalar_type(),
+              "out must be [num_tokens, d] for x [num_tokens, 2d], same dtype");
+  const int64_t d = out.size(1), es = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const int64_t xs = x.stride(0) * es, os = out.stride(0) * es;
+  by_tag(tag(x), [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    at::parallel_for(0, x.size(0), grain_for(2 * d * es), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const char* g = xp + r * xs;
+        const char* u = g + d * es;
+        void* o = op + r * os;
+        int64_t i = 0;
+#ifdef FP8SERVE_VEC8
+        namespace v8 = fp8serve_vec8;
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= d; i += 8) {
+          const __m256 gv = v8::load<T>(g, i);
+          const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gv);
+          const __m256 s = v8::round_to<T>(_mm256_div_ps(gv, _mm256_add_ps(one, v8::exp(neg))));
+          v8::store<T>(o, i, _mm256_mul_ps(s, v8::load<T>(u, i)));
+        }
+#endif
+        for (; i < d; ++i) {
+          const float gv = ld<T>(g, i);
+          const float s = rnd<T>(gv / (1.0f + exp_f32(-gv)));
+          st<T>(o, i, s * ld<T>(u, i));
+        }
+      }
+    });
+  });
+}
+
+// ------------------------------------------------------------------- RoPE
+
+// In place, rotate-half (GPT-NeoX / Llama) layout. query: [num_tokens,
+// num_heads, head_size], key: [num_tokens, num_kv_heads, head_size] (any
+// token stride, heads contiguous: views into the fused qkv output work).
+// cos, sin: [max_position, head_size / 2] in the query's dtype; positions:
+// [num_tokens] int64.
+void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous(),
+              "positions must be int64 [num_tokens]");
+  for (const auto* x : {&query, &key}) {
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2),
+                "query/key must be [num_tokens, heads, head_size] with contiguous heads");
+    TORCH_CHECK(x->size(0) == positions.size(0), "query/key and positions disagree on num_tokens");
+  }
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && query.size(2) == key.size(2),
+              "query and key must share dtype and head_size");
+  const int64_t hs = query.size(2), half = hs / 2;
+  TORCH_CHECK(hs % 2 == 0, "head_size must be even");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == half && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == query.scalar_type() &&
+                  sin.scalar_type() == query.scalar_type(),
+              "cos/sin must be [max_position, head_size / 2] contiguous in the query's dtype");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t t = 0; t < positions.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "positions[", t, "] = ", pos[t], " is outside [0, ", max_pos, ")");
+  }
+  const int64_t es = query.element_size();
+  char* qp = static_cast<char*>(query.data_ptr());
+  char* kp = static_cast<char*>(key.data_ptr());
+  const char* cp = static_cast<const char*>(cos.data_ptr());
+  const char* sp = static_cast<const char*>(sin.data_ptr());
+  const int64_t qs = query.stride(0) * es, ks = key.stride(0) * es;
+  const int64_t nq = query.size(1), nk = key.size(1);
+  by_tag(tag(query), [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    at::parallel_for(0, positions.size(0), grain_for((nq + nk) * hs * es), [&](int64_t b, int64_t e) {
+      for (int64_t tok = b; tok < e; ++tok) {
+        const void* c = cp + pos[tok] * half * es;
+        const void* s = sp + pos[tok] * half * es;
+        for (int64_t h = 0; h < nq + nk; ++h) {
+          char* row = h < nq ? qp + tok * qs + h * hs * es : kp + tok * ks + (h - nq) * hs * es;
+          void* x2p = row + half * es;
+          int64_t i = 0;
+#ifdef FP8SERVE_VEC8
+          namespace v8 = fp8serve_vec8;
+          for (; i + 8 <= half; i += 8) {
+            const __m256 x1 = v8::load<T>(row, i), x2 = v8::load<T>(x2p, i);
+            const __m256 cv = v8::load<T>(c, i), sv = v8::load<T>(s, i);
+            v8::store<T>(row, i, _mm256_sub_ps(v8::round_to<T>(_mm256_mul_ps(x1, cv)), v8::round_to<T>(_mm256_mul_ps(x2, sv))));
+            v8::store<T>(x2p, i, _mm256_add_ps(v8::round_to<T>(_mm256_mul_ps(x2, cv)), v8::round_to<T>(_mm256_mul_ps(x1, sv))));
+          }
+#endif
+          for (; i < half; ++i) {
+            const float x1 = ld<T>(row, i), x2 = ld<T>(x2p, i), cv = ld<T>(c, i), sv = ld<T>(s, i);
+            st<T>(row, i, rnd<T>(x1 * cv) - rnd<T>(x2 * sv));
+            st<T>(x2p, i, rnd<T>(x2 * cv) + rnd<T>(x1 * sv));
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, &rotary_embedding);
+}
