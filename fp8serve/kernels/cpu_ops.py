@@ -39,7 +39,7 @@ def _march() -> str:
     return os.environ.get("FP8SERVE_CPU_MARCH", "native")
 
 
-def _build_dir() -> Path:
+def _build_dir(parallel: bool = True) -> Path:
     from fp8serve.default_model import cache_dir
 
     h = hashlib.sha256()
@@ -47,6 +47,7 @@ def _build_dir() -> Path:
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(_march().encode())
+    h.update(b"openmp" if parallel else b"serial")
     from fp8serve.utils.platform import cpu_flags
 
     h.update(" ".join(sorted(cpu_flags())).encode())
@@ -62,22 +63,39 @@ def load_cpu_ops():
     if os.environ.get("FP8SERVE_DISABLE_CPU_KERNELS"):
         logger.info("FP8SERVE_DISABLE_CPU_KERNELS is set: using the PyTorch reference attention")
         return None
-    try:
-        from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load
 
-        load(
-            name="fp8serve_cpu_ops",
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", f"-march={_march()}", "-fopenmp-simd"],
-            build_directory=str(_build_dir()),
-            is_python_module=False,
-            verbose=False,
-        )
-        module = torch.ops.fp8serve
-    except Exception as e:  # a missing compiler or ninja must not stop the engine
-        logger.warning("C++ CPU kernels unavailable (%s: %s); using the slower PyTorch reference path",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return None
+    # -fopenmp is what makes at::parallel_for parallel: without it ATen's
+    # header compiles every parallel_for in the kernels to a serial loop
+    # (INTRA_OP_PARALLEL is only defined under _OPENMP). The kernels link the
+    # libgomp.so.1 torch already loaded, so they share torch's thread pool and
+    # torch.set_num_threads. A compiler without OpenMP gets a serial build.
+    attempts = (("-fopenmp",), ())
+    for i, omp in enumerate(attempts):
+        try:
+            load(
+                name="fp8serve_cpu_ops" + ("_serial" if not omp else ""),
+                sources=[str(s) for s in _SOURCES],
+                # fp-contract=off: no silent FMA fusion, so float32 results round
+                # like torch's (the kernels ask for FMAs explicitly where wanted).
+                extra_cflags=["-O3", f"-march={_march()}", "-fopenmp-simd", "-ffp-contract=off", *omp],
+                extra_ldflags=list(omp),
+                build_directory=str(_build_dir(parallel=bool(omp))),
+                is_python_module=False,
+                verbose=False,
+            )
+            module = torch.ops.fp8serve
+            break
+        except Exception as e:  # a missing compiler or ninja must not stop the engine
+            if i + 1 < len(attempts):
+                logger.info("C++ CPU kernels: building with OpenMP failed (%s); trying a single-threaded build",
+                            type(e).__name__)
+                continue
+            logger.warning("C++ CPU kernels unavailable (%s: %s); using the slower PyTorch reference path",
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return None
+    if not omp:
+        logger.warning("C++ CPU kernels built without OpenMP: they run on one thread")
     if not module.has_avx2():
         logger.info("C++ CPU kernels built without AVX2/FMA/F16C: using their scalar path")
     return module

@@ -79,12 +79,14 @@ def pack_parameters_on_huge_pages(model: torch.nn.Module, min_bytes: int = 1 << 
         for p in params:
             offsets.append(total)
             total += -(-p.numel() // align) * align
-        # Over-allocate one huge page so the aligned part covers everything.
-        arena = torch.empty(total + _HUGE_PAGE // esize, dtype=dtype)
-        start = (-(arena.data_ptr() % _HUGE_PAGE) % _HUGE_PAGE) // esize
-        arena = arena[start:start + total]
-        if not advise_huge_pages(arena, "weight"):
-            return moved
+        # Whole huge pages from a 2 MiB boundary: allocate one page more than
+        # the rounded-up size and advise exactly the aligned pages.
+        pages = -(-total * esize // _HUGE_PAGE)
+        raw = torch.empty((pages + 1) * _HUGE_PAGE // esize, dtype=dtype)
+        start = (-(raw.data_ptr() % _HUGE_PAGE) % _HUGE_PAGE) // esize
+        if not advise_huge_pages(raw[start:start + pages * _HUGE_PAGE // esize], "weight"):
+            continue  # refused: leave this group where it is
+        arena = raw[start:start + total]
         for p, off in zip(params, offsets):
             dst = arena[off:off + p.numel()].view(p.shape)
             dst.copy_(p.data)

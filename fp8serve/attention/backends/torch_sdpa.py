@@ -27,6 +27,8 @@ class _StepData:
     gather_slots: torch.Tensor | None  # [num_seqs * max_seq_len] slot of each padded key position
     attn_mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, max_seq_len] bool, True = attend
     pad_index: torch.Tensor | None  # [num_tokens] row of each token in [num_seqs * max_query_len]
+    # Every sequence has max_query_len new tokens: padding is a view, not a copy.
+    uniform: bool = False
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -55,7 +57,8 @@ class TorchSDPABackend(AttentionBackend):
                 torch.arange(md.num_tokens, device=device) - md.query_start_loc[seq_of_token]
             )
         if self._fresh_prefill(md):
-            md.backend_data = _StepData(None, None, pad_index)
+            uniform = md.num_tokens == md.num_seqs * md.max_query_len
+            md.backend_data = _StepData(None, None, pad_index, uniform)
             return
         pos = torch.arange(md.max_seq_len, device=device)
         key_valid = pos[None, :] < md.seq_lens[:, None]
@@ -80,6 +83,8 @@ class TorchSDPABackend(AttentionBackend):
         """[num_tokens, heads, head_size] -> [num_seqs, max_query_len, heads, head_size]."""
         if step.pad_index is None:
             return x.view(md.num_seqs, 1, x.shape[1], x.shape[2])
+        if step.uniform:
+            return x.reshape(md.num_seqs, md.max_query_len, x.shape[1], x.shape[2])
         padded = x.new_zeros(md.num_seqs * md.max_query_len, x.shape[1], x.shape[2])
         padded.index_copy_(0, step.pad_index, x)
         return padded.view(md.num_seqs, md.max_query_len, x.shape[1], x.shape[2])
@@ -147,7 +152,7 @@ class TorchSDPABackend(AttentionBackend):
             is_causal=step.attn_mask is None,
         )  # [num_seqs, num_heads, max_query_len, head_size]
         out = out.transpose(1, 2).reshape(-1, num_heads, head_size)
-        if step.pad_index is not None:
+        if step.pad_index is not None and not step.uniform:
             out = out.index_select(0, step.pad_index)
         if v_scale != 1.0:
             out = out * v_scale

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "scalar_convert.h"
 #include "vec8.h"
@@ -90,7 +91,11 @@ void cache_impl(const at::Tensor& x, const at::Tensor& cache, const int64_t* slo
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
-      if (slot < 0) continue;
+      if (slot < 0) {
+        // Nothing stored: the read-back is zeros, never stale memory.
+        if (dec) std::memset(dec + t * out_stride, 0, row * out->element_size());
+        continue;
+      }
       write_row<In, F>(src + t * x_stride, dst + slot * slot_bytes, dec ? dec + t * out_stride : nullptr, row, scale);
     }
   });

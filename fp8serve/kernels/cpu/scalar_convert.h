@@ -111,9 +111,10 @@ inline float e4m3_to_f32(uint8_t c) {
 }
 
 // exp(x) in float to ~2 ulp, branch-free (NaN in gives a number out: callers
-// never pass NaN through it unchecked) (Cody-Waite range reduction and a
+// never pass NaN through it unchecked); exp(x > 88.72) is inf (Cody-Waite range reduction and a
 // degree-6 polynomial); inputs below -87.3 give ~0, above 88.7 give inf.
 inline float exp_f32(float x) {
+  const bool overflow = x > 88.72283935546875f;  // ln(FLT_MAX): inf above, as expf
   x = x < 88.7f ? x : 88.7f;
   x = x > -87.3f ? x : -87.3f;
   // Round to nearest even by adding and removing 1.5 * 2^23 (|x * log2e| < 2^22).
@@ -127,8 +128,11 @@ inline float exp_f32(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  return p * bits_f32(static_cast<uint32_t>(e) << 23);
+  // 2^n in two factors: n reaches 128 for x in (88.38, 88.7], where exp(x)
+  // is still finite but 2^128 alone is not.
+  const int32_t n1 = static_cast<int32_t>(n) / 2, n2 = static_cast<int32_t>(n) - n1;
+  const float y = p * bits_f32(static_cast<uint32_t>(n1 + 127) << 23) * bits_f32(static_cast<uint32_t>(n2 + 127) << 23);
+  return overflow ? bits_f32(0x7f800000u) : y;
 }
 
 }  // namespace fp8serve_cvt

@@ -112,6 +112,7 @@ inline __m256 fp8_decode(const uint8_t* p) {
 
 // exp(x), same algorithm and constants as scalar_convert.h's exp_f32.
 inline __m256 exp(__m256 x) {
+  const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
   x = _mm256_min_ps(x, _mm256_set1_ps(88.7f));
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -125,8 +126,14 @@ inline __m256 exp(__m256 x) {
   p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
   p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  // 2^n as 2^n1 * 2^n2 (see exp_f32), n1 = n / 2 rounded toward zero.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(_mm256_add_epi32(ni, _mm256_srli_epi32(ni, 31)), 1);
+  const __m256i n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 e2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(p, e1), e2), _mm256_set1_ps(__builtin_inff()), overflow);
 }
 
 inline float hsum(__m256 v) {

@@ -1,0 +1,166 @@
+"""benchmarks/single_stream.py: its arithmetic (FLOPs, bytes per decode step), its verdicts and its
+table, on tiny inputs with hand-computed values. The benchmark itself is not run here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpoints import write_tiny_llama
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "single_stream.py"
+
+
+@pytest.fixture(scope="module")
+def ss():
+    spec = importlib.util.spec_from_file_location("single_stream_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+# write_tiny_llama's defaults: 2 layers, hidden 64, 4 heads / 2 KV heads (head_dim 16),
+# intermediate 128, vocab 512, untied.
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 512, "tie_word_embeddings": False}
+# Per layer: qkv 64 x (4 + 2*2)*16 = 8192, o 64 x 64 = 4096, gate_up 64 x 256 = 16384,
+# down 128 x 64 = 8192 -> 36864; two layers 73728. lm_head 512 x 64 = 32768.
+TINY_LINEAR, TINY_HEAD = 73728, 32768
+# Output rows per layer: 128 + 64 + 256 + 64 = 512; two layers 1024.
+TINY_ROWS = 1024
+
+SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def test_tiny_arithmetic(ss):
+    arch = ss.Arch.from_config(TINY)
+    assert arch.head_dim == 16
+    assert ss.linear_shapes(arch) == {"qkv_proj": (64, 128), "o_proj": (64, 64),
+                                      "gate_up_proj": (64, 256), "down_proj": (128, 64)}
+    assert ss.layer_matmul_params(arch) == 36864
+    assert ss.lm_head_params(arch) == TINY_HEAD
+    # L = 10: linear 2 * 73728 * 10; lm_head 2 * 32768 (last position only);
+    # attention 4 * 10^2/2 * 4 heads * 16 * 2 layers = 25600.
+    assert ss.prefill_flops(arch, 10) == {"linear": 1474560, "lm_head": 65536, "attention": 25600,
+                                          "total": 1565696}
+    assert ss.prefill_flops(arch, 10, logit_rows=10)["lm_head"] == 655360
+    assert ss.config_weight_bytes(arch, 4, 4) == (TINY_LINEAR + TINY_HEAD) * 4 == 425984
+    assert ss.config_weight_bytes(arch, 2, 2) == 212992
+    # FP8: 1 B per weight + a float32 scale per output row, 16-bit lm_head.
+    assert ss.config_weight_bytes(arch, 1, 2, row_scale_bytes=4) == 73728 + 4 * TINY_ROWS + 2 * TINY_HEAD == 143360
+
+
+def test_smollm2_arithmetic(ss):
+    arch = ss.Arch.from_config(SMOLLM2)
+    # qkv 576 x 960 = 552960, o 576 x 576 = 331776, gate_up 576 x 3072 = 1769472, down 1536 x 576 = 884736.
+    assert ss.layer_matmul_params(arch) == 3538944
+    assert ss.lm_head_params(arch) == 28311552
+    # 512 tokens: 2 * 106168320 * 512; 2 * 28311552; 4 * 512^2/2 * 9 * 64 * 30.
+    assert ss.prefill_flops(arch, 512) == {"linear": 108716359680, "lm_head": 56623104,
+                                           "attention": 9059696640, "total": 117832679424}
+    # Tied embeddings: the lm_head matrix is read once.
+    assert ss.config_weight_bytes(arch, 4, 4) == 537919488
+    assert ss.config_weight_bytes(arch, 2, 2) == 268959744
+    # 30 layers x 5184 output rows x 4 B of scales.
+    assert ss.config_weight_bytes(arch, 1, 2, row_scale_bytes=4) == 106168320 + 622080 + 56623104
+
+
+def _model_bytes(ss, model_dir, dtype):
+    from fp8serve import LLM
+
+    llm = LLM(str(model_dir), dtype=dtype, kv_cache_memory="1MiB", max_model_len=64, device="cpu")
+    model = llm.llm_engine.model_runner.model
+    return ss.model_weight_bytes(model), ss.weights_label(model), model
+
+
+def test_model_weight_bytes_on_loaded_models(ss, tmp_path):
+    from fp8serve.calibration.fp8_checkpoint import write_fp8_checkpoint
+    from fp8serve.layers.linear import MergedLinear
+
+    untied = write_tiny_llama(tmp_path / "untied")
+    got, label, _ = _model_bytes(ss, untied, "float32")
+    assert got == {"linear": 4 * TINY_LINEAR, "scales": 0, "lm_head": 4 * TINY_HEAD, "total": 425984}
+    assert label == "float32"
+    got, label, _ = _model_bytes(ss, untied, "bfloat16")
+    assert got["total"] == 212992 and label == "bfloat16"
+
+    # Tied: the embedding and the lm_head are one Parameter, counted once.
+    tied = write_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    got, _, _ = _model_bytes(ss, tied, "float32")
+    assert got == {"linear": 4 * TINY_LINEAR, "scales": 0, "lm_head": 4 * TINY_HEAD, "total": 425984}
+
+    fp8 = tmp_path / "fp8"
+    write_fp8_checkpoint(untied, fp8, activation_scheme="dynamic")
+    got, label, model = _model_bytes(ss, fp8, "float32")
+    backends = {m.fp8_backend for m in model.modules() if isinstance(m, MergedLinear)}
+    assert len(backends) == 1
+    if backends == {"cpu_kernel"}:  # one byte per weight + float32 per-row scales
+        assert got == {"linear": TINY_LINEAR, "scales": 4 * TINY_ROWS, "lm_head": 4 * TINY_HEAD, "total": 208896}
+        assert label == "fp8_e4m3 (cpu_kernel) + float32 lm_head"
+    else:  # no C++ kernels: dequantized to the compute dtype, scales no longer read
+        assert backends == {"dequantized"}
+        assert got == {"linear": 4 * TINY_LINEAR, "scales": 0, "lm_head": 4 * TINY_HEAD, "total": 425984}
+
+
+def test_verdicts_and_configs(ss):
+    assert ss.pass_miss(80.0, 80.0) == "PASS"
+    assert ss.pass_miss(79.99, 80.0) == "MISS"
+    assert ss.pass_miss(None, 80.0) == "—"
+    assert ss.pass_miss(float("nan"), 80.0) == "—"
+    # Against the issue's 53-57 tok/s when llama.cpp was not measured ...
+    assert ss.llama_cpp_verdict(57.0, None) == "PASS"
+    assert ss.llama_cpp_verdict(55.0, None) == "IN RANGE"
+    assert ss.llama_cpp_verdict(52.9, None) == "MISS"
+    # ... and against the measured number when it was.
+    assert ss.llama_cpp_verdict(59.0, 60.0) == "MISS"
+    assert ss.llama_cpp_verdict(60.0, 60.0) == "PASS"
+    assert ss.parse_configs("float32, auto,fp8@auto/fp8") == [
+        ("base", "float32", "auto"), ("base", "auto", "auto"), ("fp8", "auto", "fp8")]
+    with pytest.raises(SystemExit):
+        ss.parse_configs("int4@auto")
+
+
+def test_random_prompt(ss):
+    p = ss.random_prompt(300, 512, seed=3)
+    assert len(p) == 300 and min(p) >= 17 and max(p) < 512
+    assert p == ss.random_prompt(300, 512, seed=3)
+
+
+def test_finish_and_table(ss):
+    arch = ss.Arch.from_config(TINY)
+    r = ss.Result(system="fp8serve", config="float32", model="m", weights="float32", dtype="float32",
+                  kv_dtype="float32", prompt_len=10, prefill_ms_all=[3.0, 1.0, 2.0], decode_ms_all=[4.0, 5.0, 3.0],
+                  weight_bytes={"linear": 294912, "scales": 0, "lm_head": 131072, "total": 425984})
+    ss.finish(r, arch, peaks={"float32": 1.0}, read_gb_s=1.0, llama_tok_s=None)
+    assert r.prefill_ms == 2.0 and r.prefill_tok_s == pytest.approx(5000.0)
+    assert r.prefill_gflops == pytest.approx(1565696 / 0.002 / 1e9)  # 0.782848
+    assert r.pct_peak == pytest.approx(78.2848) and r.prefill_verdict == "MISS"
+    assert r.decode_ms == 4.0 and r.decode_tok_s == pytest.approx(250.0)
+    assert r.bound_ms == pytest.approx(0.425984)  # 425984 B at 1 GB/s
+    assert r.pct_bound == pytest.approx(10.6496)
+    assert r.decode_target == ">= 80% of bound" and r.decode_verdict == "MISS"
+
+    f = ss.Result(system="fp8serve", config="fp8@auto", model="m", weights="fp8_e4m3 (cpu_kernel) + bfloat16 lm_head",
+                  dtype="bfloat16", kv_dtype="bfloat16", prompt_len=10, prefill_ms_all=[1.0],
+                  decode_ms_all=[1000 / 55], weight_bytes={"linear": 1, "scales": 0, "lm_head": 0, "total": 1})
+    ss.finish(f, arch, peaks={"bfloat16": 1.0}, read_gb_s=1.0, llama_tok_s=None)
+    assert f.decode_tok_s == pytest.approx(55.0) and f.decode_verdict == "IN RANGE"
+    assert f.prefill_verdict == "PASS"  # 1.566 GFLOP/s of a 1 GFLOP/s peak
+
+    table = ss.format_table([r, f])
+    lines = table.splitlines()
+    assert lines[0].startswith("| system | config | weights | dtype | kv dtype | prefill ms |")
+    assert len(lines) == 4
+    assert "| fp8serve | float32 | float32 | float32 | float32 | 2.0 | 5000 | 0.8 | 78% of 1 (float32) | MISS | " \
+           "4.00 | 250.0 | 0.4 | 0.43 | 11% | >= 80% of bound | MISS |" == lines[2]
+    assert lines[3].endswith("| >= 53-57 tok/s (llama.cpp, issue) | IN RANGE |")
+    json.dumps([ss.asdict(x) for x in (r, f)])  # the --json payload serializes
