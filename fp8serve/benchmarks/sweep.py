@@ -29,6 +29,11 @@ from fp8serve.benchmarks.serve import benchmark, format_results
 WORKLOADS = {
     "seed": dict(request_rate=1.0, num_prompts=30, input_len=512, output_len=256, max_model_len=1024),
     "cpu": dict(request_rate=0.5, num_prompts=16, input_len=128, output_len=32, max_model_len=512),
+    # Saturation (every request at once) with a KV budget as the limit: pair
+    # it with --kv-cache-memory 90MiB, which holds exactly 8 requests of 512
+    # tokens of the default model in 16-bit storage (256 blocks) and 16 in FP8.
+    "kv-saturation": dict(request_rate=float("inf"), num_prompts=48, input_len=256, output_len=256,
+                          max_model_len=512),
 }
 DEFAULT_CONFIGS = "default@auto,default@bfloat16,default@fp8"
 
@@ -128,6 +133,8 @@ def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> di
         "itl_ms": summary["itl_ms"]["mean"],
         "tpot_ms": summary["tpot_ms"]["mean"],
         "e2e_s": summary["e2el_ms"]["mean"] / 1000,
+        "output_throughput": summary["output_throughput"],
+        "duration_s": summary["duration"],
         "completed": summary["completed"],
         "failed": summary["failed"],
         "server_exit_code": rc,
@@ -135,11 +142,16 @@ def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> di
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) |",
-             "|---|---|---:|---:|---:|---:|"]
+    """The seed's columns, then output tok/s and its ratio to the first row
+    (rows without a throughput, from older sweep.json files, show -)."""
+    lines = ["| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) | output tok/s | vs first row |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    base = rows[0].get("output_throughput") if rows else None
     for r in rows:
+        tput = r.get("output_throughput")
+        ratio = f"{tput / base:.2f}x" if tput and base else "-"
         lines.append(f"| {r['model_dtype']} | {r['kv_cache_dtype']} | {r['num_blocks']} | {r['ttft_ms']:.1f} | "
-                     f"{r['itl_ms']:.1f} | {r['e2e_s']:.1f} |")
+                     f"{r['itl_ms']:.1f} | {r['e2e_s']:.1f} | {f'{tput:.1f}' if tput else '-'} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -62,7 +62,10 @@ def test_bench_serve_exact_lengths(server_url):
 def test_sweep_reads_cache_config_and_formats_table(server_url):
     cache = cache_config(server_url)
     assert cache["kv_cache_dtype"] == "fp8_e4m3" and int(cache["num_blocks"]) == 512
-    table = format_table([{"model_dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "num_blocks": 512,
-                           "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25}])
-    assert "| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) |" in table
-    assert "| float32 | fp8_e4m3 | 512 | 12.3 | 5.0 | 1.2 |" in table
+    table = format_table([{"model_dtype": "float32", "kv_cache_dtype": "bfloat16", "num_blocks": 256,
+                           "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25, "output_throughput": 40.0},
+                          {"model_dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "num_blocks": 512,
+                           "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25, "output_throughput": 75.0}])
+    assert "| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) | output tok/s | vs first row |" in table
+    assert "| float32 | bfloat16 | 256 | 12.3 | 5.0 | 1.2 | 40.0 | 1.00x |" in table
+    assert "| float32 | fp8_e4m3 | 512 | 12.3 | 5.0 | 1.2 | 75.0 | 1.88x |" in table

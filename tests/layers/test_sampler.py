@@ -42,6 +42,22 @@ def test_bf16_logits_accepted():
     assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ties_take_the_first_index(dtype):
+    """Greedy must match torch.argmax (first index on ties) on wide bf16 rows,
+    where exact ties at the top are common."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(16, 49152, generator=g) * 2).to(dtype)
+    top = logits.max(-1).values
+    for row in range(16):  # a second and a third copy of the maximum, before and after it
+        for col in torch.randint(0, 49152, (2,), generator=g).tolist():
+            logits[row, col] = top[row]
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 16)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+    first = torch.stack([(r == r.max()).nonzero()[0, 0] for r in logits])
+    assert torch.equal(out.sampled_token_ids, first)
+
+
 def test_metadata_flags():
     md = metadata_for([SamplingParams(temperature=0), SamplingParams(top_k=5, seed=3)])
     assert not md.all_greedy and not md.all_random
