@@ -134,7 +134,7 @@ def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> di
         "tpot_ms": summary["tpot_ms"]["mean"],
         "e2e_s": summary["e2el_ms"]["mean"] / 1000,
         "output_throughput": summary["output_throughput"],
-        "duration_s": summary["duration"],
+        "duration_s": summary["duration_s"],
         "completed": summary["completed"],
         "failed": summary["failed"],
         "server_exit_code": rc,
