@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8serve.kernels import cpu_ops
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
@@ -28,4 +30,6 @@ class LMHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the compute dtype: sampling and logprobs
         # need the precision.
+        if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
+            return cpu_ops.dense_gemv(hidden_states, self.weight).float()
         return F.linear(hidden_states, self.weight).float()

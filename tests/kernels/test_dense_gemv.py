@@ -1,0 +1,86 @@
+"""`dense_gemv` (float32 / bf16 weights, M <= 8 activation rows) against a
+float64 reference on fresh random data, and where the layers use it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8serve.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="C++ CPU kernels unavailable")
+
+
+@pytest.fixture
+def seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k", [576, 37, 8])  # vector body, scalar tail, one vector
+@pytest.mark.parametrize("w_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64(seed, m, k, w_dtype, x_dtype, with_bias):
+    g = torch.Generator().manual_seed(seed)
+    n = 67  # not a multiple of the 4-row weight tile
+    w = (torch.randn(n, k, generator=g) * 0.1).to(w_dtype)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    bias = torch.randn(n, generator=g).to(x_dtype) if with_bias else None
+    out = cpu_ops.dense_gemv(x, w, bias)
+    assert out.shape == (m, n) and out.dtype == x_dtype
+    ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    # float32 accumulation, then one rounding to x's dtype.
+    tol = 2e-6 if x_dtype == torch.float32 else 2 ** -8
+    err = ((out.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+    assert err < tol, f"seed={seed}: {err:.2e}"
+
+
+def test_strided_x_rows_and_limits(seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(40, 64, generator=g)
+    wide = torch.randn(3, 100, generator=g)
+    x = wide[:, 10:74]  # rows not contiguous in memory
+    torch.testing.assert_close(cpu_ops.dense_gemv(x, w), F.linear(x.contiguous(), w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="at most 8"):
+        cpu_ops.dense_gemv(torch.randn(9, 64), w)
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_ops.dense_gemv(torch.randn(1, 63), w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_ops.dense_gemv(torch.randn(1, 40), w.t())
+
+
+def test_applies_only_where_measured_faster():
+    bf = torch.empty(16, 8, dtype=torch.bfloat16)
+    f32 = torch.empty(16, 8)
+    assert cpu_ops.dense_gemv_applies(torch.empty(1, 8, dtype=torch.bfloat16), bf)
+    assert cpu_ops.dense_gemv_applies(torch.empty(2, 8, dtype=torch.bfloat16), bf)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(4, 8, dtype=torch.bfloat16), bf)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(1, 8), f32)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(2, 8), f32)
+    assert cpu_ops.dense_gemv_applies(torch.empty(4, 8), f32)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8), f32)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(4, 8), f32.t().contiguous().t())  # non-contiguous weight
+    assert not cpu_ops.dense_gemv_applies(torch.empty(1, 8, dtype=torch.float16), torch.empty(16, 8, dtype=torch.float16))
+
+
+def test_linear_layer_uses_it_at_batch_one(monkeypatch):
+    """The unquantized linear method routes a bf16 single-row call through
+    dense_gemv and a 64-row call through F.linear, with the same result."""
+    from fp8serve.layers.linear import Linear
+
+    layer = Linear(32, 24, params_dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(24, 32).bfloat16())
+    calls = []
+    real = cpu_ops.dense_gemv
+    monkeypatch.setattr(cpu_ops, "dense_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(1, 32).bfloat16()
+    out = layer(x)
+    assert calls == [torch.Size([1, 32])]
+    ref = F.linear(x.float(), layer.weight.float())
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-2)
+    layer(torch.randn(64, 32).bfloat16())
+    assert len(calls) == 1
