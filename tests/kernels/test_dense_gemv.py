@@ -34,7 +34,7 @@ def test_matches_float64(seed, m, k, w_dtype, x_dtype, with_bias):
     assert out.shape == (m, n) and out.dtype == x_dtype
     ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
     # float32 accumulation, then one rounding to x's dtype.
-    tol = 2e-6 if x_dtype == torch.float32 else 2 ** -8
+    tol = 1e-5 if x_dtype == torch.float32 else 2 ** -8  # float32: K-term float32 sums
     err = ((out.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
     assert err < tol, f"seed={seed}: {err:.2e}"
 
