@@ -293,3 +293,29 @@ def test_default_model_knows_the_capital_of_france():
     out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8),
                        use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text, out.text
+
+
+def test_cpu_prefill_in_token_groups_matches_transformers(llm, hf_model, monkeypatch):
+    """A prefill bigger than PREFILL_TOKENS_PER_FORWARD runs as several forward
+    passes over groups of whole sequences (one prompt longer than the limit
+    is a group of its own): prompt logprobs and greedy outputs equal
+    transformers' and the one-pass run's."""
+    from fp8serve.engine import model_runner
+
+    prompts = [_ids(n, seed=40 + n) for n in (9, 14, 5, 21, 3)]
+    sp = SamplingParams(max_tokens=4, prompt_logprobs=1, **GREEDY)
+    one_pass = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    groups = []
+    real = model_runner.ModelRunner._prefill_groups
+    monkeypatch.setattr(model_runner, "PREFILL_TOKENS_PER_FORWARD", 16)
+    monkeypatch.setattr(model_runner.ModelRunner, "_prefill_groups",
+                        lambda self, seqs: groups.append(g := real(self, seqs)) or g)
+    grouped = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    # All five prompts are one scheduled prefill step; 9+14, 14+5 and 5+21 exceed 16.
+    assert [[s.num_prompt_tokens for s in g] for g in groups[0]] == [[9], [14], [5], [21], [3]]
+    for a, b, p in zip(one_pass, grouped, prompts):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        ref = _hf_log_softmax(hf_model, p)
+        for i, (ea, eb) in enumerate(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]), start=1):
+            assert abs(eb[p[i]].logprob - ref[i - 1, p[i]].item()) <= 1e-3
+            assert abs(ea[p[i]].logprob - eb[p[i]].logprob) <= 1e-4
