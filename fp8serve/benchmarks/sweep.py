@@ -87,6 +87,13 @@ def cache_config(base_url: str) -> dict:
     return dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
 
 
+def num_preemptions(base_url: str) -> int | None:
+    """The server's `fp8serve:num_preemptions_total` counter (None if absent)."""
+    _, text = _get(f"{base_url}/metrics")
+    m = re.search(r"^fp8serve:num_preemptions_total(?:\{[^}]*\})? (\S+)", text, re.M)
+    return int(float(m.group(1))) if m else None
+
+
 def _weights_dtype(log_path: Path) -> str:
     m = re.search(r"Loaded .*\(\w+, (\S+) weights\)", log_path.read_text())
     return m.group(1) if m else "?"
@@ -112,6 +119,7 @@ def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> di
         summary = asyncio.run(benchmark(
             base_url, None, workload["request_rate"], workload["num_prompts"], workload["input_len"],
             workload["output_len"], seed=args.seed))
+        preemptions = num_preemptions(base_url)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -135,6 +143,7 @@ def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> di
         "e2e_s": summary["e2el_ms"]["mean"] / 1000,
         "output_throughput": summary["output_throughput"],
         "duration_s": summary["duration_s"],
+        "num_preemptions": preemptions,
         "completed": summary["completed"],
         "failed": summary["failed"],
         "server_exit_code": rc,

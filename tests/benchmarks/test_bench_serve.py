@@ -14,7 +14,7 @@ import pytest
 
 from checkpoints import write_tiny_llama
 from fp8serve.benchmarks.serve import benchmark, format_results
-from fp8serve.benchmarks.sweep import cache_config, format_table
+from fp8serve.benchmarks.sweep import cache_config, format_table, num_preemptions
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,7 @@ def test_bench_serve_exact_lengths(server_url):
 
 
 def test_sweep_reads_cache_config_and_formats_table(server_url):
+    assert num_preemptions(server_url) == 0  # an idle server has preempted nothing
     cache = cache_config(server_url)
     assert cache["kv_cache_dtype"] == "fp8_e4m3" and int(cache["num_blocks"]) == 512
     table = format_table([{"model_dtype": "float32", "kv_cache_dtype": "bfloat16", "num_blocks": 256,
