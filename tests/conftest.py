@@ -1,6 +1,7 @@
 """Makes `tests/` importable (tests do `from checkpoints import ...`) and keeps tests offline."""
 
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -18,3 +19,24 @@ if TESTS_DIR not in sys.path:
 
 # The CI machines have two cores; more threads only add contention.
 torch.set_num_threads(2)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh random seed per test (tests print it on failure);
+    FP8SERVE_TEST_SEED replays one."""
+    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """torch.ops.fp8serve, or the module's tests skip when the C++ kernels cannot be built here."""
+    from fp8serve.kernels.cpu_ops import load_cpu_ops
+
+    module = load_cpu_ops()
+    if module is None:
+        pytest.skip("C++ CPU kernels unavailable (load_cpu_ops() returned None)")
+    return module

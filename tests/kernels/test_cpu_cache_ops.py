@@ -14,14 +14,12 @@ width), a slot_mapping with a skipped (-1) token, and scales != 1.
 
 from __future__ import annotations
 
-import os
-import random
 
 import pytest
 import torch
 
 from fp8serve.kernels import cpu_ops
-from fp8serve.kernels.cpu_ops import KV_FORMATS, KV_STORAGE_DTYPES, load_cpu_ops, reshape_and_cache
+from fp8serve.kernels.cpu_ops import KV_FORMATS, KV_STORAGE_DTYPES, reshape_and_cache
 from fp8serve.quantization.fp8 import dequantize_fp8, fp8_format, quantize_fp8
 
 INPUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -51,17 +49,10 @@ SPECIALS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ops():
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip("C++ CPU kernels unavailable (load_cpu_ops() returned None)")
-    return ops
+# Every test here needs the kernels (the shared `ops` fixture skips without them).
+pytestmark = pytest.mark.usefixtures("ops")
 
 
-@pytest.fixture
-def seed():
-    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
 def make_kv(seed, dtype, num_kv_heads, head_size, num_tokens, k_scale, v_scale):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -27,7 +26,6 @@ from fp8serve.kernels.cpu_ops import (
     E4M3_DECODE_MULTIPLIER,
     KV_FORMATS,
     KV_STORAGE_DTYPES,
-    load_cpu_ops,
     paged_attention_decode,
     paged_attention_decode_ref,
 )
@@ -46,17 +44,6 @@ K_SCALE, V_SCALE = 0.05, 0.03
 SEQ_LENS = [1, 37, 16, 5, 300, 130, 2]
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip("C++ CPU kernels unavailable (load_cpu_ops() returned None)")
-    return ops
-
-
-@pytest.fixture
-def seed():
-    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
 class Case:

@@ -3,8 +3,6 @@ float64 reference on fresh random data, and where the layers use it."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,11 +10,6 @@ import torch.nn.functional as F
 from fp8serve.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="C++ CPU kernels unavailable")
-
-
-@pytest.fixture
-def seed() -> int:
-    return random.SystemRandom().randrange(2**31)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])

@@ -24,15 +24,12 @@ Measured here before choosing the bounds (AVX2 build, 128 x {4096, 1000, 13,
 
 from __future__ import annotations
 
-import os
-import random
 
 import pytest
 import torch
 
 from fp8serve.config import RopeConfig
 from fp8serve.kernels import cpu_ops
-from fp8serve.kernels.cpu_ops import load_cpu_ops
 from fp8serve.layers.activation import SiluAndMul
 from fp8serve.layers.layernorm import RMSNorm
 from fp8serve.layers.rotary import RotaryEmbedding
@@ -49,17 +46,10 @@ MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}
 MIN_NORMAL_EXP = {torch.bfloat16: -126, torch.float16: -14}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ops():
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip("C++ CPU kernels unavailable (load_cpu_ops() returned None)")
-    return ops
+# Every test here needs the kernels (the shared `ops` fixture skips without them).
+pytestmark = pytest.mark.usefixtures("ops")
 
 
-@pytest.fixture
-def seed():
-    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:

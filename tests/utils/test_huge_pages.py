@@ -10,8 +10,6 @@ placement checks then skip with a reason.
 
 from __future__ import annotations
 
-import os
-import random
 import sys
 
 import pytest
@@ -30,11 +28,6 @@ MIB = 1024 * 1024
 def clean_env(monkeypatch):
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def seed():
-    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
 class TiedModel(nn.Module):
