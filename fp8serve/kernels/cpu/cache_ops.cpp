@@ -26,21 +26,6 @@ using namespace fp8serve_cvt;
 
 enum KVFormat : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
-// Input element types are tagged by their storage: 0 float32, 1 bf16, 2 fp16.
-template <int In>
-inline float load_in(const void* p, int64_t i) {
-  if constexpr (In == 0) return static_cast<const float*>(p)[i];
-  if constexpr (In == 1) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-  return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-}
-
-template <int In>
-inline void store_in(void* p, int64_t i, float v) {
-  if constexpr (In == 0) static_cast<float*>(p)[i] = v;
-  if constexpr (In == 1) static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
-  if constexpr (In == 2) static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
-}
-
 // One row (num_kv_heads * head_size elements) of one token.
 template <int In, int64_t F>
 inline void write_row(const void* src, void* dst, void* decoded, int64_t n, float scale) {
@@ -57,9 +42,9 @@ inline void write_row(const void* src, void* dst, void* decoded, int64_t n, floa
     }
 #endif
     for (; i < n; ++i) {
-      const float x = load_in<In>(src, i) / scale;
+      const float x = load_as_f32<In>(src, i) / scale;
       d[i] = e4m3 ? f32_to_e4m3(x) : f32_to_e5m2(x);
-      if (decoded != nullptr) store_in<In>(decoded, i, e4m3 ? e4m3_to_f32(d[i]) : e5m2_to_f32(d[i]));
+      if (decoded != nullptr) store_from_f32<In>(decoded, i, e4m3 ? e4m3_to_f32(d[i]) : e5m2_to_f32(d[i]));
     }
   } else {
     constexpr int Out = F == kF32 ? 0 : (F == kBF16 ? 1 : 2);
@@ -71,8 +56,8 @@ inline void write_row(const void* src, void* dst, void* decoded, int64_t n, floa
     }
 #endif
     for (; i < n; ++i) {
-      store_in<Out>(dst, i, load_in<In>(src, i));
-      if (decoded != nullptr) store_in<In>(decoded, i, load_in<Out>(dst, i));
+      store_from_f32<Out>(dst, i, load_as_f32<In>(src, i));
+      if (decoded != nullptr) store_from_f32<In>(decoded, i, load_as_f32<Out>(dst, i));
     }
   }
 }

@@ -30,13 +30,7 @@ using namespace fp8serve_cvt;
 constexpr int64_t kMaxRows = 8;       // activation rows per call
 constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at least
 
-// WT: 0 float32 weights, 1 bf16 weights.
-template <int WT>
-inline float wload(const void* w, int64_t i) {
-  if constexpr (WT == 0) return static_cast<const float*>(w)[i];
-  return bf16_to_f32(static_cast<const uint16_t*>(w)[i]);
-}
-
+// WT: 0 float32 weights, 1 bf16 weights (the storage tags of scalar_convert.h).
 // dots[r * MT + m] = sum_k w[r][k] * x[m][k] for R weight rows, MT activation rows.
 template <int WT, int R, int MT>
 inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t K, float* dots) {
@@ -60,7 +54,7 @@ inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t
 #endif
   for (; k < K; ++k) {
     for (int r = 0; r < R; ++r) {
-      const float wv = wload<WT>(w + r * w_row_bytes, k);
+      const float wv = load_as_f32<WT>(w + r * w_row_bytes, k);
       for (int m = 0; m < MT; ++m) dots[r * MT + m] += wv * x[m * K + k];
     }
   }

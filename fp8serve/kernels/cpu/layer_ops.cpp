@@ -27,29 +27,6 @@ namespace {
 
 using namespace fp8serve_cvt;
 
-// T: 0 float32, 1 bf16, 2 fp16 (storage tags, as in cache_ops.cpp).
-template <int T>
-inline float ld(const void* p, int64_t i) {
-  if constexpr (T == 0) return static_cast<const float*>(p)[i];
-  if constexpr (T == 1) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-  return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-}
-
-template <int T>
-inline void st(void* p, int64_t i, float v) {
-  if constexpr (T == 0) static_cast<float*>(p)[i] = v;
-  if constexpr (T == 1) static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
-  if constexpr (T == 2) static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
-}
-
-// Round a float to the storage type and back (dt() above).
-template <int T>
-inline float rnd(float v) {
-  if constexpr (T == 0) return v;
-  if constexpr (T == 1) return bf16_to_f32(f32_to_bf16(v));
-  return f16_to_f32(f32_to_f16(v));
-}
-
 int tag(const at::Tensor& x) {
   switch (x.scalar_type()) {
     case at::kFloat: return 0;
@@ -89,7 +66,7 @@ inline void norm_row(const void* x, void* out, const void* w, int64_t n, float e
   }
   ss = v8::hsum(acc);
 #endif
-  for (; i < n; ++i) ss += ld<T>(x, i) * ld<T>(x, i);
+  for (; i < n; ++i) ss += load_as_f32<T>(x, i) * load_as_f32<T>(x, i);
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   // float32: x * r * w rounded once (F.rms_norm with weight); 16-bit: the
   // normalised value is rounded before the weight multiply (HF Llama).
@@ -101,7 +78,7 @@ inline void norm_row(const void* x, void* out, const void* w, int64_t n, float e
     v8::store<T>(out, i, y);
   }
 #endif
-  for (; i < n; ++i) st<T>(out, i, rnd<T>(ld<T>(x, i) * r) * ld<T>(w, i));
+  for (; i < n; ++i) store_from_f32<T>(out, i, round_to<T>(load_as_f32<T>(x, i) * r) * load_as_f32<T>(w, i));
 }
 
 // out = rms_norm(x) * weight. x, out: [num_tokens, hidden]; weight: [hidden].
@@ -150,7 +127,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
           fp8serve_vec8::store<T>(rr, i, _mm256_add_ps(fp8serve_vec8::load<T>(xr, i), fp8serve_vec8::load<T>(rr, i)));
         }
 #endif
-        for (; i < n; ++i) st<T>(rr, i, ld<T>(xr, i) + ld<T>(rr, i));
+        for (; i < n; ++i) store_from_f32<T>(rr, i, load_as_f32<T>(xr, i) + load_as_f32<T>(rr, i));
         norm_row<T>(rr, xr, wp, n, static_cast<float>(eps));
       }
     });
@@ -189,9 +166,9 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
         }
 #endif
         for (; i < d; ++i) {
-          const float gv = ld<T>(g, i);
-          const float s = rnd<T>(gv / (1.0f + exp_f32(-gv)));
-          st<T>(o, i, s * ld<T>(u, i));
+          const float gv = load_as_f32<T>(g, i);
+          const float s = round_to<T>(gv / (1.0f + exp_f32(-gv)));
+          store_from_f32<T>(o, i, s * load_as_f32<T>(u, i));
         }
       }
     });
@@ -253,9 +230,9 @@ void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key, at
           }
 #endif
           for (; i < half; ++i) {
-            const float x1 = ld<T>(row, i), x2 = ld<T>(x2p, i), cv = ld<T>(c, i), sv = ld<T>(s, i);
-            st<T>(row, i, rnd<T>(x1 * cv) - rnd<T>(x2 * sv));
-            st<T>(x2p, i, rnd<T>(x2 * cv) + rnd<T>(x1 * sv));
+            const float x1 = load_as_f32<T>(row, i), x2 = load_as_f32<T>(x2p, i), cv = load_as_f32<T>(c, i), sv = load_as_f32<T>(s, i);
+            store_from_f32<T>(row, i, round_to<T>(x1 * cv) - round_to<T>(x2 * sv));
+            store_from_f32<T>(x2p, i, round_to<T>(x2 * cv) + round_to<T>(x1 * sv));
           }
         }
       }

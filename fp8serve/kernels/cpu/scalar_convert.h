@@ -135,4 +135,28 @@ inline float exp_f32(float x) {
   return overflow ? bits_f32(0x7f800000u) : y;
 }
 
+// Element i of a row in storage format T (0 float32, 1 bf16, 2 fp16), the
+// tags every elementwise kernel uses, as float32 and back.
+template <int T>
+inline float load_as_f32(const void* p, int64_t i) {
+  if constexpr (T == 0) return static_cast<const float*>(p)[i];
+  if constexpr (T == 1) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+}
+
+template <int T>
+inline void store_from_f32(void* p, int64_t i, float v) {
+  if constexpr (T == 0) static_cast<float*>(p)[i] = v;
+  if constexpr (T == 1) static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  if constexpr (T == 2) static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
+}
+
+// Round a float to storage format T and back.
+template <int T>
+inline float round_to(float v) {
+  if constexpr (T == 0) return v;
+  if constexpr (T == 1) return bf16_to_f32(f32_to_bf16(v));
+  return f16_to_f32(f32_to_f16(v));
+}
+
 }  // namespace fp8serve_cvt
