@@ -251,16 +251,17 @@ def use_fused_cpu_ops(x: torch.Tensor) -> bool:
 def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `dense_gemv` beats F.linear for this call. Measured on the
     default model's 120 decode linears with cold weights (2-vCPU Xeon, AMX;
-    benchmarks/results/dense_gemv_2026-11-29.md): bf16 weights 1.45x at M = 1,
-    1.28x at M = 2 (torch's bf16 GEMV reads ~9 GB/s), slower from M = 4 (AMX
-    wins); float32 weights equal at M = 1-2, 1.15-1.20x at M = 4-8."""
+    benchmarks/results/dense_gemv_2026-11-30.md, after the kernel learned to
+    prefetch its rows): bf16 weights 1.88x / 1.69x / 1.66x / 1.17x at
+    M = 1 / 2 / 4 / 8 (torch's bf16 GEMV reads ~9 GB/s); float32 weights
+    1.05x at M = 1-2 and 1.5x at M = 4-8."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.dim() != 2 or not weight.is_contiguous():
         return False
     m = x.shape[0]
     if weight.dtype == torch.bfloat16:
-        ok = m <= 2 and x.dtype in (torch.bfloat16, torch.float32)
+        ok = 1 <= m <= 8 and x.dtype in (torch.bfloat16, torch.float32)
     elif weight.dtype == torch.float32:
-        ok = 4 <= m <= 8 and x.dtype == torch.float32
+        ok = 1 <= m <= 8 and x.dtype == torch.float32
     else:
         return False
     return ok and load_cpu_ops() is not None

@@ -49,13 +49,12 @@ def test_strided_x_rows_and_limits(seed):
 def test_applies_only_where_measured_faster():
     bf = torch.empty(16, 8, dtype=torch.bfloat16)
     f32 = torch.empty(16, 8)
-    assert cpu_ops.dense_gemv_applies(torch.empty(1, 8, dtype=torch.bfloat16), bf)
-    assert cpu_ops.dense_gemv_applies(torch.empty(2, 8, dtype=torch.bfloat16), bf)
-    assert not cpu_ops.dense_gemv_applies(torch.empty(4, 8, dtype=torch.bfloat16), bf)
-    assert not cpu_ops.dense_gemv_applies(torch.empty(1, 8), f32)
-    assert not cpu_ops.dense_gemv_applies(torch.empty(2, 8), f32)
-    assert cpu_ops.dense_gemv_applies(torch.empty(4, 8), f32)
+    for m in (1, 2, 4, 8):  # every row count the kernel takes (benchmarks/results/dense_gemv_2026-11-30.md)
+        assert cpu_ops.dense_gemv_applies(torch.empty(m, 8, dtype=torch.bfloat16), bf)
+        assert cpu_ops.dense_gemv_applies(torch.empty(m, 8), f32)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8, dtype=torch.bfloat16), bf)
     assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8), f32)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(0, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(4, 8), f32.t().contiguous().t())  # non-contiguous weight
     assert not cpu_ops.dense_gemv_applies(torch.empty(1, 8, dtype=torch.float16), torch.empty(16, 8, dtype=torch.float16))
 

@@ -32,15 +32,24 @@ constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at leas
 
 // WT: 0 float32 weights, 1 bf16 weights (the storage tags of scalar_convert.h).
 // dots[r * MT + m] = sum_k w[r][k] * x[m][k] for R weight rows, MT activation rows.
+// Each 64 bytes of a row also prefetch the same columns `prefetch_ahead` bytes
+// further on (two tiles of rows ahead): rows are short, so the hardware
+// prefetchers barely ramp up before a stream ends (see fp8_gemm.cpp, where
+// this doubled the batch-1 read rate).
 template <int WT, int R, int MT>
-inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t K, float* dots) {
+inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t K, float* dots,
+                     int64_t prefetch_ahead) {
   int64_t k = 0;
 #ifdef FP8SERVE_VEC8
   namespace v8 = fp8serve_vec8;
+  constexpr int64_t kElemBytes = WT == 0 ? 4 : 2;
   __m256 acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
+    if (((k * kElemBytes) & 63) == 0) {
+      for (int r = 0; r < R; ++r) _mm_prefetch(w + r * w_row_bytes + k * kElemBytes + prefetch_ahead, _MM_HINT_T0);
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 wv = v8::load<WT>(w + r * w_row_bytes, k);
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[r][m]);
@@ -74,11 +83,11 @@ void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const 
     }
   };
   for (; n + R <= n_end; n += R) {
-    dot_tile<WT, R, MT>(w + n * w_row_bytes, w_row_bytes, x, K, dots);
+    dot_tile<WT, R, MT>(w + n * w_row_bytes, w_row_bytes, x, K, dots, 2 * R * w_row_bytes);
     emit(n, R);
   }
   for (; n < n_end; ++n) {
-    dot_tile<WT, 1, MT>(w + n * w_row_bytes, w_row_bytes, x, K, dots);
+    dot_tile<WT, 1, MT>(w + n * w_row_bytes, w_row_bytes, x, K, dots, 2 * w_row_bytes);
     emit(n, 1);
   }
 }
@@ -113,20 +122,41 @@ at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
     b = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return out.to(x.scalar_type());
-  const float* xp = xf.data_ptr<float>();
+  // bf16 activations are widened into a local buffer and the float32 result
+  // rounded once per element inside each task: two ATen ops (x.to(float),
+  // out.to(bf16)) per call would cost as much as a small layer's weights.
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  std::vector<float> x_buf, out_buf;
+  const float* xp;
+  float* op;
+  if (x_bf16) {
+    x_buf.resize(M * K);
+    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) x_buf[i] = static_cast<float>(xb[i]);
+    out_buf.resize(M * N);
+    xp = x_buf.data();
+    op = out_buf.data();
+  } else {
+    xp = xc.data_ptr<float>();
+    op = out.data_ptr<float>();
+  }
+  c10::BFloat16* ob = x_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
   const char* wp = static_cast<const char*>(w.data_ptr());
   const int64_t wrb = K * w.element_size();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
   const bool wbf16 = w.scalar_type() == at::kBFloat16;
   at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
     if (wbf16) rows_any<1>(M, op, xp, wp, wrb, bp, N, K, begin, end);
     else rows_any<0>(M, op, xp, wp, wrb, bp, N, K, begin, end);
+    if (ob) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = begin; n < end; ++n) ob[m * N + n] = c10::BFloat16(op[m * N + n]);  // nearest even
+    }
   });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {

@@ -109,14 +109,26 @@ inline float hsum(__m256 v) {
 // R * MT accumulators stay in registers (at most 8, leaving room for decoded
 // weights), so each decoded weight vector feeds MT FMAs and each activation
 // load R FMAs.
+//
+// `prefetch_ahead` (bytes): each 64-byte step also prefetches the same column
+// range that many bytes further on. A tile's rows are short (K bytes), so the
+// hardware prefetchers barely ramp up before a stream ends: measured on a
+// 2-core Xeon at batch 1, one thread read the weights at 3.5 GB/s from memory
+// against 13 GB/s from cache, and a plain sum reads 9 GB/s.
 template <int R, int MT>
-inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, float* dots) {
+inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, float* dots,
+                     int64_t prefetch_ahead) {
   int64_t k = 0;
 #ifdef FP8SERVE_GEMM_AVX2
   __m256 acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
   for (; k + 16 <= len; k += 16) {
+    if ((k & 63) == 0) {
+      // Past the end of w this is a no-op: prefetches never fault.
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * ld + k + prefetch_ahead), _MM_HINT_T0);
+    }
     for (int r = 0; r < R; ++r) {
       __m256 lo, hi;
       decode16(w + r * ld + k, lo, hi);
@@ -151,6 +163,9 @@ inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, 
 template <int MT>
 constexpr int64_t kColBlock = (4096 / MT) / 16 * 16;
 
+// How many row tiles ahead dot_tile prefetches (see there).
+constexpr int64_t kPrefetchTiles = 2;
+
 // Rows [n_begin, n_end) of out (row stride N) for MT activation rows; `dots`
 // holds (n_end - n_begin) * MT partial sums across column blocks.
 template <int R, int MT>
@@ -160,8 +175,9 @@ void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale,
   for (int64_t k0 = 0; k0 < K; k0 += kColBlock<MT>) {
     const int64_t len = std::min(kColBlock<MT>, K - k0);
     int64_t n = n_begin;
-    for (; n + R <= n_end; n += R) dot_tile<R, MT>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT);
-    for (; n < n_end; ++n) dot_tile<1, MT>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT);
+    for (; n + R <= n_end; n += R)
+      dot_tile<R, MT>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, kPrefetchTiles * R * K);
+    for (; n < n_end; ++n) dot_tile<1, MT>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, kPrefetchTiles * K);
   }
   for (int64_t n = n_begin; n < n_end; ++n) {
     const float s = scale[n] * kE4M3DecodeMultiplier, b = bias ? bias[n] : 0.f;
@@ -222,16 +238,31 @@ at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optiona
                 "bias must be a contiguous float32 [N] tensor");
   }
   const bool is_bf16 = x.scalar_type() == at::kBFloat16;
-  at::Tensor xf = is_bf16 ? x.to(at::kFloat) : x;
-  // float32 result; bf16 callers get it rounded once at the end.
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return is_bf16 ? out.to(at::kBFloat16) : out;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
 
-  const float* xp = xf.data_ptr<float>();
+  // bf16 activations are widened here and the float32 result is rounded once
+  // per output element at the end of each task, instead of two extra ATen ops
+  // (x.to(float), out.to(bf16)) per call: at batch 1 those two cost about as
+  // much as reading a small layer's weights.
+  std::vector<float> x_buf, out_buf;
+  const float* xp;
+  float* op;
+  if (is_bf16) {
+    x_buf.resize(M * K);
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) x_buf[i] = static_cast<float>(xb[i]);
+    out_buf.resize(M * N);
+    xp = x_buf.data();
+    op = out_buf.data();
+  } else {
+    xp = x.data_ptr<float>();
+    op = out.data_ptr<float>();
+  }
+  c10::BFloat16* ob = is_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
   at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> dots(kRowBlock * kMaxTileM);
     for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
@@ -241,8 +272,12 @@ at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optiona
         rows_any_m(mt, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
       }
     }
+    if (ob) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = begin; n < end; ++n) ob[m * N + n] = c10::BFloat16(op[m * N + n]);  // nearest even
+    }
   });
-  return is_bf16 ? out.to(at::kBFloat16) : out;
+  return out;
 }
 
 // out[n, k] = e4m3(w[n, k]) * scale[n] for a block of rows; out is a
