@@ -149,7 +149,7 @@ class Fp8LinearMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if layer.fp8_backend == "cpu_kernel":
-            out = fp8_linear_ops.fp8_linear(x2, layer.weight, layer.weight_scale, bias)
+            out = fp8_linear_ops.fp8_linear_loaded(x2, layer.weight, layer.weight_scale, bias)
             return out.reshape(*shape[:-1], out.shape[-1])
         if layer.input_scale is not None:
             x_scale = layer.input_scale

@@ -228,3 +228,27 @@ def test_fp8_linear_rejects_nan_weight_codes():
     layer.weight_scale.weight_loader(layer.weight_scale, torch.tensor(1.0))
     with pytest.raises(ConfigError, match="NaN"):
         layer.quant_method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_dequantize_and_matmul_in_several_tiles(monkeypatch, x_dtype):
+    """Weights taller than one dequantization tile (128 rows at the smallest
+    tile budget): 300 rows go in tiles of 128, 128 and 44, each written into
+    its columns of the [M, N] result."""
+    monkeypatch.setattr(fp8_linear_ops, "_DEQUANT_BYTES", 1)
+    assert fp8_linear_ops._dequant_rows(200, x_dtype) == 128
+    seed = fresh_seed()
+    x, w, scale, bias = make_case(40, 300, 200, x_dtype, True, seed)
+    out = fp8_linear_ops._dequantize_and_matmul(load_cpu_ops(), x, w, scale, bias)
+    assert_close(out, x, w, scale, bias, seed, f"3 tiles {x_dtype}")
+
+
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_fp8_linear_loaded_matches_checked_entry(m):
+    """The layer's entry (no Python checks) gives the checked entry's result,
+    and the C++ op still refuses what the checks would have refused."""
+    seed = fresh_seed()
+    x, w, scale, bias = make_case(m, 101, 200, torch.bfloat16, True, seed)
+    assert torch.equal(fp8_linear_ops.fp8_linear_loaded(x, w, scale, bias), fp8_linear_ops.fp8_linear(x, w, scale, bias))
+    with pytest.raises(RuntimeError, match="columns"):
+        fp8_linear_ops.fp8_linear_loaded(x[:1, :100].contiguous(), w, scale)
