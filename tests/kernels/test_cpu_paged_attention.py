@@ -199,3 +199,32 @@ def test_wrapper_rejects_bad_inputs(ops, seed):
     bad[1, 0] = k.shape[0]
     with pytest.raises(RuntimeError, match="block id"):
         call(bt=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_format", ["bfloat16", "fp8_e4m3"])
+def test_fused_entry_scales_and_converts(ops, seed, kv_format, dtype):
+    """`paged_attention_decode_fused` (what the cpu_paged backend calls) takes
+    the unscaled query in the compute dtype as a strided view of a fused qkv
+    row, scales it, and returns the output in that dtype: the same as scaling
+    in float32, running the float32 entry and rounding once."""
+    case = Case(seed, kv_format, 64, num_kv_heads=2, group=3, seq_lens=[1, 37, 130])
+    n, h, d = case.q.shape
+    q_scale = case.softmax_scale * (K_SCALE * E4M3_DECODE_MULTIPLIER if kv_format == "fp8_e4m3" else 1.0)
+    qkv = torch.randn(n, h * d + 2 * 2 * d, dtype=torch.float64)
+    qkv[:, : h * d] = case.q.reshape(n, -1)
+    qkv = qkv.to(dtype)
+    query = qkv[:, : h * d].view(n, h, d)  # row stride h * d + 4 * d: not contiguous
+    assert not query.is_contiguous()
+    out = ops.paged_attention_decode_fused(query, case.key_cache, case.value_cache, case.block_tables,
+                                           case.seq_lens, KV_FORMATS[kv_format], q_scale, case.out_scale)
+    expected = paged_attention_decode(query.float() * q_scale, case.key_cache, case.value_cache,
+                                      case.block_tables, case.seq_lens, kv_format, case.out_scale)
+    assert out.dtype == dtype and out.shape == (n, h, d)
+    if dtype == torch.float32:
+        assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6), f"seed={seed}"
+    else:
+        assert torch.equal(out, expected.to(dtype)), f"seed={seed}"
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        ops.paged_attention_decode_fused(query.transpose(1, 2), case.key_cache, case.value_cache,
+                                         case.block_tables, case.seq_lens, KV_FORMATS[kv_format], 1.0, 1.0)

@@ -46,12 +46,9 @@ class CpuPagedBackend(TorchSDPABackend):
         # scales still apply to the attention below, as in the reference.
         ws = (float(k_scale), float(v_scale)) if self.spec.fp8 is not None else (1.0, 1.0)
         ops.reshape_and_cache(key, value, kv_cache[0], kv_cache[1], md.slot_mapping, kv_format, *ws, None, None)
-        # Fold every constant into q and the output (see paged_attention.cpp).
+        # Fold every constant into q and the output (see paged_attention.cpp);
+        # the op scales q and converts to and from the compute dtype itself.
         decode_mult = E4M3_DECODE_MULTIPLIER if self.spec.kv_cache_dtype == "fp8_e4m3" else 1.0
-        q_scale = softmax_scale * k_scale * decode_mult
-        # float32 query, never the caller's tensor modified in place.
-        q = query.float().mul_(q_scale) if query.dtype != torch.float32 else query * q_scale
-        out = torch.empty_like(q)
-        ops.paged_attention_decode(out, q.contiguous(), kv_cache[0], kv_cache[1], md.block_tables, md.seq_lens,
-                                   kv_format, float(v_scale * decode_mult))
-        return out.to(query.dtype)
+        return ops.paged_attention_decode_fused(query, kv_cache[0], kv_cache[1], md.block_tables, md.seq_lens,
+                                                kv_format, float(softmax_scale * k_scale * decode_mult),
+                                                float(v_scale * decode_mult))
