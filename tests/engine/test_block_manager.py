@@ -172,3 +172,21 @@ def test_usage_fraction():
     assert bm.usage == pytest.approx(0.75)
     bm.free(b)
     assert bm.usage == 0.0
+
+
+def test_most_recently_freed_blocks_are_reused_first():
+    """A workload that needs few blocks keeps reusing the same ones (already
+    mapped and likely cached) instead of walking the whole cache."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    first = make_seq(10)
+    bm.allocate(first)
+    assert first.block_table == [0, 1, 2]
+    used = list(first.block_table)
+    bm.free(first)
+    again = make_seq(10)
+    bm.allocate(again)
+    assert again.block_table == used, "a freed sequence's blocks come back in the same order"
+    other = make_seq(3)
+    bm.allocate(other)
+    assert other.block_table == [3]
+    assert_accounting(bm, again, other)
