@@ -37,6 +37,7 @@ class RequestResult:
     output_len: int = 0
     ttft: float = 0.0
     latency: float = 0.0
+    start_time: float = 0.0  # when it was sent, seconds after the benchmark started
     itl: list[float] = field(default_factory=list)
     error: str = ""
 
@@ -77,11 +78,11 @@ def make_prompts(pool: list[int], num_prompts: int, input_len: int, seed: int) -
     return [[rng.choice(pool) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-async def _send(session, url: str, headers: dict, payload: dict, prompt_len: int) -> RequestResult:
+async def _send(session, url: str, headers: dict, payload: dict, prompt_len: int, t0: float) -> RequestResult:
     import aiohttp
 
-    result = RequestResult(prompt_len=prompt_len)
     start = time.perf_counter()
+    result = RequestResult(prompt_len=prompt_len, start_time=start - t0)
     last = start
     try:
         async with session.post(url, json=payload, headers=headers) as r:
@@ -134,7 +135,7 @@ async def benchmark(base_url: str, model: str | None, request_rate: float, num_p
         for prompt in prompts:
             payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            tasks.append(asyncio.create_task(_send(session, url, headers, payload, len(prompt))))
+            tasks.append(asyncio.create_task(_send(session, url, headers, payload, len(prompt), start)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / request_rate))
         results = await asyncio.gather(*tasks)
@@ -152,6 +153,31 @@ def _stats(values: list[float], scale: float) -> dict:
             "p99": float(np.percentile(a, 99))}
 
 
+def saturated_output_throughput(results: list[RequestResult]) -> float | None:
+    """Output tok/s from the start until the last request's first token.
+
+    Until then some request is still waiting for room, so every step runs
+    at the concurrency the KV cache allows: this is the rate at saturation.
+    After it the run drains, with fewer requests left than the cache holds,
+    and a larger cache drains for a larger share of a short run (48 requests
+    are three waves of 16 but six of 8). Each streamed chunk is one token.
+    None when no request produced a token."""
+    ok = [r for r in results if r.success and r.ttft > 0]
+    if not ok:
+        return None
+    t_end = max(r.start_time + r.ttft for r in ok)
+    tokens = 0
+    for r in ok:
+        t = r.start_time + r.ttft
+        tokens += t <= t_end
+        for gap in r.itl:
+            t += gap
+            if t > t_end:
+                break
+            tokens += 1
+    return tokens / t_end if t_end > 0 else None
+
+
 def summarize(results: list[RequestResult], duration: float, config: dict) -> dict:
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
@@ -167,6 +193,7 @@ def summarize(results: list[RequestResult], duration: float, config: dict) -> di
         "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration,
         "output_throughput": total_out / duration,
+        "saturated_output_throughput": saturated_output_throughput(results),
         "total_token_throughput": (total_in + total_out) / duration,
         "ttft_ms": _stats([r.ttft for r in ok], 1000),
         "tpot_ms": _stats(tpots, 1000),

@@ -142,6 +142,7 @@ def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> di
         "tpot_ms": summary["tpot_ms"]["mean"],
         "e2e_s": summary["e2el_ms"]["mean"] / 1000,
         "output_throughput": summary["output_throughput"],
+        "saturated_output_throughput": summary.get("saturated_output_throughput"),
         "duration_s": summary["duration_s"],
         "num_preemptions": preemptions,
         "completed": summary["completed"],
@@ -151,16 +152,24 @@ def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> di
 
 
 def format_table(rows: list[dict]) -> str:
-    """The seed's columns, then output tok/s and its ratio to the first row
-    (rows without a throughput, from older sweep.json files, show -)."""
-    lines = ["| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) | output tok/s | vs first row |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    base = rows[0].get("output_throughput") if rows else None
+    """The seed's columns, then output tok/s over the whole run and at
+    saturation (until the last request's first token, see
+    serve.saturated_output_throughput), each with its ratio to the first row
+    (rows without them, from older sweep.json files, show -)."""
+    lines = ["| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) | output tok/s | vs first row "
+             "| saturated tok/s | vs first row | preemptions |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cells(r: dict, key: str) -> str:
+        value, base = r.get(key), rows[0].get(key)
+        ratio = f"{value / base:.2f}x" if value and base else "-"
+        return f"{f'{value:.1f}' if value else '-'} | {ratio}"
+
     for r in rows:
-        tput = r.get("output_throughput")
-        ratio = f"{tput / base:.2f}x" if tput and base else "-"
+        pre = r.get("num_preemptions")
         lines.append(f"| {r['model_dtype']} | {r['kv_cache_dtype']} | {r['num_blocks']} | {r['ttft_ms']:.1f} | "
-                     f"{r['itl_ms']:.1f} | {r['e2e_s']:.1f} | {f'{tput:.1f}' if tput else '-'} | {ratio} |")
+                     f"{r['itl_ms']:.1f} | {r['e2e_s']:.1f} | {cells(r, 'output_throughput')} | "
+                     f"{cells(r, 'saturated_output_throughput')} | {'-' if pre is None else pre} |")
     return "\n".join(lines)
 
 

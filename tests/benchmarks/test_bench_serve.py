@@ -64,9 +64,34 @@ def test_sweep_reads_cache_config_and_formats_table(server_url):
     cache = cache_config(server_url)
     assert cache["kv_cache_dtype"] == "fp8_e4m3" and int(cache["num_blocks"]) == 512
     table = format_table([{"model_dtype": "float32", "kv_cache_dtype": "bfloat16", "num_blocks": 256,
-                           "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25, "output_throughput": 40.0},
+                           "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25, "output_throughput": 40.0,
+                           "saturated_output_throughput": 50.0, "num_preemptions": 3},
                           {"model_dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "num_blocks": 512,
-                           "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25, "output_throughput": 75.0}])
-    assert "| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) | output tok/s | vs first row |" in table
-    assert "| float32 | bfloat16 | 256 | 12.3 | 5.0 | 1.2 | 40.0 | 1.00x |" in table
-    assert "| float32 | fp8_e4m3 | 512 | 12.3 | 5.0 | 1.2 | 75.0 | 1.88x |" in table
+                           "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25, "output_throughput": 75.0,
+                           "saturated_output_throughput": 95.0, "num_preemptions": 0},
+                          {"model_dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "num_blocks": 512,
+                           "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25, "output_throughput": 70.0}])
+    assert ("| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) | output tok/s | vs first row "
+            "| saturated tok/s | vs first row | preemptions |") in table
+    assert "| float32 | bfloat16 | 256 | 12.3 | 5.0 | 1.2 | 40.0 | 1.00x | 50.0 | 1.00x | 3 |" in table
+    assert "| float32 | fp8_e4m3 | 512 | 12.3 | 5.0 | 1.2 | 75.0 | 1.88x | 95.0 | 1.90x | 0 |" in table
+    # A row from an older sweep.json, without the newer fields.
+    assert "| float32 | fp8_e4m3 | 512 | 12.3 | 5.0 | 1.2 | 70.0 | 1.75x | - | - | - |" in table
+
+
+def test_saturated_throughput_stops_at_the_last_first_token():
+    """Two requests sent at t=0 and one queued behind them (first token at
+    t=3): tokens up to t=3 count, the drain after it does not."""
+    from fp8serve.benchmarks.serve import RequestResult, saturated_output_throughput
+
+    def req(ttft, itl, start=0.0):
+        return RequestResult(success=True, output_len=1 + len(itl), ttft=ttft, itl=itl, start_time=start)
+
+    results = [
+        req(0.5, [0.5] * 9),  # tokens at 0.5, 1.0, ... 5.0: 6 of them by t=3
+        req(0.5, [1.0] * 4),  # 0.5, 1.5, 2.5, 3.5, 4.5: 3 by t=3
+        req(2.0, [0.5, 0.5], start=1.0),  # first token at t=3: 1 (the ones after are the drain)
+        RequestResult(success=False, error="HTTP 500"),  # failed requests do not count
+    ]
+    assert saturated_output_throughput(results) == (6 + 3 + 1) / 3.0
+    assert saturated_output_throughput([RequestResult(success=False)]) is None
