@@ -87,6 +87,10 @@ def test_fp8_dequantize_is_exact_in_float32():
     # decoded value and scale are exact in float32; the product is rounded once.
     expected = (dequantize_fp8(w, 1.0, FP8_E4M3).double() * scale.double()[:, None]).float()
     assert torch.equal(out, expected), f"seed={seed}"
+    # bf16 rows (vector body and scalar tail alike): that float32 value rounded once, to nearest even.
+    out_bf16 = torch.empty(45, 203, dtype=torch.bfloat16)
+    load_cpu_ops().fp8_dequantize(out_bf16, w, scale)
+    assert torch.equal(out_bf16, expected.to(torch.bfloat16)), f"seed={seed}"
 
 
 def test_empty_batch():
