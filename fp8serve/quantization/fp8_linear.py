@@ -146,6 +146,10 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.fp8_backend == "dequantized":
             return torch.nn.functional.linear(x, layer.weight, bias)
+        if layer.fp8_backend == "cpu_kernel" and x.dim() == 2:
+            # The engine's activations are [num_tokens, hidden]: no reshapes
+            # (two ATen calls per linear, ~0.6 ms of a batch-1 step).
+            return fp8_linear_ops.fp8_linear_loaded(x, layer.weight, layer.weight_scale, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if layer.fp8_backend == "cpu_kernel":

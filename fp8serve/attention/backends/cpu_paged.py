@@ -45,10 +45,11 @@ class CpuPagedBackend(TorchSDPABackend):
         # A 16/32-bit cache stores values as they are (as _store does); the
         # scales still apply to the attention below, as in the reference.
         ws = (float(k_scale), float(v_scale)) if self.spec.fp8 is not None else (1.0, 1.0)
-        ops.reshape_and_cache(key, value, kv_cache[0], kv_cache[1], md.slot_mapping, kv_format, *ws, None, None)
+        k_cache, v_cache = kv_cache.unbind(0)  # one ATen call, not four selects
+        ops.reshape_and_cache(key, value, k_cache, v_cache, md.slot_mapping, kv_format, *ws, None, None)
         # Fold every constant into q and the output (see paged_attention.cpp);
         # the op scales q and converts to and from the compute dtype itself.
         decode_mult = E4M3_DECODE_MULTIPLIER if self.spec.kv_cache_dtype == "fp8_e4m3" else 1.0
-        return ops.paged_attention_decode_fused(query, kv_cache[0], kv_cache[1], md.block_tables, md.seq_lens,
+        return ops.paged_attention_decode_fused(query, k_cache, v_cache, md.block_tables, md.seq_lens,
                                                 kv_format, float(softmax_scale * k_scale * decode_mult),
                                                 float(v_scale * decode_mult))
