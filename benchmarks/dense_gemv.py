@@ -42,7 +42,7 @@ def main() -> None:
         pack_parameters_on_huge_pages(holder)
         ws = list(holder.ws)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
-        for m in (1, 2, 4, 8):
+        for m in (1, 2, 4, 8, 12, 16):
             xs = {k: torch.randn(m, k).to(dt) for k, _ in SHAPES}
             w, x = ws[2], xs[ws[2].shape[1]]
             ref = x.double() @ w.double().t()

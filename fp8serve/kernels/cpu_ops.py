@@ -251,23 +251,24 @@ def use_fused_cpu_ops(x: torch.Tensor) -> bool:
 def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `dense_gemv` beats F.linear for this call. Measured on the
     default model's 120 decode linears with cold weights (2-vCPU Xeon, AMX;
-    benchmarks/results/dense_gemv_2026-11-30.md, after the kernel learned to
-    prefetch its rows): bf16 weights 1.88x / 1.69x / 1.66x / 1.17x at
-    M = 1 / 2 / 4 / 8 (torch's bf16 GEMV reads ~9 GB/s); float32 weights
-    1.05x at M = 1-2 and 1.5x at M = 4-8."""
+    benchmarks/results/dense_gemv_2026-11-30.md): bf16 weights 2.0x / 1.8x /
+    1.7x / 1.1x at M = 1 / 2 / 4 / 8 (torch's bf16 GEMV reads ~9 GB/s), but
+    0.9x / 0.66x at M = 12 / 16 (16 FMAs per weight make the AVX2 loop
+    compute-bound where AMX is not); float32 weights 1.06x at M = 1-2,
+    1.55x at M = 4-8, 1.44x / 1.13x at M = 12 / 16."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.dim() != 2 or not weight.is_contiguous():
         return False
     m = x.shape[0]
     if weight.dtype == torch.bfloat16:
         ok = 1 <= m <= 8 and x.dtype in (torch.bfloat16, torch.float32)
     elif weight.dtype == torch.float32:
-        ok = 1 <= m <= 8 and x.dtype == torch.float32
+        ok = 1 <= m <= 16 and x.dtype == torch.float32
     else:
         return False
     return ok and load_cpu_ops() is not None
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for M <= 8 rows, float32 or bf16 weights,
+    """x @ weight.T (+ bias) for M <= 16 rows, float32 or bf16 weights,
     accumulated in float32 and returned in x's dtype."""
     return load_cpu_ops().dense_gemv(x, weight, bias)

@@ -1,4 +1,4 @@
-"""`dense_gemv` (float32 / bf16 weights, M <= 8 activation rows) against a
+"""`dense_gemv` (float32 / bf16 weights, M <= 16 activation rows) against a
 float64 reference on fresh random data, and where the layers use it."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from fp8serve.kernels import cpu_ops
 pytestmark = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="C++ CPU kernels unavailable")
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 16])  # 11, 16: two activation tiles
 @pytest.mark.parametrize("k", [576, 37, 8])  # vector body, scalar tail, one vector
 @pytest.mark.parametrize("w_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64(seed, m, k, w_dtype, x_dtype, with_bias):
     g = torch.Generator().manual_seed(seed)
-    n = 67  # not a multiple of the 4-row weight tile
+    n = 167  # not a multiple of the 4-row weight tile; > 64 rows per thread: several weight row blocks
     w = (torch.randn(n, k, generator=g) * 0.1).to(w_dtype)
     x = torch.randn(m, k, generator=g).to(x_dtype)
     bias = torch.randn(n, generator=g).to(x_dtype) if with_bias else None
@@ -38,8 +38,8 @@ def test_strided_x_rows_and_limits(seed):
     wide = torch.randn(3, 100, generator=g)
     x = wide[:, 10:74]  # rows not contiguous in memory
     torch.testing.assert_close(cpu_ops.dense_gemv(x, w), F.linear(x.contiguous(), w), rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="at most 8"):
-        cpu_ops.dense_gemv(torch.randn(9, 64), w)
+    with pytest.raises(RuntimeError, match="at most 16"):
+        cpu_ops.dense_gemv(torch.randn(17, 64), w)
     with pytest.raises(RuntimeError, match="columns"):
         cpu_ops.dense_gemv(torch.randn(1, 63), w)
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -49,11 +49,14 @@ def test_strided_x_rows_and_limits(seed):
 def test_applies_only_where_measured_faster():
     bf = torch.empty(16, 8, dtype=torch.bfloat16)
     f32 = torch.empty(16, 8)
-    for m in (1, 2, 4, 8):  # every row count the kernel takes (benchmarks/results/dense_gemv_2026-11-30.md)
+    # Where it was measured faster (benchmarks/results/dense_gemv_2026-11-30.md):
+    # bf16 weights up to 8 rows, float32 weights up to 16 (all the kernel takes).
+    for m in (1, 2, 4, 8):
         assert cpu_ops.dense_gemv_applies(torch.empty(m, 8, dtype=torch.bfloat16), bf)
+    for m in (1, 2, 4, 8, 12, 16):
         assert cpu_ops.dense_gemv_applies(torch.empty(m, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8, dtype=torch.bfloat16), bf)
-    assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8), f32)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(17, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(0, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(4, 8), f32.t().contiguous().t())  # non-contiguous weight
     assert not cpu_ops.dense_gemv_applies(torch.empty(1, 8, dtype=torch.float16), torch.empty(16, 8, dtype=torch.float16))

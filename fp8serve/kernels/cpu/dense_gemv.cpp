@@ -1,7 +1,7 @@
 // Linear layers with float32 or bf16 weights for a few activation rows
 // (decode at small batch): out[m, n] = sum_k w[n, k] * x[m, k] (+ bias[n]).
 //
-// At M = 1..8 a linear layer reads its whole weight to do 2 * M flops per
+// At M = 1..16 a linear layer reads its whole weight to do 2 * M flops per
 // weight element: it is bound by memory. torch's CPU GEMV for bf16 weights
 // reached ~8 GB/s here (a 2-vCPU Xeon whose read bandwidth is ~20 GB/s); this
 // kernel streams each weight row once, converts bf16 to float32 with one shift
@@ -27,7 +27,12 @@ namespace {
 
 using namespace fp8serve_cvt;
 
-constexpr int64_t kMaxRows = 8;       // activation rows per call
+constexpr int64_t kMaxRows = 16;      // activation rows per call
+constexpr int64_t kTileRows = 8;      // activation rows per register tile
+// Weight rows per pass over the activation tiles: their bytes (64 * K * 2 or
+// 4) stay in L2 while each tile of 8 activation rows re-reads them, so the
+// weight comes from memory once per call whatever M.
+constexpr int64_t kRowBlock = 64;
 constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at least
 
 // WT: 0 float32 weights, 1 bf16 weights (the storage tags of scalar_convert.h).
@@ -107,7 +112,7 @@ void rows_any(int64_t mt, float* out, const float* x, const char* w, int64_t wrb
 
 }  // namespace
 
-// x: [M, K] float32 or bf16 (rows contiguous), M <= 8; w: [N, K] contiguous,
+// x: [M, K] float32 or bf16 (rows contiguous), M <= 16; w: [N, K] contiguous,
 // float32 or bf16; bias: [N] or none. Returns [M, N] in x's dtype.
 at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && w.device().is_cpu(), "x must be a [M, K] CPU tensor");
@@ -149,8 +154,14 @@ at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   const bool wbf16 = w.scalar_type() == at::kBFloat16;
   at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
-    if (wbf16) rows_any<1>(M, op, xp, wp, wrb, bp, N, K, begin, end);
-    else rows_any<0>(M, op, xp, wp, wrb, bp, N, K, begin, end);
+    for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
+      const int64_t n1 = std::min(end, n0 + kRowBlock);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int64_t mt = std::min(kTileRows, M - m0);
+        if (wbf16) rows_any<1>(mt, op + m0 * N, xp + m0 * K, wp, wrb, bp, N, K, n0, n1);
+        else rows_any<0>(mt, op + m0 * N, xp + m0 * K, wp, wrb, bp, N, K, n0, n1);
+      }
+    }
     if (ob) {
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = begin; n < end; ++n) ob[m * N + n] = c10::BFloat16(op[m * N + n]);  // nearest even
