@@ -3,28 +3,18 @@ table, on tiny inputs with hand-computed values. The benchmark itself is not run
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import loaded_script
 from checkpoints import write_tiny_llama
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "single_stream.py"
 
 
 @pytest.fixture(scope="module")
 def ss():
-    spec = importlib.util.spec_from_file_location("single_stream_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script("single_stream.py") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 # write_tiny_llama's defaults: 2 layers, hidden 64, 4 heads / 2 KV heads (head_dim 16),

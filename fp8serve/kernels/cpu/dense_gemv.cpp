@@ -20,6 +20,7 @@
 #include <optional>
 #include <vector>
 
+#include "float_staging.h"
 #include "scalar_convert.h"
 #include "vec8.h"
 
@@ -127,28 +128,12 @@ at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
     b = bias->to(at::kFloat).contiguous();
   }
-  // bf16 activations are widened into a local buffer and the float32 result
-  // rounded once per element inside each task: two ATen ops (x.to(float),
-  // out.to(bf16)) per call would cost as much as a small layer's weights.
-  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  std::vector<float> x_buf, out_buf;
-  const float* xp;
-  float* op;
-  if (x_bf16) {
-    x_buf.resize(M * K);
-    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) x_buf[i] = static_cast<float>(xb[i]);
-    out_buf.resize(M * N);
-    xp = x_buf.data();
-    op = out_buf.data();
-  } else {
-    xp = xc.data_ptr<float>();
-    op = out.data_ptr<float>();
-  }
-  c10::BFloat16* ob = x_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
+  const fp8serve_staging::Float32Staging io(xc, out);
+  const float* xp = io.x;
+  float* op = io.out;
   const char* wp = static_cast<const char*>(w.data_ptr());
   const int64_t wrb = K * w.element_size();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
@@ -162,10 +147,7 @@ at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias
         else rows_any<0>(mt, op + m0 * N, xp + m0 * K, wp, wrb, bp, N, K, n0, n1);
       }
     }
-    if (ob) {
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = begin; n < end; ++n) ob[m * N + n] = c10::BFloat16(op[m * N + n]);  // nearest even
-    }
+    io.narrow(M, begin, end);
   });
   return out;
 }

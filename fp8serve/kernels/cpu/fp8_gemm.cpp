@@ -25,6 +25,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "float_staging.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -237,29 +239,12 @@ at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optiona
                     bias->is_contiguous(),
                 "bias must be a contiguous float32 [N] tensor");
   }
-  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
 
-  // bf16 activations are widened here and the float32 result is rounded once
-  // per output element at the end of each task, instead of two extra ATen ops
-  // (x.to(float), out.to(bf16)) per call: at batch 1 those two cost about as
-  // much as reading a small layer's weights.
-  std::vector<float> x_buf, out_buf;
-  const float* xp;
-  float* op;
-  if (is_bf16) {
-    x_buf.resize(M * K);
-    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) x_buf[i] = static_cast<float>(xb[i]);
-    out_buf.resize(M * N);
-    xp = x_buf.data();
-    op = out_buf.data();
-  } else {
-    xp = x.data_ptr<float>();
-    op = out.data_ptr<float>();
-  }
-  c10::BFloat16* ob = is_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
+  const fp8serve_staging::Float32Staging io(x, out);
+  const float* xp = io.x;
+  float* op = io.out;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
@@ -272,10 +257,7 @@ at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optiona
         rows_any_m(mt, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
       }
     }
-    if (ob) {
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = begin; n < end; ++n) ob[m * N + n] = c10::BFloat16(op[m * N + n]);  // nearest even
-    }
+    io.narrow(M, begin, end);
   });
   return out;
 }
