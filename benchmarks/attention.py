@@ -34,13 +34,12 @@ import argparse
 import datetime
 import math
 import os
-import platform
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
+from bench_common import best_time, describe_machine, machine_info
 
 from fp8serve.attention.backends.cpu_paged import CpuPagedBackend
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
@@ -53,23 +52,6 @@ BANDWIDTH_BUFFER_BYTES = 256 << 20
 K_SCALE, V_SCALE = 0.05, 0.03  # != 1, so the scale folding is part of what is timed
 
 
-def best_time(fn, min_time: float, repeats: int) -> float:
-    """Seconds per call: best of `repeats` timed loops of about min_time/repeats each."""
-    for _ in range(3):
-        fn()
-    t = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t, 1e-7)
-    inner = max(1, int(min_time / repeats / once))
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t) / inner)
-    return best
-
-
 def measure_bandwidth(min_time: float, repeats: int) -> tuple[float, float]:
     """(copy GB/s counting read + write bytes, read-only GB/s) of a 256 MiB float32 buffer."""
     src = torch.ones(BANDWIDTH_BUFFER_BYTES // 4)
@@ -77,29 +59,6 @@ def measure_bandwidth(min_time: float, repeats: int) -> tuple[float, float]:
     copy_s = best_time(lambda: dst.copy_(src), min_time, repeats)
     sum_s = best_time(lambda: src.sum(), min_time, repeats)
     return 2 * BANDWIDTH_BUFFER_BYTES / copy_s / 1e9, BANDWIDTH_BUFFER_BYTES / sum_s / 1e9
-
-
-def machine_description() -> list[str]:
-    model = platform.processor() or "unknown CPU"
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-    ops = load_cpu_ops()
-    kernel = "unavailable" if ops is None else ("AVX2/FMA/F16C path" if ops.has_avx2() else "scalar path")
-    return [
-        f"CPU: {model}, {os.cpu_count()} logical CPUs, ISA: {isa}",
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; python {platform.python_version()}",
-        f"kernel: {kernel}",
-        f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
-    ]
 
 
 class DecodeCase:
@@ -215,7 +174,7 @@ def main() -> None:
     emit()
     emit("Command: `python " + " ".join(shlex.quote(a) for a in sys.argv) + "`")
     emit()
-    for line in machine_description():
+    for line in describe_machine(machine_info()):
         emit(f"- {line}")
     emit(f"- shapes: {args.num_heads} heads, {args.num_kv_heads} kv heads, head size {args.head_size}, "
          f"block size {args.block_size}; float32 query and compute")

@@ -27,71 +27,15 @@ import datetime as _dt
 import gc
 import json
 import os
-import platform
 import random
-import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from bench_common import command_line, describe_machine, machine_info
 
 # --------------------------------------------------------------------------- machine
-
-
-def machine_info() -> dict:
-    model_name = platform.processor() or "unknown"
-    flags: set[str] = set()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name":
-                model_name = value.strip()
-            elif key.strip() == "Flags":
-                flags = set(value.split())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if not flags:
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("flags"):
-                        flags = set(line.split(":", 1)[1].split())
-                        break
-        except OSError:
-            pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-    try:
-        import transformers
-
-        tf_version = transformers.__version__
-    except ImportError:
-        tf_version = None
-    mem_gib = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {
-        "cpu_model": model_name,
-        "cpu_count": os.cpu_count(),
-        "flags": {f: (f in flags) for f in wanted},
-        "mem_gib": mem_gib,
-        "torch": torch.__version__,
-        "transformers": tf_version,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_at_start": load,
-    }
 
 
 # --------------------------------------------------------------------------- prompts
@@ -402,16 +346,13 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(ensure_default_model())
 
-    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable) if sys.executable else "python",
-                                            *([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))])
+    cmd = command_line(None if argv is None else list(argv))
     info = machine_info()
     started = _dt.datetime.now().astimezone()
     print(f"# fp8serve offline throughput — {started.isoformat(timespec='seconds')}")
     print(f"command: {cmd}")
-    flags = " ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["flags"].items())
-    print(f"machine: {info['cpu_model']} | {info['cpu_count']} CPUs | {info['mem_gib']} GiB | flags: {flags}")
-    print(f"software: torch {info['torch']} | transformers {info['transformers']} | python {info['python']} | "
-          f"torch threads {info['torch_threads']} | loadavg at start {info['loadavg_at_start']}")
+    for line in describe_machine(info):
+        print(line)
     print(f"model: {args.model}")
     print(f"workload: {args.num_prompts} prompts x {args.input_len} random token ids (seed {args.seed}, special "
           f"tokens excluded) -> exactly {args.output_len} greedy output tokens each", flush=True)

@@ -53,8 +53,6 @@ import gc
 import json
 import math
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -64,6 +62,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_common import best_time, command_line, describe_machine, machine_info
 
 PREFILL_TARGET_PCT = 80.0
 DECODE_BOUND_TARGET_PCT = 80.0
@@ -216,23 +215,6 @@ def llama_cpp_verdict(tok_s: float | None, measured_llama_tok_s: float | None) -
 # --------------------------------------------------------------------------- machine
 
 
-def best_time(fn, min_time: float, repeats: int, warmup: int = 3) -> float:
-    """Seconds per call: best of `repeats` timed loops of about min_time/repeats each."""
-    for _ in range(warmup):
-        fn()
-    t = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t, 1e-7)
-    inner = max(1, int(min_time / repeats / once))
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t) / inner)
-    return best
-
-
 def measure_matmul(arch: Arch, m: int, dtype: torch.dtype, min_time: float, repeats: int) -> dict[str, float]:
     """Best GFLOP/s of a hot F.linear per projection shape ([m, K] x [N, K]^T)."""
     g = torch.Generator().manual_seed(0)
@@ -272,43 +254,6 @@ def measure_machine(arch: Arch, prompt_len: int, dtypes: list[torch.dtype], args
     mm = {str(d).removeprefix("torch."): measure_matmul(arch, prompt_len, d, args.min_time, args.mm_repeats)
           for d in dtypes}
     return {"bandwidth": bw, "matmul_gflops": mm, "seconds": time.perf_counter() - t}
-
-
-def machine_info() -> dict:
-    from fp8serve.utils.platform import cpu_flags
-
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    flags = cpu_flags()
-    try:
-        from fp8serve.kernels import fp8_linear_ops
-
-        kernels = fp8_linear_ops.is_available()
-    except Exception:  # noqa: BLE001 - reported, not fatal
-        kernels = False
-    return {
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "flags": {f: f in flags for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")},
-        "mem_gib": mem_gib,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_kernels": kernels,
-        "loadavg_at_start": os.getloadavg(),
-    }
 
 
 # --------------------------------------------------------------------------- results
@@ -644,16 +589,13 @@ def main(argv: list[str] | None = None) -> int:
     if hf_cfg.get("quantization_config"):
         raise SystemExit(f"{model_dir} is quantized; pass the 16-bit checkpoint (fp8@ configs use --fp8-model)")
 
-    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable) if sys.executable else "python",
-                                            *([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))])
+    cmd = command_line(None if argv is None else list(argv))
     info = machine_info()
     started = _dt.datetime.now().astimezone()
     print(f"# fp8serve single stream — {started.isoformat(timespec='seconds')}")
     print(f"command: {cmd}")
-    flags = " ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["flags"].items())
-    print(f"machine: {info['cpu_model']} | {info['cpu_count']} CPUs | {info['mem_gib']} GiB | flags: {flags}")
-    print(f"software: torch {info['torch']} | python {info['python']} | torch threads {info['torch_threads']} | "
-          f"fp8serve C++ kernels {'yes' if info['cpu_kernels'] else 'no'} | loadavg at start {info['loadavg_at_start']}")
+    for line in describe_machine(info):
+        print(line)
     print(f"model: {model_dir}")
     print(f"workload: 1 prompt of {args.prompt_len} random token ids (>= {FIRST_ORDINARY_TOKEN_ID}, seed {args.seed}); "
           f"prefill median of {args.repeats} (after {args.warmup}); decode median of {args.decode_steps} steps "

@@ -12,6 +12,9 @@ BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @contextmanager
 def loaded_script(filename: str):
+    # As `python benchmarks/X.py` would: the scripts import their sibling bench_common.
+    if str(BENCHMARKS_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS_DIR))
     spec = importlib.util.spec_from_file_location(f"{Path(filename).stem}_under_test", BENCHMARKS_DIR / filename)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here

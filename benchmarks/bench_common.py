@@ -1,0 +1,95 @@
+"""Helpers the benchmark scripts share: timing, the machine description
+every results file starts with, and the exact command line.
+
+Scripts import it as a sibling (`python benchmarks/X.py` puts benchmarks/
+first on sys.path; tests/benchmark_scripts.py does the same)."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+
+import torch
+
+# CPU features the results files report (present or not).
+REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def best_time(fn, min_time: float, repeats: int, warmup: int = 3) -> float:
+    """Seconds per call: best of `repeats` timed loops of about min_time/repeats each."""
+    for _ in range(warmup):
+        fn()
+    t = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t, 1e-7)
+    inner = max(1, int(min_time / repeats / once))
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t) / inner)
+    return best
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed (interpreter relative to the working directory)."""
+    exe = os.path.relpath(sys.executable) if sys.executable else "python"
+    args = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    return " ".join(shlex.quote(a) for a in [exe, *args])
+
+
+def machine_info() -> dict:
+    """CPU model and features, memory, software versions, whether the C++
+    kernels built, and the load average before the run."""
+    from fp8serve.utils.platform import cpu_flags
+
+    cpu = platform.processor() or "unknown"
+    mem_gib = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+        with open("/proc/meminfo") as f:
+            mem_gib = next((round(int(ln.split()[1]) / 2**20, 1) for ln in f if ln.startswith("MemTotal:")), None)
+    except OSError:
+        pass
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    try:
+        from fp8serve.kernels.cpu_ops import load_cpu_ops
+
+        kernels = load_cpu_ops() is not None
+    except Exception:  # noqa: BLE001 - reported, not fatal
+        kernels = False
+    flags = cpu_flags()
+    return {
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "flags": {f: f in flags for f in REPORTED_FLAGS},
+        "mem_gib": mem_gib,
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_kernels": kernels,
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+def describe_machine(info: dict) -> list[str]:
+    """The results files' machine and software lines."""
+    flags = " ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["flags"].items())
+    tf = f" | transformers {info['transformers']}" if info.get("transformers") else ""
+    return [
+        f"machine: {info['cpu_model']} | {info['cpu_count']} CPUs | {info['mem_gib']} GiB | flags: {flags}",
+        f"software: torch {info['torch']}{tf} | python {info['python']} | torch threads {info['torch_threads']} | "
+        f"fp8serve C++ kernels {'yes' if info['cpu_kernels'] else 'no'} | loadavg at start {info['loadavg_at_start']}",
+    ]
