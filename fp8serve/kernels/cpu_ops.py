@@ -110,7 +110,7 @@ def paged_attention_decode(
     kv_format: str,
     out_scale: float,
     *,
-    scalar_path: bool = False,  # the portable path non-AVX2 builds run (for tests)
+    path: str = "best",  # "avx512", "avx2" or "scalar": force one set of tiles (tests, benchmarks)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_size] float32
     """softmax(q k^T) v * out_scale for one query token per sequence, reading
     K/V from the paged cache in its storage format. The query must already
@@ -141,9 +141,13 @@ def paged_attention_decode(
         raise ValueError("key_cache and value_cache must be contiguous (the kernel walks raw block strides)")
     if query.device.type != "cpu" or key_cache.device.type != "cpu":
         raise ValueError("paged_attention_decode is a CPU kernel")
+    ops_by_path = {"best": ops.paged_attention_decode, "avx512": ops.paged_attention_decode_avx512,
+                   "avx2": ops.paged_attention_decode_avx2, "scalar": ops.paged_attention_decode_scalar}
+    if path not in ops_by_path:
+        raise ValueError(f"unknown path {path!r}; expected one of {list(ops_by_path)}")
+    op = ops_by_path[path]
     q = query.contiguous().float()
     out = torch.empty_like(q)
-    op = ops.paged_attention_decode_scalar if scalar_path else ops.paged_attention_decode
     op(out, q, key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(),
        KV_FORMATS[kv_format], float(out_scale))
     return out

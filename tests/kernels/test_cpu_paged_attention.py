@@ -10,8 +10,10 @@ Two comparisons per case:
     rounding, at a tolerance per format. This one also checks that the e4m3
     2^8 decode factor and the k/v scales are folded where the contract says.
 
-Both the AVX2 path and the portable scalar path (what non-AVX2 builds run)
-are checked, with several threads (contexts split and merged) and with one.
+Every path is checked: the default (which picks the AVX-512 tiles for large
+calls where the build CPU has AVX-512F), the AVX-512 tiles forced, the AVX2
+tiles (what AVX2-only CPUs run) and the portable scalar path (what non-AVX2
+builds run), with several threads (contexts split and merged) and with one.
 """
 
 from __future__ import annotations
@@ -85,9 +87,9 @@ class Case:
         self.kv_format = kv_format
         self.block_size = block_size
 
-    def run(self, scalar_path: bool = False) -> torch.Tensor:
+    def run(self, path: str = "best") -> torch.Tensor:
         return paged_attention_decode(self.kernel_query, self.key_cache, self.value_cache, self.block_tables,
-                                      self.seq_lens, self.kv_format, self.out_scale, scalar_path=scalar_path)
+                                      self.seq_lens, self.kv_format, self.out_scale, path=path)
 
     def reference_same_codes(self) -> torch.Tensor:
         return paged_attention_decode_ref(self.kernel_query, self.key_cache, self.value_cache, self.block_tables,
@@ -112,13 +114,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("scalar_path", [False, True], ids=["vector", "scalar"])
+@pytest.mark.parametrize("path", ["best", "avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("kv_format", list(KV_FORMATS))
-def test_matches_references(ops, seed, kv_format, head_size, group, scalar_path):
+def test_matches_references(ops, seed, kv_format, head_size, group, path):
+    if path == "avx512" and not ops.has_avx512():
+        pytest.skip("this build has no AVX-512 tiles")
     case = Case(seed, kv_format, head_size, num_kv_heads=2, group=group, seq_lens=SEQ_LENS)
-    out = case.run(scalar_path)
+    out = case.run(path)
     assert out.shape == case.q.shape and out.dtype == torch.float32
     err = rel_err(out, case.reference_same_codes())
     assert err < TOL_SAME_CODES[kv_format], f"seed={seed}: {err:.2e} from the reference on the same codes"
@@ -159,6 +163,32 @@ def test_vector_path_is_built_where_the_cpu_has_it(ops):
     if os.environ.get("FP8SERVE_CPU_MARCH") or not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("not an AVX2/FMA/F16C build")
     assert ops.has_avx2()
+
+
+def test_avx512_tiles_are_built_where_the_cpu_has_them(ops):
+    from fp8serve.utils.platform import cpu_flags
+
+    if os.environ.get("FP8SERVE_CPU_MARCH") or "avx512f" not in cpu_flags() or not ops.has_avx2():
+        pytest.skip("not a native AVX-512F build")
+    assert ops.has_avx512()
+
+
+@pytest.mark.parametrize("kv_format", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+def test_large_call_matches_the_forced_paths(ops, seed, kv_format):
+    """A call over more than 8192 context tokens, where the default path
+    switches to the AVX-512 tiles on AVX-512 builds: the same result as the
+    forced AVX2 tiles, up to float32 summation order."""
+    case = Case(seed, kv_format, 64, num_kv_heads=2, group=3, seq_lens=[4100, 4093, 33])
+    ref = case.reference_same_codes()
+    for path in ("best", "avx2") + (("avx512",) if ops.has_avx512() else ()):
+        err = rel_err(case.run(path), ref)
+        assert err < TOL_SAME_CODES[kv_format], f"seed={seed} path={path}: {err:.2e}"
+
+
+def test_unknown_path_is_rejected(ops, seed):
+    case = Case(seed, "bfloat16", 64, num_kv_heads=2, group=3, seq_lens=[5])
+    with pytest.raises(ValueError, match="path"):
+        case.run("avx1024")
 
 
 def test_wrapper_rejects_bad_inputs(ops, seed):

@@ -64,6 +64,12 @@ constexpr int64_t kTileTokens = 16;
 constexpr int64_t kMinSplitTokens = 64;
 // Largest GQA group handled in registers at once; bigger groups go in slices.
 constexpr int kMaxGroupSlice = 8;
+// Calls over fewer context tokens (all sequences together) than this use the
+// AVX2 tiles even where the AVX-512 ones are built: measured on a 2-vCPU Xeon
+// (benchmarks/results/attention_2026-11-30.md), one sequence of 512-2048
+// tokens ran 0.8-0.97x as fast on the AVX-512 tiles, 16 x 512 about the same,
+// 16-64 x 2048 1.1-1.14x (e4m3).
+constexpr int64_t kMinAvx512Tokens = 8192;
 
 struct Problem {
   float* out;                // [num_seqs, num_heads, head_size]
@@ -365,25 +371,190 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
 
 #endif  // FP8SERVE_AVX2
 
+// ---------------------------------------------------------------- AVX-512 path
+//
+// The same schedule with 16-lane vectors, for builds whose target has
+// AVX-512F (-march=native on such a CPU); AVX2-only CPUs (the EPYC this engine
+// targets first) run tile_avx2. The FP8 decode is the AVX2 one widened: 16
+// codes -> 16 fp16 patterns in a ymm -> one vcvtph2ps to a zmm. A head's 16
+// scores of a tile fit one vector, so the softmax takes one exp per head, and
+// V accumulates up to 64 lanes per head per pass over the tile's tokens.
+//
+// Twice the lanes do not halve the time: a single thread runs ~5.5 G K/V
+// elements/s on either path even with the data in L2 (2-vCPU Xeon). Measured
+// side by side (benchmarks/results/attention_2026-11-30.md): e4m3 1.1-1.17x,
+// bf16 1.04-1.13x, e5m2 and float32 1.0-1.07x over the AVX2 tiles. Removing
+// parts of the tile one at a time (fp8 e4m3, 8 x 256 tokens, one thread): the
+// scores take ~45% of the time, V ~30%, the softmax ~20% (before it was
+// vectorized over 16 tokens). Small calls (one sequence) ran 0.8-0.97x as fast
+// as on the AVX2 tiles, so they keep those (kMinAvx512Tokens).
+
+#if defined(FP8SERVE_AVX2) && defined(__AVX512F__)
+#define FP8SERVE_AVX512 1
+
+// 16 consecutive elements of a row, starting at element i.
+template <int64_t F>
+inline __m512 load16_512(const uint8_t* row, int64_t i) {
+  if constexpr (F == kF32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  } else if constexpr (F == kBF16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else if constexpr (F == kF16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i)));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+    __m256i h;
+    if constexpr (F == kE5M2) {
+      h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);  // code << 8
+    } else {
+      // int16(int8(code)) << 7: sign in bits 15 and 14, magnitude in 13..7; clear bit 14.
+      h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                           _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    }
+    return _mm512_cvtph_ps(h);
+  }
+}
+
+// exp(x) for x <= 0, exp256's algorithm on 16 lanes. NaN stays NaN.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+inline __m256 fold_halves(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// One tile of n <= 16 tokens for G query heads sharing one kv head; head_size % 16 == 0.
+template <int64_t F, int G>
+void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
+                 int64_t head_size, const float* q, HeadState st) {
+  alignas(32) __m256 partial[G][8];
+  alignas(32) float s[G][kTileTokens];
+
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* row = krows[t] + head_off;
+    __m512 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_size; d += 16) {
+      const __m512 x = load16_512<F>(row, d);
+      for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_size + d), x, a[g]);
+    }
+    for (int g = 0; g < G; ++g) partial[g][t & 7] = fold_halves(a[g]);
+    if ((t & 7) == 7 || t == n - 1) {
+      for (int g = 0; g < G; ++g) _mm256_store_ps(&s[g][t & ~int64_t{7}], transpose_sum8(partial[g]));
+    }
+  }
+
+  // Online softmax, the tile's 16 scores of a head in one vector.
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int g = 0; g < G; ++g) {
+    const __m512 sg = _mm512_mask_loadu_ps(neg_inf, valid, s[g]);
+    const float m_new = std::max(st.m[g], _mm512_reduce_max_ps(sg));
+    if (m_new > st.m[g]) {
+      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile (m = -inf)
+      st.l[g] *= alpha;
+      if (alpha != 1.f) {
+        float* acc = st.acc + g * head_size;
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t d = 0; d < head_size; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(va, _mm512_loadu_ps(acc + d)));
+      }
+      st.m[g] = m_new;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sg, _mm512_set1_ps(st.m[g]))));
+    _mm512_storeu_ps(s[g], p);
+    st.l[g] += _mm512_reduce_add_ps(p);
+  }
+
+  // Weighted V: up to 4 * 16 output lanes of every head per pass over the
+  // tokens (4G accumulators in registers), so each accumulator's FMA chain is
+  // interleaved with 4G - 1 others.
+  constexpr int kChunks = G <= 6 ? 4 : 2;
+  int64_t d = 0;
+  for (; d + 16 * kChunks <= head_size; d += 16 * kChunks) {
+    __m512 a[G][kChunks];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kChunks; ++c) a[g][c] = _mm512_loadu_ps(st.acc + g * head_size + d + 16 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      const uint8_t* row = vrows[t] + head_off;
+      __m512 x[kChunks];
+      for (int c = 0; c < kChunks; ++c) x[c] = load16_512<F>(row, d + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(s[g][t]);
+        for (int c = 0; c < kChunks; ++c) a[g][c] = _mm512_fmadd_ps(p, x[c], a[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(st.acc + g * head_size + d + 16 * c, a[g][c]);
+  }
+  for (; d < head_size; d += 16) {
+    __m512 a0[G];
+    for (int g = 0; g < G; ++g) a0[g] = _mm512_loadu_ps(st.acc + g * head_size + d);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 x0 = load16_512<F>(vrows[t] + head_off, d);
+      for (int g = 0; g < G; ++g) a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][t]), x0, a0[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(st.acc + g * head_size + d, a0[g]);
+  }
+}
+
+#endif  // FP8SERVE_AVX512
+
 // ------------------------------------------------------------------- schedule
 
 using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, int64_t, int64_t, const float*,
                         HeadState);
 
+// Which tiles run: the portable scalar code, the AVX2 tiles, the AVX-512
+// tiles (head_size % 16 == 0; tests), or the best for the call (AVX-512 where
+// built and the call is large enough, else AVX2).
+enum Path : int { kScalarPath = 0, kAvx2Path = 1, kBestPath = 2, kAvx512Path = 3 };
+
 template <int64_t F>
 struct TileTable {
-  TileFn by_group[kMaxGroupSlice + 1] = {};  // [g] handles a slice of g query heads
+  TileFn avx2[kMaxGroupSlice + 1] = {};    // [g] handles a slice of g query heads
+  TileFn avx512[kMaxGroupSlice + 1] = {};  // same, head_size % 16 == 0 only
   TileTable() {
 #ifdef FP8SERVE_AVX2
-    by_group[1] = tile_avx2<F, 1>;
-    by_group[2] = tile_avx2<F, 2>;
-    by_group[3] = tile_avx2<F, 3>;
-    by_group[4] = tile_avx2<F, 4>;
-    by_group[5] = tile_avx2<F, 5>;
-    by_group[6] = tile_avx2<F, 6>;
-    by_group[7] = tile_avx2<F, 7>;
-    by_group[8] = tile_avx2<F, 8>;
+    avx2[1] = tile_avx2<F, 1>;
+    avx2[2] = tile_avx2<F, 2>;
+    avx2[3] = tile_avx2<F, 3>;
+    avx2[4] = tile_avx2<F, 4>;
+    avx2[5] = tile_avx2<F, 5>;
+    avx2[6] = tile_avx2<F, 6>;
+    avx2[7] = tile_avx2<F, 7>;
+    avx2[8] = tile_avx2<F, 8>;
 #endif
+#ifdef FP8SERVE_AVX512
+    avx512[1] = tile_avx512<F, 1>;
+    avx512[2] = tile_avx512<F, 2>;
+    avx512[3] = tile_avx512<F, 3>;
+    avx512[4] = tile_avx512<F, 4>;
+    avx512[5] = tile_avx512<F, 5>;
+    avx512[6] = tile_avx512<F, 6>;
+    avx512[7] = tile_avx512<F, 7>;
+    avx512[8] = tile_avx512<F, 8>;
+#endif
+  }
+  // nullptr: use the scalar tile.
+  const TileFn* pick(int path, int64_t head_size) const {
+    if (path == kScalarPath || avx2[1] == nullptr || head_size % 8 != 0) return nullptr;
+    if ((path == kBestPath || path == kAvx512Path) && avx512[1] != nullptr && head_size % 16 == 0) return avx512;
+    return avx2;
   }
 };
 
@@ -414,8 +585,10 @@ inline void tile_rows(const Problem& p, const int64_t* bt, int64_t t, int64_t n,
 // leaving the unnormalized state in m, l, acc ([num_heads], [num_heads],
 // [num_heads, head_size]).
 template <int64_t F>
-void run_item(const Problem& p, const WorkItem& item, bool vector_path, float* m, float* l, float* acc) {
+void run_item(const Problem& p, const WorkItem& item, int path, float* m, float* l, float* acc) {
   static const TileTable<F> table;
+  const TileFn* tiles = table.pick(path, p.head_size);
+  const bool vector_path = tiles != nullptr;
   const int64_t group = p.num_heads / p.num_kv_heads, hs = p.head_size;
   const int64_t* bt = p.block_tables + item.seq * p.max_blocks;
   const float* q = p.q + item.seq * p.num_heads * hs;
@@ -442,7 +615,7 @@ void run_item(const Problem& p, const WorkItem& item, bool vector_path, float* m
         const int64_t qh = h * group + g0;  // first query head of the slice
         const HeadState st{m + qh, l + qh, acc + qh * hs};
         if (vector_path) {
-          table.by_group[gs](krows[cur], vrows[cur], n, head_off, hs, q + qh * hs, st);
+          tiles[gs](krows[cur], vrows[cur], n, head_off, hs, q + qh * hs, st);
         } else {
           tile_scalar<F>(krows[cur], vrows[cur], n, head_off, hs, gs, q + qh * hs, st);
         }
@@ -454,13 +627,15 @@ void run_item(const Problem& p, const WorkItem& item, bool vector_path, float* m
 }
 
 template <int64_t F>
-void decode_impl(const Problem& p, bool vector_path) {
+void decode_impl(const Problem& p, int path) {
   const int64_t hs = p.head_size, nh = p.num_heads;
   const int64_t num_threads = at::get_num_threads();
 
   // Split contexts only when there are too few sequences for the threads.
   int64_t total_tokens = 0, max_len = 0;
   for (int64_t b = 0; b < p.num_seqs; ++b) total_tokens += p.seq_lens[b], max_len = std::max(max_len, p.seq_lens[b]);
+  // Small calls run faster on the AVX2 tiles (see kMinAvx512Tokens).
+  if (path == kBestPath && total_tokens < kMinAvx512Tokens) path = kAvx2Path;
   const int64_t target_items = 4 * num_threads;
   int64_t split_tokens = max_len;
   if (p.num_seqs < target_items && num_threads > 1) {
@@ -496,7 +671,7 @@ void decode_impl(const Problem& p, bool vector_path) {
     float* l = m + nh;
     for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const WorkItem& item = items[i];
-      run_item<F>(p, item, vector_path, m, l, acc);
+      run_item<F>(p, item, path, m, l, acc);
       if (item.partial < 0) {
         float* o = p.out + item.seq * nh * hs;
         for (int64_t h = 0; h < nh; ++h) {
@@ -536,7 +711,7 @@ void decode_impl(const Problem& p, bool vector_path) {
 
 void paged_attention_decode_dispatch(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                      at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale,
-                                     bool vector_path) {
+                                     int path) {
   TORCH_CHECK(out.is_contiguous() && query.is_contiguous(), "out and query must be contiguous");
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "query and out must be float32");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_seqs, num_heads, head_size]");
@@ -572,18 +747,13 @@ void paged_attention_decode_dispatch(at::Tensor out, at::Tensor query, at::Tenso
             head_size * elem, num_kv_heads * head_size * elem, block_size * num_kv_heads * head_size * elem,
             static_cast<float>(out_scale)};
   if (num_seqs == 0) return;
-#ifdef FP8SERVE_AVX2
-  vector_path = vector_path && head_size % 8 == 0;
-#else
-  vector_path = false;
-#endif
   const auto dt = key_cache.scalar_type();
   switch (kv_format) {
-    case kF32: TORCH_CHECK(dt == at::kFloat, "float32 cache expected"); decode_impl<kF32>(p, vector_path); break;
-    case kBF16: TORCH_CHECK(dt == at::kBFloat16, "bfloat16 cache expected"); decode_impl<kBF16>(p, vector_path); break;
-    case kF16: TORCH_CHECK(dt == at::kHalf, "float16 cache expected"); decode_impl<kF16>(p, vector_path); break;
-    case kE4M3: TORCH_CHECK(dt == at::kByte, "uint8 cache expected"); decode_impl<kE4M3>(p, vector_path); break;
-    case kE5M2: TORCH_CHECK(dt == at::kByte, "uint8 cache expected"); decode_impl<kE5M2>(p, vector_path); break;
+    case kF32: TORCH_CHECK(dt == at::kFloat, "float32 cache expected"); decode_impl<kF32>(p, path); break;
+    case kBF16: TORCH_CHECK(dt == at::kBFloat16, "bfloat16 cache expected"); decode_impl<kBF16>(p, path); break;
+    case kF16: TORCH_CHECK(dt == at::kHalf, "float16 cache expected"); decode_impl<kF16>(p, path); break;
+    case kE4M3: TORCH_CHECK(dt == at::kByte, "uint8 cache expected"); decode_impl<kE4M3>(p, path); break;
+    case kE5M2: TORCH_CHECK(dt == at::kByte, "uint8 cache expected"); decode_impl<kE5M2>(p, path); break;
     default: TORCH_CHECK(false, "unknown kv_format ", kv_format);
   }
 }
@@ -598,14 +768,34 @@ void paged_attention_decode_dispatch(at::Tensor out, at::Tensor query, at::Tenso
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                             at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
   paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
-                                  /*vector_path=*/true);
+                                  kBestPath);
+}
+
+// Same contract, always the AVX2 tiles (what AVX2-only CPUs run), so tests
+// keep them correct on AVX-512 machines; the scalar path without AVX2.
+void paged_attention_decode_avx2(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                 at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
+  paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
+                                  kAvx2Path);
+}
+
+// Same contract, the AVX-512 tiles whatever the call's size (head sizes that
+// are not a multiple of 16 take the AVX2 tiles). Needs an AVX-512 build.
+void paged_attention_decode_avx512(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                   at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
+#ifdef FP8SERVE_AVX512
+  paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
+                                  kAvx512Path);
+#else
+  TORCH_CHECK(false, "this build of the kernels has no AVX-512 tiles");
+#endif
 }
 
 // Same contract, always the portable scalar path (what non-AVX2 builds run).
 void paged_attention_decode_scalar(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                    at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
   paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
-                                  /*vector_path=*/false);
+                                  kScalarPath);
 }
 
 // The engine's decode entry: query [num_seqs, num_heads, head_size] in the
@@ -637,7 +827,7 @@ at::Tensor paged_attention_decode_fused(at::Tensor query, at::Tensor key_cache, 
     else for (int64_t j = 0; j < row; ++j) dst[j] = fp8serve_cvt::load_as_f32<2>(r, j) * qs;
   }
   paged_attention_decode_dispatch(outf, qf, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
-                                  /*vector_path=*/true);
+                                  kBestPath);
   if (dt == at::kFloat) return outf;
   at::Tensor out = at::empty({n, h, d}, query.options());
   const float* op = outf.data_ptr<float>();
@@ -657,11 +847,23 @@ bool has_avx2() {
 #endif
 }
 
+// Whether the decode attention has its AVX-512 tiles (see tile_avx512).
+bool has_avx512() {
+#ifdef FP8SERVE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Each source file registers its own ops in the `fp8serve` namespace, so
 // kernels can be added without a shared binding file.
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("paged_attention_decode", &paged_attention_decode);
+  m.def("paged_attention_decode_avx2", &paged_attention_decode_avx2);
+  m.def("paged_attention_decode_avx512", &paged_attention_decode_avx512);
   m.def("paged_attention_decode_scalar", &paged_attention_decode_scalar);
   m.def("paged_attention_decode_fused", &paged_attention_decode_fused);
   m.def("has_avx2", &has_avx2);
+  m.def("has_avx512", &has_avx512);
 }
