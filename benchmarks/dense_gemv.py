@@ -32,8 +32,12 @@ def main() -> None:
     print(f"# dense_gemv vs F.linear\n\nmachine: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"loadavg {os.getloadavg()}\n")
-    print("| weights | M | F.linear ms | GB/s | dense_gemv ms | GB/s | speedup | rel err (torch) |")
-    print("|---|---|---|---|---|---|---|---|")
+    bf16_dot = bool(ops.dense_gemv_has_bf16_dot())
+    if bf16_dot:
+        print("This build multiplies bf16 x bf16 with AVX512-BF16 dot products; `FMA loop ms` times the float32-FMA "
+              "loop (`dense_gemv_fma`, what CPUs without AVX512-BF16 run) on the same calls.\n")
+    print("| weights | M | F.linear ms | GB/s | dense_gemv ms | GB/s | speedup | FMA loop ms | rel err (torch) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dt in (torch.bfloat16, torch.float32):
         holder = torch.nn.Module()
         holder.ws = torch.nn.ParameterList([
@@ -49,15 +53,19 @@ def main() -> None:
             err = ((ops.dense_gemv(x, w, None).double() - ref).abs().max() / ref.abs().max()).item()
             err_t = ((F.linear(x, w).double() - ref).abs().max() / ref.abs().max()).item()
             best = {}
+            variants = [("torch", lambda x, w: F.linear(x, w)), ("ours", lambda x, w: ops.dense_gemv(x, w, None))]
+            if bf16_dot and dt == torch.bfloat16:
+                variants.append(("fma", lambda x, w: ops.dense_gemv_fma(x, w, None)))
             for _ in range(3):
-                for name, fn in (("torch", lambda x, w: F.linear(x, w)), ("ours", lambda x, w: ops.dense_gemv(x, w, None))):
+                for name, fn in variants:
                     t = time.perf_counter()
                     for w in ws:
                         fn(xs[w.shape[1]], w)
                     best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+            fma = f"{best['fma'] * 1e3:.1f}" if "fma" in best else "-"
             print(f"| {str(dt).removeprefix('torch.')} | {m} | {best['torch'] * 1e3:.1f} | {nbytes / best['torch'] / 1e9:.1f} | "
                   f"{best['ours'] * 1e3:.1f} | {nbytes / best['ours'] / 1e9:.1f} | {best['torch'] / best['ours']:.2f}x | "
-                  f"{err:.1e} ({err_t:.1e}) |", flush=True)
+                  f"{fma} | {err:.1e} ({err_t:.1e}) |", flush=True)
 
 
 if __name__ == "__main__":

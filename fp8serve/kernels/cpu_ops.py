@@ -259,7 +259,10 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     1.7x / 1.1x at M = 1 / 2 / 4 / 8 (torch's bf16 GEMV reads ~9 GB/s), but
     0.9x / 0.66x at M = 12 / 16 (16 FMAs per weight make the AVX2 loop
     compute-bound where AMX is not); float32 weights 1.06x at M = 1-2,
-    1.55x at M = 4-8, 1.44x / 1.13x at M = 12 / 16."""
+    1.55x at M = 4-8, 1.44x / 1.13x at M = 12 / 16. With AVX512-BF16 dot
+    products (bf16 x bf16 on such CPUs) bf16 reached 1.66x at M = 8 and
+    1.10x at M = 12, 0.88x at 16 (run 3 of that file): too little at 12 to
+    move the bf16 threshold."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.dim() != 2 or not weight.is_contiguous():
         return False
     m = x.shape[0]
@@ -272,7 +275,13 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return ok and load_cpu_ops() is not None
 
 
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               path: str = "best") -> torch.Tensor:
     """x @ weight.T (+ bias) for M <= 16 rows, float32 or bf16 weights,
-    accumulated in float32 and returned in x's dtype."""
-    return load_cpu_ops().dense_gemv(x, weight, bias)
+    accumulated in float32 and returned in x's dtype. path="fma" keeps the
+    float32-FMA loop where the build would use AVX512-BF16 dot products
+    (bf16 x and weights), for tests and benchmarks."""
+    ops = load_cpu_ops()
+    if path not in ("best", "fma"):
+        raise ValueError(f"unknown path {path!r}; expected 'best' or 'fma'")
+    return (ops.dense_gemv if path == "best" else ops.dense_gemv_fma)(x, weight, bias)

@@ -13,17 +13,18 @@ pytestmark = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="C++ CPU 
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 16])  # 11, 16: two activation tiles
-@pytest.mark.parametrize("k", [576, 37, 8])  # vector body, scalar tail, one vector
+@pytest.mark.parametrize("k", [576, 96, 37, 8])  # vector bodies (multiples of 32 take bf16 dots), tails
 @pytest.mark.parametrize("w_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_float64(seed, m, k, w_dtype, x_dtype, with_bias):
+@pytest.mark.parametrize("path", ["best", "fma"])  # best: AVX512-BF16 dots for bf16 x bf16 where built
+def test_matches_float64(seed, m, k, w_dtype, x_dtype, with_bias, path):
     g = torch.Generator().manual_seed(seed)
     n = 167  # not a multiple of the 4-row weight tile; > 64 rows per thread: several weight row blocks
     w = (torch.randn(n, k, generator=g) * 0.1).to(w_dtype)
     x = torch.randn(m, k, generator=g).to(x_dtype)
     bias = torch.randn(n, generator=g).to(x_dtype) if with_bias else None
-    out = cpu_ops.dense_gemv(x, w, bias)
+    out = cpu_ops.dense_gemv(x, w, bias, path=path)
     assert out.shape == (m, n) and out.dtype == x_dtype
     ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
     # float32 accumulation, then one rounding to x's dtype.
@@ -79,3 +80,14 @@ def test_linear_layer_uses_it_at_batch_one(monkeypatch):
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-2)
     layer(torch.randn(64, 32).bfloat16())
     assert len(calls) == 1
+
+
+def test_bf16_dot_path_is_built_where_the_cpu_has_it():
+    import os
+
+    from fp8serve.utils.platform import cpu_flags
+
+    ops = cpu_ops.load_cpu_ops()
+    if os.environ.get("FP8SERVE_CPU_MARCH") or "avx512_bf16" not in cpu_flags():
+        pytest.skip("not a native AVX512-BF16 build")
+    assert ops.dense_gemv_has_bf16_dot()

@@ -9,6 +9,15 @@
 // float32, the result rounded once to x's dtype, as torch's linear does
 // (the summation order differs, so 16-bit outputs may differ by one ulp).
 //
+// With bf16 weights and bf16 activations on a build for a CPU with
+// AVX512-BF16 (where --dtype auto picks bf16 at all), the dot products use
+// vdpbf16ps: 32 bf16 pairs multiplied exactly and summed into 16 float32
+// lanes per instruction, no conversions. The float32-FMA loop needs eight
+// FMAs per weight vector at M = 8 and becomes compute-bound there (1.1x over
+// F.linear at M = 8, 0.66x at 16), where memory allows ~2x; see
+// benchmarks/results/dense_gemv_2026-11-30.md. (vdpbf16ps reads denormal bf16
+// inputs as zero; products of normal bf16 values are exact in float32.)
+//
 // Threads: rows of w are split over torch's thread pool (at::parallel_for).
 
 #include <ATen/ATen.h>
@@ -98,6 +107,68 @@ void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const 
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define FP8SERVE_BF16_DOT 1
+// dots[r * MT + m] = sum_k w[r][k] * x[m][k], bf16 rows of K (a multiple of
+// 32) elements, R * MT zmm accumulators.
+template <int R, int MT>
+inline void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* dots, int64_t prefetch_ahead) {
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  const char* wb = reinterpret_cast<const char*>(w);
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(wb + (r * K + k) * 2 + prefetch_ahead, _MM_HINT_T0);
+      wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) dots[r * MT + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// MT <= 8 activation rows in one register tile: each weight vector feeds MT
+// instructions.
+template <int MT>
+void rows_bf16(float* out, const uint16_t* x, const uint16_t* w, const float* bias, int64_t N, int64_t K,
+               int64_t n_begin, int64_t n_end) {
+  constexpr int R = MT <= 4 ? 4 : MT <= 8 ? 2 : 1;  // R * MT <= 16 accumulators
+  float dots[R * MT];
+  const auto emit = [&](int64_t n0, int rr) {
+    for (int r = 0; r < rr; ++r) {
+      const float b = bias ? bias[n0 + r] : 0.f;
+      for (int m = 0; m < MT; ++m) out[m * N + n0 + r] = dots[r * MT + m] + b;
+    }
+  };
+  int64_t n = n_begin;
+  for (; n + R <= n_end; n += R) {
+    dot_tile_bf16<R, MT>(w + n * K, x, K, dots, 2 * R * K * 2);
+    emit(n, R);
+  }
+  for (; n < n_end; ++n) {
+    dot_tile_bf16<1, MT>(w + n * K, x, K, dots, 2 * K * 2);
+    emit(n, 1);
+  }
+}
+
+void rows_bf16_any(int64_t mt, float* out, const uint16_t* x, const uint16_t* w, const float* bias, int64_t N,
+                   int64_t K, int64_t b, int64_t e) {
+  switch (mt) {
+#define FP8SERVE_CASE(T) \
+  case T: rows_bf16<T>(out, x, w, bias, N, K, b, e); break;
+    FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
+    FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
+#undef FP8SERVE_CASE
+    default: TORCH_CHECK(false, "bad activation tile ", mt);
+  }
+}
+#endif
+
 template <int WT>
 void rows_any(int64_t mt, float* out, const float* x, const char* w, int64_t wrb, const float* bias, int64_t N,
               int64_t K, int64_t b, int64_t e) {
@@ -115,7 +186,8 @@ void rows_any(int64_t mt, float* out, const float* x, const char* w, int64_t wrb
 
 // x: [M, K] float32 or bf16 (rows contiguous), M <= 16; w: [N, K] contiguous,
 // float32 or bf16; bias: [N] or none. Returns [M, N] in x's dtype.
-at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias) {
+// allow_bf16_dot: false keeps the float32-FMA loop (tests, benchmarks).
+at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias, bool allow_bf16_dot) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && w.device().is_cpu(), "x must be a [M, K] CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bf16");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
@@ -138,6 +210,28 @@ at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias
   const int64_t wrb = K * w.element_size();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   const bool wbf16 = w.scalar_type() == at::kBFloat16;
+#ifdef FP8SERVE_BF16_DOT
+  if (allow_bf16_dot && wbf16 && xc.scalar_type() == at::kBFloat16 && K % 32 == 0) {
+    const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+    const auto* wb16 = reinterpret_cast<const uint16_t*>(wp);
+    at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
+        const int64_t n1 = std::min(end, n0 + kRowBlock);
+        // Tiles of at most 8 rows (R = 2 weight rows per pass keeps the
+        // activation loads at half a load per instruction); the block's
+        // weight rows stay in L2 between tiles.
+        for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+          const int64_t mt = std::min(kTileRows, M - m0);
+          rows_bf16_any(mt, op + m0 * N, xb + m0 * K, wb16, bp, N, K, n0, n1);
+        }
+      }
+      io.narrow(M, begin, end);
+    });
+    return out;
+  }
+#else
+  (void)allow_bf16_dot;
+#endif
   at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
       const int64_t n1 = std::min(end, n0 + kRowBlock);
@@ -152,6 +246,25 @@ at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias
   return out;
 }
 
+at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias) {
+  return dense_gemv_impl(x, w, bias, /*allow_bf16_dot=*/true);
+}
+
+// Same contract, always the float32-FMA loop (what CPUs without AVX512-BF16 run).
+at::Tensor dense_gemv_fma(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias) {
+  return dense_gemv_impl(x, w, bias, /*allow_bf16_dot=*/false);
+}
+
+bool dense_gemv_has_bf16_dot() {
+#ifdef FP8SERVE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("dense_gemv", &dense_gemv);
+  m.def("dense_gemv_fma", &dense_gemv_fma);
+  m.def("dense_gemv_has_bf16_dot", &dense_gemv_has_bf16_dot);
 }

@@ -98,6 +98,18 @@ struct HeadState {
   float* acc;  // [group, head_size] running sum of exp(score - m) * v
 };
 
+// Rows of the next tile for one kv head, prefetched a token at a time while
+// the current tile's scores are computed: spread over the tile, the
+// prefetches keep a few lines in flight all along instead of stalling the core
+// in one burst while the line-fill buffers drain (see run_item).
+struct NextRows {
+  const uint8_t* const* k;
+  const uint8_t* const* v;
+  int64_t n;          // tokens to prefetch (0: none)
+  int64_t head_off;   // byte offset of the kv head in a slot
+  int64_t row_bytes;  // one token, one kv head
+};
+
 // ---------------------------------------------------------------- scalar path
 
 inline float half_bits_to_float_portable(uint16_t h) {
@@ -267,10 +279,19 @@ inline __m256 transpose_sum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+inline void prefetch_row_pair(const NextRows& next, int64_t t) {
+  const char* k = reinterpret_cast<const char*>(next.k[t] + next.head_off);
+  const char* v = reinterpret_cast<const char*>(next.v[t] + next.head_off);
+  for (int64_t off = 0; off < next.row_bytes; off += 64) {
+    _mm_prefetch(k + off, _MM_HINT_T0);
+    _mm_prefetch(v + off, _MM_HINT_T0);
+  }
+}
+
 // One tile of n <= 16 tokens for G query heads sharing one kv head (see header).
 template <int64_t F, int G>
 void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
-               int64_t head_size, const float* q, HeadState st) {
+               int64_t head_size, const float* q, HeadState st, NextRows next) {
   // Two accumulator sets per head while registers allow: shorter FMA chains.
   constexpr bool kSplitAcc = G <= 4;
   alignas(32) __m256 partial[G][8];  // per-token dot-product lanes, 8 tokens at a time
@@ -278,6 +299,7 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
 
   // Scores: each K element converted once, used by G FMAs.
   for (int64_t t = 0; t < n; ++t) {
+    if (t < next.n) prefetch_row_pair(next, t);
     const uint8_t* row = krows[t] + head_off;
     __m256 a[G], b[G];
     for (int g = 0; g < G; ++g) a[g] = b[g] = _mm256_setzero_ps();
@@ -441,11 +463,12 @@ inline __m256 fold_halves(__m512 v) {
 // One tile of n <= 16 tokens for G query heads sharing one kv head; head_size % 16 == 0.
 template <int64_t F, int G>
 void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
-                 int64_t head_size, const float* q, HeadState st) {
+                 int64_t head_size, const float* q, HeadState st, NextRows next) {
   alignas(32) __m256 partial[G][8];
   alignas(32) float s[G][kTileTokens];
 
   for (int64_t t = 0; t < n; ++t) {
+    if (t < next.n) prefetch_row_pair(next, t);
     const uint8_t* row = krows[t] + head_off;
     __m512 a[G];
     for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
@@ -517,7 +540,7 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 // ------------------------------------------------------------------- schedule
 
 using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, int64_t, int64_t, const float*,
-                        HeadState);
+                        HeadState, NextRows);
 
 // Which tiles run: the portable scalar code, the AVX2 tiles, the AVX-512
 // tiles (head_size % 16 == 0; tests), or the best for the call (AVX-512 where
@@ -600,22 +623,26 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
   int cur = 0;
   int64_t n = std::min(kTileTokens, item.end - item.begin);
   tile_rows(p, bt, item.begin, n, krows[cur], vrows[cur]);
+  // Nothing prefetched the item's first tile: ask for all of it before its
+  // first loads (whole slots, every kv head).
+  if (vector_path) {
+    prefetch_rows(krows[cur], n, 0, p.slot_bytes);
+    prefetch_rows(vrows[cur], n, 0, p.slot_bytes);
+  }
   for (int64_t t = item.begin; t < item.end; t += kTileTokens) {
     const int64_t next_t = t + kTileTokens;
     const int64_t next_n = std::min(kTileTokens, item.end - next_t);
     if (next_n > 0) tile_rows(p, bt, next_t, next_n, krows[cur ^ 1], vrows[cur ^ 1]);
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
       const int64_t head_off = h * p.row_bytes;
-      if (next_n > 0 && vector_path) {
-        prefetch_rows(krows[cur ^ 1], next_n, head_off, p.row_bytes);
-        prefetch_rows(vrows[cur ^ 1], next_n, head_off, p.row_bytes);
-      }
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroupSlice) {
         const int64_t gs = std::min<int64_t>(kMaxGroupSlice, group - g0);
         const int64_t qh = h * group + g0;  // first query head of the slice
         const HeadState st{m + qh, l + qh, acc + qh * hs};
         if (vector_path) {
-          tiles[gs](krows[cur], vrows[cur], n, head_off, hs, q + qh * hs, st);
+          // The first slice of the head prefetches the next tile's rows of it.
+          const NextRows next{krows[cur ^ 1], vrows[cur ^ 1], g0 == 0 ? next_n : 0, head_off, p.row_bytes};
+          tiles[gs](krows[cur], vrows[cur], n, head_off, hs, q + qh * hs, st, next);
         } else {
           tile_scalar<F>(krows[cur], vrows[cur], n, head_off, hs, gs, q + qh * hs, st);
         }
