@@ -73,6 +73,8 @@ def test_fp8_linear_matches_float64_reference(m, with_bias, x_dtype):
         # The engine's entry point, whichever way it picks for this M, and each way on its own.
         assert_close(fp8_linear_ops.fp8_linear(x, w, scale, bias), x, w, scale, bias, seed, f"auto {what}")
         assert_close(ops.fp8_linear(x, w, scale, bias), x, w, scale, bias, seed, f"fused {what}")
+        # The 8-lane loops alone (AVX2-only CPUs; fp8_linear runs 16 lanes first on AVX-512 builds).
+        assert_close(ops.fp8_linear_avx2(x, w, scale, bias), x, w, scale, bias, seed, f"fused AVX2 {what}")
         dq = fp8_linear_ops._dequantize_and_matmul(ops, x, w, scale, bias)
         assert_close(dq, x, w, scale, bias, seed, f"dequant+GEMM {what}")
 
@@ -256,3 +258,11 @@ def test_fp8_linear_loaded_matches_checked_entry(m):
     assert torch.equal(fp8_linear_ops.fp8_linear_loaded(x, w, scale, bias), fp8_linear_ops.fp8_linear(x, w, scale, bias))
     with pytest.raises(RuntimeError, match="columns"):
         fp8_linear_ops.fp8_linear_loaded(x[:1, :100].contiguous(), w, scale)
+
+
+def test_wide_loops_are_built_where_the_cpu_has_them():
+    from fp8serve.utils.platform import cpu_flags
+
+    if os.environ.get("FP8SERVE_CPU_MARCH") or not {"avx512f", "avx512bw"} <= cpu_flags():
+        pytest.skip("not a native AVX-512 build")
+    assert load_cpu_ops().fp8_gemm_has_avx512()

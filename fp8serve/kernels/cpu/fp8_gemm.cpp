@@ -17,6 +17,13 @@
 // has the sign in bits 15 and 14 and the magnitude in bits 13..7; clearing bit
 // 14 gives the fp16 pattern in three integer instructions per 16 codes.
 //
+// On builds for AVX-512 CPUs the dot products run 32 codes at a time in
+// 16-lane vectors first (same decode, half the instructions per code).
+// Measured on the default model's 120 decode linears, 2-vCPU Xeon, weights on
+// 2 MiB pages: 1.26x / 1.08x at M = 1 (bf16 / float32 activations), 1.0-1.11x
+// at M = 2-8, 1.11-1.2x at M = 16; in a whole batch-1 engine step the
+// difference was within the machine's noise (~1 ms of ~20).
+//
 // Threads: rows of w are split over torch's thread pool (at::parallel_for).
 
 // ATen rather than torch/torch.h: same types, a fraction of the compile time.
@@ -98,6 +105,17 @@ inline __m256 decode8(const uint8_t* w) {
   return _mm256_cvtph_ps(h);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FP8SERVE_GEMM_AVX512 1
+// 32 codes -> two vectors of 16 floats (value * 2^-8), in order.
+inline void decode32(const uint8_t* w, __m512& lo, __m512& hi) {
+  __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(static_cast<int16_t>(0xbfff)));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+#endif
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -117,7 +135,10 @@ inline float hsum(__m256 v) {
 // hardware prefetchers barely ramp up before a stream ends: measured on a
 // 2-core Xeon at batch 1, one thread read the weights at 3.5 GB/s from memory
 // against 13 GB/s from cache, and a plain sum reads 9 GB/s.
-template <int R, int MT>
+//
+// kWide: first 32 codes at a time in 16-lane vectors where the build has
+// AVX-512 (FP8SERVE_GEMM_AVX512); see the header for what it gains.
+template <int R, int MT, bool kWide>
 inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, float* dots,
                      int64_t prefetch_ahead) {
   int64_t k = 0;
@@ -125,6 +146,31 @@ inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, 
   __m256 acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+#ifdef FP8SERVE_GEMM_AVX512
+  if constexpr (kWide) {
+    __m512 wide[R][MT];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) wide[r][m] = _mm512_setzero_ps();
+    for (; k + 32 <= len; k += 32) {
+      if ((k & 63) == 0) {
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * ld + k + prefetch_ahead), _MM_HINT_T0);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512 lo, hi;
+        decode32(w + r * ld + k, lo, hi);
+        for (int m = 0; m < MT; ++m) {
+          wide[r][m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * ld + k), wide[r][m]);
+          wide[r][m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * ld + k + 16), wide[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m)
+        acc[r][m] = _mm256_add_ps(_mm512_castps512_ps256(wide[r][m]),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[r][m]), 1)));
+  }
+#endif
   for (; k + 16 <= len; k += 16) {
     if ((k & 63) == 0) {
       // Past the end of w this is a no-op: prefetches never fault.
@@ -170,7 +216,7 @@ constexpr int64_t kPrefetchTiles = 2;
 
 // Rows [n_begin, n_end) of out (row stride N) for MT activation rows; `dots`
 // holds (n_end - n_begin) * MT partial sums across column blocks.
-template <int R, int MT>
+template <int R, int MT, bool kWide>
 void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale, const float* bias, int64_t N,
                int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
   std::fill(dots, dots + (n_end - n_begin) * MT, 0.f);
@@ -178,8 +224,9 @@ void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale,
     const int64_t len = std::min(kColBlock<MT>, K - k0);
     int64_t n = n_begin;
     for (; n + R <= n_end; n += R)
-      dot_tile<R, MT>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, kPrefetchTiles * R * K);
-    for (; n < n_end; ++n) dot_tile<1, MT>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, kPrefetchTiles * K);
+      dot_tile<R, MT, kWide>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, kPrefetchTiles * R * K);
+    for (; n < n_end; ++n)
+      dot_tile<1, MT, kWide>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, kPrefetchTiles * K);
   }
   for (int64_t n = n_begin; n < n_end; ++n) {
     const float s = scale[n] * kE4M3DecodeMultiplier, b = bias ? bias[n] : 0.f;
@@ -188,18 +235,19 @@ void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale,
 }
 
 // MT activation rows at a time; rows per tile keep R * MT <= 8 accumulators.
-template <int MT>
+template <int MT, bool kWide>
 void rows_mtile(float* out, const float* x, const uint8_t* w, const float* scale, const float* bias, int64_t N,
                 int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
   constexpr int R = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
-  rows_tile<R, MT>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
+  rows_tile<R, MT, kWide>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
 }
 
+template <bool kWide>
 void rows_any_m(int64_t mt, float* out, const float* x, const uint8_t* w, const float* scale, const float* bias,
                 int64_t N, int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
   switch (mt) {
 #define FP8SERVE_CASE(T) \
-  case T: rows_mtile<T>(out, x, w, scale, bias, N, K, n_begin, n_end, dots); break;
+  case T: rows_mtile<T, kWide>(out, x, w, scale, bias, N, K, n_begin, n_end, dots); break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
 #undef FP8SERVE_CASE
@@ -229,7 +277,8 @@ void check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K) {
 // x: [M, K] float32 or bf16, contiguous; w: [N, K] uint8 e4m3 codes,
 // contiguous; scale: [N] float32 (true per-row scale); bias: [N] float32 or
 // none. Returns [M, N] in x's dtype, accumulated in float32.
-at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
+at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias,
+                           bool wide) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous [M, K] CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -254,12 +303,22 @@ at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optiona
       const int64_t n1 = std::min(end, n0 + kRowBlock);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM) {
         const int64_t mt = std::min(kMaxTileM, M - m0);
-        rows_any_m(mt, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
+        if (wide) rows_any_m<true>(mt, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
+        else rows_any_m<false>(mt, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
       }
     }
     io.narrow(M, begin, end);
   });
   return out;
+}
+
+at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
+  return fp8_linear_impl(x, w, scale, bias, /*wide=*/true);
+}
+
+// Same contract, the 8-lane loops only (what AVX2-only CPUs run).
+at::Tensor fp8_linear_avx2(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
+  return fp8_linear_impl(x, w, scale, bias, /*wide=*/false);
 }
 
 // out[n, k] = e4m3(w[n, k]) * scale[n] for a block of rows; out is a
@@ -310,8 +369,18 @@ bool fp8_gemm_has_avx2() {
 #endif
 }
 
+bool fp8_gemm_has_avx512() {
+#ifdef FP8SERVE_GEMM_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(FP8SERVE_GEMM_NS, m) {
   m.def("fp8_linear", &fp8_linear);
+  m.def("fp8_linear_avx2", &fp8_linear_avx2);
+  m.def("fp8_gemm_has_avx512", &fp8_gemm_has_avx512);
   m.def("fp8_dequantize", &fp8_dequantize);
   m.def("fp8_gemm_has_avx2", &fp8_gemm_has_avx2);
 }
