@@ -11,6 +11,13 @@
 //   SiluAndMul: out = dt(dt(silu(gate)) * up)
 //   RoPE:      x1' = dt(dt(x1 * cos) - dt(x2 * sin)), x2' = dt(dt(x2 * cos) + dt(x1 * sin))
 // where dt() rounds to the tensor's dtype (a no-op for float32).
+//
+// Builds for AVX-512 CPUs run 16 lanes first (vec16.h, the same operations
+// per lane, so the same bits). Measured on a 2-vCPU Xeon, bf16: SiluAndMul
+// 4096 x 3072 5.5-6.2 -> 3.8-3.9 ms (torch's unfused silu * up: 3.5-3.7 ms),
+// fused add + RMSNorm 4096 x 576 1.1-1.2 -> 0.9 ms; a whole 8 x 512 bf16
+// prefill 1.36-1.42 -> 1.31-1.34 s. float32 is unchanged (no rounding to
+// emulate).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +28,7 @@
 #include <vector>
 
 #include "scalar_convert.h"
+#include "vec16.h"
 #include "vec8.h"
 
 namespace {
@@ -71,6 +79,16 @@ inline void norm_row(const void* x, void* out, const void* w, int64_t n, float e
   // float32: x * r * w rounded once (F.rms_norm with weight); 16-bit: the
   // normalised value is rounded before the weight multiply (HF Llama).
   i = 0;
+#ifdef FP8SERVE_VEC16
+  {
+    namespace v16 = fp8serve_vec16;
+    const __m512 vr16 = _mm512_set1_ps(r);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 y = _mm512_mul_ps(v16::round_to<T>(_mm512_mul_ps(v16::load<T>(x, i), vr16)), v16::load<T>(w, i));
+      v16::store<T>(out, i, y);
+    }
+  }
+#endif
 #ifdef FP8SERVE_VEC8
   const __m256 vr = _mm256_set1_ps(r);
   for (; i + 8 <= n; i += 8) {
@@ -122,6 +140,11 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
         void* xr = xp + r * xs;
         void* rr = rp + r * rs;
         int64_t i = 0;
+#ifdef FP8SERVE_VEC16
+        for (; i + 16 <= n; i += 16) {
+          fp8serve_vec16::store<T>(rr, i, _mm512_add_ps(fp8serve_vec16::load<T>(xr, i), fp8serve_vec16::load<T>(rr, i)));
+        }
+#endif
 #ifdef FP8SERVE_VEC8
         for (; i + 8 <= n; i += 8) {
           fp8serve_vec8::store<T>(rr, i, _mm256_add_ps(fp8serve_vec8::load<T>(xr, i), fp8serve_vec8::load<T>(rr, i)));
@@ -155,6 +178,18 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
         const char* u = g + d * es;
         void* o = op + r * os;
         int64_t i = 0;
+#ifdef FP8SERVE_VEC16
+        {
+          namespace v16 = fp8serve_vec16;
+          const __m512 one16 = _mm512_set1_ps(1.0f);
+          for (; i + 16 <= d; i += 16) {
+            const __m512 gv = v16::load<T>(g, i);
+            const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+            const __m512 s = v16::round_to<T>(_mm512_div_ps(gv, _mm512_add_ps(one16, v16::exp(neg))));
+            v16::store<T>(o, i, _mm512_mul_ps(s, v16::load<T>(u, i)));
+          }
+        }
+#endif
 #ifdef FP8SERVE_VEC8
         namespace v8 = fp8serve_vec8;
         const __m256 one = _mm256_set1_ps(1.0f);

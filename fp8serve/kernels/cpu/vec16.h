@@ -1,0 +1,87 @@
+// Sixteen floats at a time (AVX-512F) for the elementwise kernels, where the
+// build CPU has AVX-512: vec8.h's loads, stores, rounding to a storage type
+// and exp, lane for lane the same operations, so results are bit-identical to
+// vec8.h and to the scalar code. The 16-bit paths (bf16 compute is only
+// picked on AMX / AVX512-BF16 CPUs, which all have AVX-512) spend most of
+// their time emulating round-to-nearest-even in integer lanes; twice the lanes
+// halve that (see layer_ops.cpp for the measurements).
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
+#define FP8SERVE_VEC16 1
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace fp8serve_vec16 {
+
+// Storage tags: 0 float32, 1 bf16, 2 fp16.
+template <int T>
+inline __m512 load(const void* base, int64_t i) {
+  if constexpr (T == 0) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+    if constexpr (T == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+  }
+}
+
+// float -> bf16 bits in the low half of each 32-bit lane (round to nearest
+// even; NaN stays a quiet NaN), as fp8serve_vec8::bf16_bits.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, rounded, quiet);
+}
+
+template <int T>
+inline void store(void* base, int64_t i, __m512 v) {
+  if constexpr (T == 0) {
+    _mm512_storeu_ps(static_cast<float*>(base) + i, v);
+  } else {
+    __m256i h;
+    if constexpr (T == 1) h = _mm512_cvtepi32_epi16(bf16_bits(v));  // values < 2^16: truncation is exact
+    else h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i), h);
+  }
+}
+
+// Round to the storage type and back.
+template <int T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (T == 0) return v;
+  if constexpr (T == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// exp(x), fp8serve_vec8::exp on 16 lanes (no FMAs: the scalar twin has none).
+inline __m512 exp(__m512 x) {
+  const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ);
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+  const __m512i ni = _mm512_cvtps_epi32(n);
+  const __m512i n1 = _mm512_srai_epi32(_mm512_add_epi32(ni, _mm512_srli_epi32(ni, 31)), 1);
+  const __m512i n2 = _mm512_sub_epi32(ni, n1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
+  const __m512 e2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
+  return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(_mm512_mul_ps(p, e1), e2), _mm512_set1_ps(__builtin_inff()));
+}
+
+}  // namespace fp8serve_vec16
+#endif
