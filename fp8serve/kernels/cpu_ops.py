@@ -252,6 +252,13 @@ def use_fused_cpu_ops(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and load_cpu_ops() is not None
 
 
+@functools.cache
+def _has_bf16_dot() -> bool:
+    """Whether the built dense_gemv multiplies bf16 x bf16 with AVX512-BF16."""
+    ops = load_cpu_ops()
+    return ops is not None and bool(ops.dense_gemv_has_bf16_dot())
+
+
 def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `dense_gemv` beats F.linear for this call. Measured on the
     default model's 120 decode linears with cold weights (2-vCPU Xeon, AMX;
@@ -260,14 +267,16 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     0.9x / 0.66x at M = 12 / 16 (16 FMAs per weight make the AVX2 loop
     compute-bound where AMX is not); float32 weights 1.06x at M = 1-2,
     1.55x at M = 4-8, 1.44x / 1.13x at M = 12 / 16. With AVX512-BF16 dot
-    products (bf16 x bf16 on such CPUs) bf16 reached 1.66x at M = 8 and
-    1.10x at M = 12, 0.88x at 16 (run 3 of that file): too little at 12 to
-    move the bf16 threshold."""
+    products (bf16 x bf16 on such CPUs) bf16 reached 1.66x at M = 8, 1.10x at
+    12 and 0.88x at 16 (run 3 of that file); alternating calls gave medians of
+    1.25x / 1.17x / 1.11x at M = 9 / 10 / 12 and 0.94x at 16: those builds take
+    bf16 x bf16 up to 12 rows."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.dim() != 2 or not weight.is_contiguous():
         return False
     m = x.shape[0]
     if weight.dtype == torch.bfloat16:
-        ok = 1 <= m <= 8 and x.dtype in (torch.bfloat16, torch.float32)
+        max_rows = 12 if x.dtype == torch.bfloat16 and _has_bf16_dot() else 8
+        ok = 1 <= m <= max_rows and x.dtype in (torch.bfloat16, torch.float32)
     elif weight.dtype == torch.float32:
         ok = 1 <= m <= 16 and x.dtype == torch.float32
     else:

@@ -56,7 +56,11 @@ def test_applies_only_where_measured_faster():
         assert cpu_ops.dense_gemv_applies(torch.empty(m, 8, dtype=torch.bfloat16), bf)
     for m in (1, 2, 4, 8, 12, 16):
         assert cpu_ops.dense_gemv_applies(torch.empty(m, 8), f32)
-    assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8, dtype=torch.bfloat16), bf)
+    # bf16 x bf16 up to 12 rows where the build has AVX512-BF16 dot products, else 8.
+    bf16_rows = 12 if cpu_ops.load_cpu_ops().dense_gemv_has_bf16_dot() else 8
+    assert cpu_ops.dense_gemv_applies(torch.empty(bf16_rows, 8, dtype=torch.bfloat16), bf)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(bf16_rows + 1, 8, dtype=torch.bfloat16), bf)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8), bf)  # float32 x: the FMA loop, up to 8
     assert not cpu_ops.dense_gemv_applies(torch.empty(17, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(0, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(4, 8), f32.t().contiguous().t())  # non-contiguous weight
