@@ -45,6 +45,8 @@ def test_strided_x_rows_and_limits(seed):
         cpu_ops.dense_gemv(torch.randn(1, 63), w)
     with pytest.raises(RuntimeError, match="contiguous"):
         cpu_ops.dense_gemv(torch.randn(1, 40), w.t())
+    with pytest.raises(ValueError, match="unknown path"):
+        cpu_ops.dense_gemv(torch.randn(1, 64), w, path="amx")
 
 
 def test_applies_only_where_measured_faster():

@@ -203,15 +203,22 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const fp8serve_staging::Float32Staging io(xc, out);
+  const bool wbf16 = w.scalar_type() == at::kBFloat16;
+#ifdef FP8SERVE_BF16_DOT
+  const bool bf16_dot = allow_bf16_dot && wbf16 && xc.scalar_type() == at::kBFloat16 && K % 32 == 0;
+#else
+  const bool bf16_dot = false;
+  (void)allow_bf16_dot;
+#endif
+  // The bf16 dot products read bf16 x as it is: only the result is staged.
+  const fp8serve_staging::Float32Staging io(xc, out, /*widen_x=*/!bf16_dot);
   const float* xp = io.x;
   float* op = io.out;
   const char* wp = static_cast<const char*>(w.data_ptr());
   const int64_t wrb = K * w.element_size();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  const bool wbf16 = w.scalar_type() == at::kBFloat16;
 #ifdef FP8SERVE_BF16_DOT
-  if (allow_bf16_dot && wbf16 && xc.scalar_type() == at::kBFloat16 && K % 32 == 0) {
+  if (bf16_dot) {
     const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
     const auto* wb16 = reinterpret_cast<const uint16_t*>(wp);
     at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
@@ -229,8 +236,6 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
     });
     return out;
   }
-#else
-  (void)allow_bf16_dot;
 #endif
   at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {

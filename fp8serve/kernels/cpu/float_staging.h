@@ -20,14 +20,19 @@ struct Float32Staging {
   int64_t num_cols = 0;      // N
 
   // x: contiguous [M, K], float32 or bf16; out: [M, N] of x's dtype.
-  Float32Staging(const at::Tensor& x_in, const at::Tensor& out_in) : num_cols(out_in.size(1)) {
+  // widen_x = false: the caller reads bf16 x itself (x stays null), only the
+  // result is staged.
+  Float32Staging(const at::Tensor& x_in, const at::Tensor& out_in, bool widen_x = true)
+      : num_cols(out_in.size(1)) {
     if (x_in.scalar_type() == at::kBFloat16) {
-      const int64_t n = x_in.numel();
-      x_buf_.resize(n);
-      const c10::BFloat16* xb = x_in.data_ptr<c10::BFloat16>();
-      for (int64_t i = 0; i < n; ++i) x_buf_[i] = static_cast<float>(xb[i]);
+      if (widen_x) {
+        const int64_t n = x_in.numel();
+        x_buf_.resize(n);
+        const c10::BFloat16* xb = x_in.data_ptr<c10::BFloat16>();
+        for (int64_t i = 0; i < n; ++i) x_buf_[i] = static_cast<float>(xb[i]);
+        x = x_buf_.data();
+      }
       out_buf_.resize(out_in.numel());
-      x = x_buf_.data();
       out = out_buf_.data();
       out_bf16_ = out_in.data_ptr<c10::BFloat16>();
     } else {
