@@ -17,7 +17,10 @@
 // 4096 x 3072 5.5-6.2 -> 3.8-3.9 ms (torch's unfused silu * up: 3.5-3.7 ms),
 // fused add + RMSNorm 4096 x 576 1.1-1.2 -> 0.9 ms; a whole 8 x 512 bf16
 // prefill 1.36-1.42 -> 1.31-1.34 s. float32 is unchanged (no rounding to
-// emulate).
+// emulate). With AVX512-BF16 the rounding to bf16 is one instruction
+// (vec16.h bf16_packed): best of 30 calls, three runs each, SiluAndMul
+// 2048 x 3072 1.44-1.50 -> 1.37-1.42 ms, fused add + RMSNorm 2048 x 576
+// 0.40-0.41 -> 0.36-0.37 ms, plain RMSNorm 0.33-0.34 -> 0.31-0.32 ms.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
