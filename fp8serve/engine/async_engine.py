@@ -144,12 +144,17 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request, the last one with `finished=True`.
 
-        Raises UserError if the engine rejects the request, EngineDeadError if
+        Raises UserError if the engine rejects the request, EngineDrainingError
+        once shutdown has begun (while draining and after), EngineDeadError if
         the engine loop failed; aborts the request if the caller stops early."""
-        if self.errored is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine loop is not running ({self.errored!r})")
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine loop failed ({self.errored!r})")
+        # Before the liveness check: a drain that has already finished stopped
+        # the loop on purpose, and the caller should hear "shutting down".
         if not self._accepting:
             raise EngineDrainingError("the server is shutting down")
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop is not running")
         request_id = request_id or self.new_request_id()
         stream = _RequestStream(asyncio.get_running_loop())
         self._num_in_flight += 1

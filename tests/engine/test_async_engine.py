@@ -127,3 +127,16 @@ def test_shutdown_drains_then_refuses(engine):
     outs = asyncio.run(main())
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
     assert not engine.is_running
+
+
+def test_requests_after_shutdown_are_refused_as_shutting_down(engine):
+    """However fast the drain ends (it may end before the next request
+    arrives), a late request hears "shutting down", not "engine dead"."""
+
+    async def main():
+        await engine.shutdown(drain_timeout=30)
+        assert not engine.is_running
+        with pytest.raises(EngineDrainingError, match="shutting down"):
+            await _collect(engine, {"prompt_token_ids": [5]}, GREEDY)
+
+    asyncio.run(main())
