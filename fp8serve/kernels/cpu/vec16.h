@@ -2,9 +2,10 @@
 // build CPU has AVX-512: vec8.h's loads, stores, rounding to a storage type
 // and exp, lane for lane the same operations, so results are bit-identical to
 // vec8.h and to the scalar code. The 16-bit paths (bf16 compute is only
-// picked on AMX / AVX512-BF16 CPUs, which all have AVX-512) spend most of
+// picked on AMX / AVX512-BF16 CPUs, which all have AVX-512) spent most of
 // their time emulating round-to-nearest-even in integer lanes; twice the lanes
-// halve that (see layer_ops.cpp for the measurements).
+// halve that, and AVX512-BF16 does it in one instruction (bf16_packed; see
+// layer_ops.cpp for the measurements).
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
