@@ -206,6 +206,9 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
+    # Always run the model eagerly: no recorded decode forwards (vLLM's
+    # --enforce-eager, which turns off its CUDA graphs; see decode_capture.py).
+    enforce_eager: bool = False
     # Filled in __post_init__.
     arch: ModelArchConfig = field(init=False)
     hf_config: dict = field(init=False)
@@ -330,6 +333,7 @@ class EngineConfig:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
     ) -> "EngineConfig":
         if model is None:
             from fp8serve.default_model import ensure_default_model
@@ -343,7 +347,8 @@ class EngineConfig:
             calculate_kv_scales=calculate_kv_scales,
             quantization_param_path=quantization_param_path,
         )
-        model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, device=device, seed=seed)
+        model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
+                                   enforce_eager=bool(enforce_eager))
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -19,6 +19,7 @@ from fp8serve.attention.forward_context import set_forward_context
 from fp8serve.attention.kv_cache_spec import KVCacheSpec
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.config import EngineConfig
+from fp8serve.engine.decode_capture import DecodeCaptures
 from fp8serve.engine.sequence import Sequence
 from fp8serve.errors import ConfigError
 from fp8serve.layers.attention import Attention
@@ -95,6 +96,9 @@ class ModelRunner:
         cc.num_blocks = self.num_blocks
         self.sampler = Sampler()
         self._scales_pending_log = any(layer.calculate_kv_scales for layer in self.attn_layers)
+        # CPU only: there the module tree is ~10% of a batch-1 decode step.
+        self.decode_captures = DecodeCaptures(self.model, self.attn_layers,
+                                              enabled=not mc.enforce_eager and self.device.type == "cpu")
 
     # ------------------------------------------------------------------ setup
     def _apply_kv_scales(self) -> None:
@@ -228,8 +232,11 @@ class ModelRunner:
         hiddens, starts, offset = [], [torch.zeros(1, dtype=torch.int64, device=self.device)], 0
         for group in groups:
             input_ids, positions, md = self._prepare(group, is_prefill)
-            with set_forward_context(md):
-                hiddens.append(self.model(input_ids, positions))
+            if is_prefill:
+                with set_forward_context(md):
+                    hiddens.append(self.model(input_ids, positions))
+            else:
+                hiddens.append(self.decode_captures.forward(input_ids, positions, md))
             starts.append(md.query_start_loc[1:] + offset)
             offset += md.num_tokens
         hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)

@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 is supported")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="always run the model eagerly (no recorded decode forwards; vLLM: no CUDA graphs)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -47,4 +49,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         device=args.device,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )

@@ -113,6 +113,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # The decode forward has no data-dependent Python, so a recorded one can
+    # be replayed (engine/decode_capture.py).
+    supports_decode_capture = True
+
     def __init__(self, cfg: ModelArchConfig, quant_config: QuantizationConfig | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg

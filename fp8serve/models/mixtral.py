@@ -9,6 +9,10 @@ from fp8serve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMode
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    # Routing picks experts in Python from the gate's values: a recorded
+    # forward would replay the experts of the step it was recorded on.
+    supports_decode_capture = False
+
     def _build_model(self, cfg: ModelArchConfig, quant_config, dtype) -> LlamaModel:
         def make_layer(i: int, rotary_emb) -> LlamaDecoderLayer:
             prefix = f"model.layers.{i}"

@@ -1,0 +1,164 @@
+"""Recorded decode forwards (engine/decode_capture.py): a replay must give
+exactly what the eager model gives, step after step, and the engine must fall
+back to eager wherever a replay could be wrong. Fresh random prompts each run
+(the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+from checkpoints import write_tiny_llama, write_tiny_mixtral
+
+from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.engine.decode_capture import DecodeCaptures, capture
+from fp8serve.engine.llm_engine import LLMEngine
+from fp8serve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from fp8serve.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4  # small blocks: the decode steps below cross many block boundaries
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("capture") / "llama"))
+
+
+def make_engine(model_dir: str, *, enforce_eager: bool, kv_cache_dtype: str = "auto", dtype: str = "float32",
+                **kwargs) -> LLMEngine:
+    return LLMEngine.from_args(model_dir, dtype=dtype, device="cpu", block_size=BLOCK_SIZE, kv_cache_memory=1 << 20,
+                               max_model_len=64, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, **kwargs)
+
+
+def run(engine: LLMEngine, requests) -> dict[str, tuple[list[int], list[float]]]:
+    """Token ids and their logprobs of every request, run to completion."""
+    for i, (prompt, max_tokens) in enumerate(requests):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    return done
+
+
+def random_requests(seed: int, n: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 512) for _ in range(rng.randint(2, 20))], rng.randint(10, 40)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("kv_cache_dtype,dtype", [("auto", "float32"), ("fp8", "float32"), ("fp8_e5m2", "bfloat16")])
+def test_replayed_decode_equals_eager_bit_for_bit(llama_dir, seed, kv_cache_dtype, dtype):
+    """Requests of different lengths: the batch shrinks as they finish, so
+    several batch sizes are recorded and replayed over many steps."""
+    requests = random_requests(seed, 6)
+    eager = run(make_engine(llama_dir, enforce_eager=True, kv_cache_dtype=kv_cache_dtype, dtype=dtype), requests)
+    engine = make_engine(llama_dir, enforce_eager=False, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+    replayed = run(engine, requests)
+    assert replayed == eager, f"seed={seed}"
+    captures = engine.model_runner.decode_captures
+    assert captures.num_replays >= 8 and len(captures.recorded_batch_sizes) >= 2, f"seed={seed}"
+
+
+def test_enforce_eager_records_nothing(llama_dir, seed):
+    engine = make_engine(llama_dir, enforce_eager=True)
+    run(engine, random_requests(seed, 3))
+    captures = engine.model_runner.decode_captures
+    assert not captures.enabled and captures.num_replays == 0 and captures.recorded_batch_sizes == []
+
+
+def test_new_kv_scales_are_recorded_again(llama_dir, seed):
+    """The scales are Python numbers baked into the recorded calls: changing
+    them must not replay the old ones."""
+    requests = random_requests(seed, 2)
+
+    def with_scales(enforce_eager: bool):
+        engine = make_engine(llama_dir, enforce_eager=enforce_eager, kv_cache_dtype="fp8")
+        first = run(engine, requests)
+        for layer in engine.model_runner.attn_layers:
+            layer.set_kv_scales(0.37, 0.53, "test")
+        return engine, first, run(engine, requests)
+
+    _, eager_first, eager_second = with_scales(True)
+    engine, first, second = with_scales(False)
+    assert eager_first != eager_second, "the scales should change the outputs"
+    assert (first, second) == (eager_first, eager_second), f"seed={seed}"
+    keys = engine.model_runner.decode_captures._captures.keys()
+    assert {key[1] for key in keys} == {(1.0, 1.0), (0.37, 0.53)}
+
+
+def test_kv_observer_runs_eagerly(llama_dir, seed):
+    """Calibration watches K/V through a Python hook; a replay would skip it."""
+    engine = make_engine(llama_dir, enforce_eager=False)
+    seen = []
+    for layer in engine.model_runner.attn_layers:
+        layer.kv_observer = lambda layer, k, v: seen.append(k.shape[0])
+    run(engine, random_requests(seed, 2))
+    captures = engine.model_runner.decode_captures
+    assert captures.num_replays == 0 and seen.count(1) > 0
+
+
+def test_mixtral_is_never_recorded(tmp_path, seed):
+    """Its routing picks experts in Python from the gate's values."""
+    engine = make_engine(str(write_tiny_mixtral(tmp_path / "mixtral")), enforce_eager=False)
+    run(engine, random_requests(seed, 2))
+    assert not engine.model_runner.decode_captures.enabled
+    assert engine.model_runner.decode_captures.num_replays == 0
+
+
+def test_capture_replays_on_new_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 8, generator=g)
+    x = torch.randn(3, 8, generator=g)
+
+    def f(inp):
+        h = torch.nn.functional.linear(inp, w).relu_()
+        a, b = h.split([4, 4], dim=-1)
+        return torch.cat([b, a], dim=-1) * 2
+
+    out, recorded = capture(lambda: f(x), [x])
+    assert torch.equal(out, f(x))
+    x2 = torch.randn(3, 8, generator=g)
+    assert torch.equal(recorded.replay(x2), f(x2)), f"seed={seed}"
+    assert [id(t) for t in recorded.tensor_constants] == [id(w)]
+
+
+class _ReadsAGlobal(torch.nn.Module):
+    supports_decode_capture = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+        self.per_step = torch.zeros(4)  # not a parameter or buffer: changes outside the inputs
+
+    def forward(self, input_ids, positions):
+        return input_ids.float() * self.weight + self.per_step
+
+
+def _decode_metadata(n: int) -> AttentionMetadata:
+    z = torch.zeros(n, dtype=torch.int64)
+    return AttentionMetadata(slot_mapping=z, block_tables=z.view(n, 1), seq_lens=z + 1,
+                             query_start_loc=torch.arange(n + 1), max_query_len=1, max_seq_len=1, num_seqs=n,
+                             num_tokens=n)
+
+
+def test_tensors_outside_inputs_and_model_state_keep_the_model_eager(seed):
+    model = _ReadsAGlobal()
+    captures = DecodeCaptures(model, [], enabled=True)
+    ids = torch.arange(4)
+    md = _decode_metadata(4)
+    assert torch.equal(captures.forward(ids, ids, md), ids.float())
+    model.per_step.fill_(1.0)
+    assert torch.equal(captures.forward(ids, ids, md), ids.float() + 1), "a stale replay"
+    assert captures.recorded_batch_sizes == [] and captures.num_replays == 0
+
+
+def test_enforce_eager_flag_reaches_the_engine():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--enforce-eager"]))["enforce_eager"] is True
+    assert engine_kwargs(p.parse_args([]))["enforce_eager"] is False
