@@ -16,6 +16,7 @@ Reports, per profiled phase:
 Examples:
   python benchmarks/profile_step.py                       # decode 64 x ~600 and prefill 16 x 512
   python benchmarks/profile_step.py --phase decode --dtype float32 --kv-cache-dtype fp8
+  python benchmarks/profile_step.py --phase decode --enforce-eager   # per-layer rows for decode too
 """
 
 from __future__ import annotations
@@ -170,6 +171,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="decode steps per profiler (prefill: always 1)")
     p.add_argument("--row-limit", type=int, default=25)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps through the module tree (per-layer rows in the component table); "
+                        "by default they replay a recorded forward and only the ops show")
     p.add_argument("--out", default=None, help="also write the report (markdown) to this file")
     args = p.parse_args()
 
@@ -182,7 +186,7 @@ def main() -> int:
     max_tokens_batched = max(8192, args.prefill_batch * args.prefill_len)
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.decode_batch, args.prefill_batch),
-              max_num_batched_tokens=max_tokens_batched)
+              max_num_batched_tokens=max_tokens_batched, enforce_eager=args.enforce_eager)
     engine = llm.llm_engine
     runner = engine.model_runner
     vocab = runner.config.model_config.arch.vocab_size
@@ -241,7 +245,7 @@ def main() -> int:
         del llm, engine, runner
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.decode_batch, args.prefill_batch),
-                  max_num_batched_tokens=max_tokens_batched)
+                  max_num_batched_tokens=max_tokens_batched, enforce_eager=args.enforce_eager)
         engine = llm.llm_engine
 
     if args.phase in ("prefill", "both"):
