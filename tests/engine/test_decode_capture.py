@@ -12,7 +12,9 @@ import pytest
 import torch
 from checkpoints import write_tiny_llama, write_tiny_mixtral
 
+from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
 from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.engine import model_runner
 from fp8serve.engine.decode_capture import DecodeCaptures, capture
 from fp8serve.engine.llm_engine import LLMEngine
 from fp8serve.entrypoints.engine_args import add_engine_args, engine_kwargs
@@ -52,9 +54,11 @@ def random_requests(seed: int, n: int) -> list[tuple[list[int], int]]:
 
 
 @pytest.mark.parametrize("kv_cache_dtype,dtype", [("auto", "float32"), ("fp8", "float32"), ("fp8_e5m2", "bfloat16")])
-def test_replayed_decode_equals_eager_bit_for_bit(llama_dir, seed, kv_cache_dtype, dtype):
+def test_replayed_decode_equals_eager_bit_for_bit(ops, llama_dir, seed, kv_cache_dtype, dtype):
     """Requests of different lengths: the batch shrinks as they finish, so
-    several batch sizes are recorded and replayed over many steps."""
+    several batch sizes are recorded and replayed over many steps. (Needs the
+    C++ kernels: the reference backend's decode builds per-step masks, which
+    keep it eager.)"""
     requests = random_requests(seed, 6)
     eager = run(make_engine(llama_dir, enforce_eager=True, kv_cache_dtype=kv_cache_dtype, dtype=dtype), requests)
     engine = make_engine(llama_dir, enforce_eager=False, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
@@ -71,7 +75,7 @@ def test_enforce_eager_records_nothing(llama_dir, seed):
     assert not captures.enabled and captures.num_replays == 0 and captures.recorded_batch_sizes == []
 
 
-def test_new_kv_scales_are_recorded_again(llama_dir, seed):
+def test_new_kv_scales_are_recorded_again(ops, llama_dir, seed):
     """The scales are Python numbers baked into the recorded calls: changing
     them must not replay the old ones."""
     requests = random_requests(seed, 2)
@@ -100,6 +104,18 @@ def test_kv_observer_runs_eagerly(llama_dir, seed):
     run(engine, random_requests(seed, 2))
     captures = engine.model_runner.decode_captures
     assert captures.num_replays == 0 and seen.count(1) > 0
+
+
+def test_reference_backend_runs_eagerly(llama_dir, seed, monkeypatch):
+    """The reference backend (what runs without the C++ kernels) builds
+    per-step masks and gather indices for decode (metadata.backend_data):
+    nothing is recorded, and the outputs are those of --enforce-eager."""
+    monkeypatch.setattr(model_runner, "select_backend", lambda spec, dtype, device: TorchSDPABackend(spec, dtype))
+    requests = random_requests(seed, 3)
+    engine = make_engine(llama_dir, enforce_eager=False)
+    assert engine.model_runner.backend.name == TorchSDPABackend.name
+    assert run(engine, requests) == run(make_engine(llama_dir, enforce_eager=True), requests), f"seed={seed}"
+    assert engine.model_runner.decode_captures.num_replays == 0
 
 
 def test_mixtral_is_never_recorded(tmp_path, seed):
