@@ -127,12 +127,12 @@ class CapturedForward:
                 [expr(a) for a in args] + [f"{k}={expr(v)}" for k, v in kwargs.items()]) + ")"
             if isinstance(out, int):
                 target = f"v{out} = "
-            elif isinstance(out, list) and out and all(isinstance(o, int) for o in out):
-                target = ", ".join(f"v{o}" for o in out) + (", = " if len(out) == 1 else " = ")
+            elif isinstance(out, list) and out and all(o is None or isinstance(o, int) for o in out):
+                target = ", ".join("_" if o is None else f"v{o}" for o in out) + (", = " if len(out) == 1 else " = ")
             elif not out:
                 target = ""
             else:
-                raise ValueError(f"unsupported output structure of {func}")
+                raise ValueError(f"{func} returns a nested structure, which replays do not handle")
             lines.append("    " + target + call)
             dead = [slot for slot, last in last_use.items() if last == i and slot >= num_inputs]
             if dead:
@@ -143,12 +143,18 @@ class CapturedForward:
         self.replay = namespace["replay"]
 
 
-def capture(forward: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, CapturedForward]:
-    """Runs `forward()` once while recording; returns its output and the recording."""
+def capture(forward: Callable[[], torch.Tensor],
+            inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, CapturedForward | str]:
+    """Runs `forward()` once while recording; returns its output and the
+    recording, or why the recording cannot be replayed (the output is valid
+    either way; errors of the forward itself propagate)."""
     recorder = _Recorder(inputs)
     with recorder:
         output = forward()
-    return output, CapturedForward(recorder, len(inputs), output)
+    try:
+        return output, CapturedForward(recorder, len(inputs), output)
+    except ValueError as e:
+        return output, str(e)
 
 
 _MISSING = object()
@@ -185,7 +191,7 @@ class DecodeCaptures:
             self.num_replays += 1
             return recorded.replay(*inputs)
         output, recorded = capture(lambda: self._eager(input_ids, positions, md), inputs)
-        problem = self._problem(recorded, output, inputs)
+        problem = recorded if isinstance(recorded, str) else self._problem(recorded, output, inputs)
         if problem:
             logger.warning("decode batch size %d runs eagerly: %s", md.num_seqs, problem)
             self._captures[key] = None

@@ -137,10 +137,20 @@ def test_capture_replays_on_new_inputs(seed):
         return torch.cat([b, a], dim=-1) * 2
 
     out, recorded = capture(lambda: f(x), [x])
+    assert not isinstance(recorded, str), recorded
     assert torch.equal(out, f(x))
     x2 = torch.randn(3, 8, generator=g)
     assert torch.equal(recorded.replay(x2), f(x2)), f"seed={seed}"
     assert [id(t) for t in recorded.tensor_constants] == [id(w)]
+
+
+def test_an_output_no_op_produced_cannot_be_replayed(seed):
+    """The forward's result must be an input or come out of a recorded op;
+    here it is a tensor made before the recording."""
+    g = torch.Generator().manual_seed(seed)
+    x, made_before = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    out, recorded = capture(lambda: made_before, [x])
+    assert out is made_before and isinstance(recorded, str) and "not produced by a recorded op" in recorded
 
 
 class _ReadsAGlobal(torch.nn.Module):
