@@ -101,9 +101,13 @@ def test_kv_observer_runs_eagerly(llama_dir, seed):
     seen = []
     for layer in engine.model_runner.attn_layers:
         layer.kv_observer = lambda layer, k, v: seen.append(k.shape[0])
-    run(engine, random_requests(seed, 2))
+    rng = random.Random(seed)
+    # Prompts of >= 5 tokens, so the observer's calls with 1-2 tokens are decode steps.
+    run(engine, [([rng.randrange(3, 512) for _ in range(rng.randint(5, 20))], n) for n in (10, 20)])
     captures = engine.model_runner.decode_captures
-    assert captures.num_replays == 0 and seen.count(1) > 0
+    num_layers = len(engine.model_runner.attn_layers)
+    assert captures.num_replays == 0, f"seed={seed}"
+    assert sum(n <= 2 for n in seen) == 19 * num_layers, f"seed={seed}: the observer missed decode steps"
 
 
 def test_reference_backend_runs_eagerly(llama_dir, seed, monkeypatch):
