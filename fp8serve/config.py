@@ -216,6 +216,9 @@ class ModelConfig:
     torch_device: torch.device = field(init=False)
 
     def __post_init__(self) -> None:
+        # A string such as "false" would otherwise read as true.
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         self.model = str(self.model)
         self.hf_config, cfg_path = read_hf_config(self.model)
         self.arch = ModelArchConfig.from_dict(self.hf_config, cfg_path)
@@ -348,7 +351,7 @@ class EngineConfig:
             quantization_param_path=quantization_param_path,
         )
         model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
-                                   enforce_eager=bool(enforce_eager))
+                                   enforce_eager=enforce_eager)
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -145,6 +145,15 @@ def llama_dir(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("llama"), max_position_embeddings=256)
 
 
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_enforce_eager_must_be_a_bool(llama_dir, value):
+    """--enforce-eager is a switch; a string like "false" must not read as true."""
+    with pytest.raises(ConfigError, match="enforce_eager") as e:
+        ModelConfig(str(llama_dir), enforce_eager=value)
+    assert repr(value) in str(e.value)
+    assert ModelConfig(str(llama_dir), enforce_eager=True).enforce_eager is True
+
+
 @pytest.fixture
 def model_dir(llama_dir, tmp_path):
     """A private copy of the tiny llama's config.json (ModelConfig reads nothing else)."""
