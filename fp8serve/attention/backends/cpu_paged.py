@@ -1,7 +1,10 @@
 """CPU backend: decode steps run the C++ paged-attention kernel, which reads
 each sequence's K/V straight from its blocks in the storage format (FP8
-included) instead of gathering and dequantizing a padded copy; prefill steps
-use the reference path (compute-bound, the gather is a small part).
+included) instead of gathering and dequantizing a padded copy. Fresh
+prefills (no cached context) in float32 run the C++ causal prefill kernel
+over the step's own K/V (as stored: decoded FP8 where the cache is lossy),
+packed varlen; other prefills use the reference path (compute-bound, the
+gather is a small part), whose SDPA is faster in bf16 (AMX).
 
 The decode path calls the C++ ops directly: the public wrappers in
 kernels/cpu_ops.py validate every argument in Python (~100 us per layer at
@@ -15,6 +18,7 @@ import torch
 
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
 from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.kernels import prefill_attention_ops
 from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, KV_FORMATS, load_cpu_ops, reshape_and_cache
 
 
@@ -38,6 +42,8 @@ class CpuPagedBackend(TorchSDPABackend):
     def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale):
         md = metadata
         if not md.is_decode_only:
+            if md.backend_data.gather_slots is None and prefill_attention_ops.applies(self.compute_dtype):
+                return self._fresh_prefill_kernel(query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale)
             return super().forward(query, key, value, kv_cache, metadata,
                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
         ops = load_cpu_ops()
@@ -53,3 +59,13 @@ class CpuPagedBackend(TorchSDPABackend):
         return ops.paged_attention_decode_fused(query, k_cache, v_cache, md.block_tables, md.seq_lens,
                                                 kv_format, float(softmax_scale * k_scale * decode_mult),
                                                 float(v_scale * decode_mult))
+
+    def _fresh_prefill_kernel(self, query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale):
+        """Write the cache, then attend to the K/V as stored (the decoded codes
+        where the cache is lossy, so prefill sees what decode will read), with
+        k_scale folded into the softmax scale and v_scale into the output."""
+        lossy = self.spec.storage_dtype != self.compute_dtype
+        decoded = self.write_kv_cache(key, value, kv_cache, md.slot_mapping, k_scale, v_scale, return_decoded=lossy)
+        k, v = decoded if lossy else (key, value)
+        return prefill_attention_ops.prefill_attention(query, k, v, md.query_start_loc,
+                                                       softmax_scale * k_scale, v_scale)

@@ -1,0 +1,512 @@
+// Causal attention for fresh prefills: each sequence's new tokens attend to
+// the K/V of its own tokens (no cached context), packed varlen like
+// flash_attn_varlen_func: query [num_tokens, num_heads, head_size], key/value
+// [num_tokens, num_kv_heads, head_size], cu_seqlens [num_seqs + 1].
+//
+// Why not torch's SDPA: its CPU flash kernel runs a 512-token causal float32
+// prompt of the default model (9 heads, 3 KV heads, head 64) at ~115 GFLOP/s
+// (counting the causal half), a third of what F.linear reaches on the same
+// cores, and it was 18-20% of a float32 prefill. It handles each query head
+// on its own, so every K/V row is read once per head of a GQA group.
+//
+// Schedule (flash attention, online softmax):
+//   1. Pack: per (sequence, kv head), K is transposed to float32 [head_size][len]
+//      and V copied to float32 [len][head_size], both zero-padded to a whole
+//      number of key blocks. Each K/V element is converted once, whatever
+//      the input dtype.
+//   2. Work items (sequence, kv head, block of kQueryTokens query tokens),
+//      biggest first, pulled by the threads from an atomic counter (causal
+//      items differ in cost up to len / kQueryTokens times). An item's rows
+//      are its tokens x the kv head's group of query heads, so each K/V tile
+//      load serves `group` heads.
+//   3. Per key block of kKeyBlock keys up to the item's last token: scores by
+//      register tiles (rows x keys, K^T rows broadcast-free), masked softmax
+//      update per row, then out = out * alpha + P V by register tiles
+//      (rows x head dims). Key blocks past the item's last token are never
+//      computed: the work is the causal half, not the full square.
+//
+// The same template runs 16 lanes (AVX-512), 8 lanes (AVX2+FMA) and 1 lane
+// (scalar; also what tests use to keep that path correct), so the schedule
+// and the masking are shared; only the tile sizes differ. Results differ
+// from a float64 reference by float32 rounding only (tests: < 1e-5 relative).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "scalar_convert.h"
+#include "vec16.h"
+#include "vec8.h"
+
+namespace {
+
+// Measured on the default model's shapes (AVX-512, 2 threads): 16 or 32
+// query tokens and 64-256 keys per block all land within 5%; 64 keys was the
+// slowest, 128 the fastest at 512 and 2048 tokens.
+constexpr int64_t kQueryTokens = 16;  // query tokens per work item
+constexpr int64_t kKeyBlock = 128;    // keys per softmax update; a multiple of every key tile
+constexpr int64_t kRowPad = 16;     // floats added to each K^T row (see run)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Lane traits. kQk*: score tile = kQkRows rows x (kQkVecs * W) keys;
+// kPv*: output tile = kPvRows rows x (kPvVecs * W) head dims. Sized so the
+// accumulators plus the loaded operands fit the register file (32 zmm, 16 ymm).
+struct Scalar {
+  using T = float;
+  static constexpr int W = 1, kQkRows = 4, kQkVecs = 4, kPvRows = 4, kPvVecs = 1;
+  static T zero() { return 0.f; }
+  static T set1(float x) { return x; }
+  static T load(const float* p) { return *p; }
+  static void store(float* p, T v) { *p = v; }
+  static T fma(T a, T b, T c) { return a * b + c; }
+  static T mul(T a, T b) { return a * b; }
+  static T add(T a, T b) { return a + b; }
+  static T sub(T a, T b) { return a - b; }
+  static T max(T a, T b) { return a > b ? a : b; }
+  static T exp_le0(T a) { return fp8serve_cvt::exp_f32(a); }
+  static float hmax(T a) { return a; }
+  static float hsum(T a) { return a; }
+  static T keep_first(T v, int n, T fill) { return n > 0 ? v : fill; }  // lanes >= n := fill
+};
+
+#ifdef FP8SERVE_VEC8
+struct Avx2 {
+  using T = __m256;
+  static constexpr int W = 8, kQkRows = 6, kQkVecs = 2, kPvRows = 2, kPvVecs = 4;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  // exp(x) for x <= 0 (scores minus their running max): exp_poly's
+  // reduction and polynomial, 2^n built in the exponent field (n >= -126
+  // after the clamp, and no overflow case to handle).
+  static T exp_le0(T x) {
+    __m256 n;
+    const __m256 p = exp_poly(x, n);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+  static T exp_poly(T x, T& n) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    T r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    T p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    return _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  }
+  static float hmax(T a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float hsum(T a) { return fp8serve_vec8::hsum(a); }
+  static T keep_first(T v, int n, T fill) {
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_blendv_ps(fill, v, _mm256_castsi256_ps(keep));
+  }
+};
+#endif
+
+#ifdef FP8SERVE_VEC16
+struct Avx512 {
+  using T = __m512;
+  static constexpr int W = 16, kQkRows = 8, kQkVecs = 2, kPvRows = 6, kPvVecs = 4;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  // exp(x) for x <= 0: Avx2::exp_poly's steps, and vscalefps for p * 2^n.
+  // ~15 instructions against ~35 for fp8serve_vec16::exp, which must match
+  // its scalar twin bit for bit and so avoids FMAs and handles overflow; the
+  // softmax was a quarter of this kernel's time with that one.
+  static T exp_le0(T x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    T r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    T p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+  }
+  static float hmax(T a) { return _mm512_reduce_max_ps(a); }
+  static float hsum(T a) { return _mm512_reduce_add_ps(a); }
+  static T keep_first(T v, int n, T fill) {
+    const __mmask16 keep = n >= 16 ? 0xffff : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+    return _mm512_mask_blend_ps(keep, fill, v);
+  }
+};
+#endif
+
+struct Problem {
+  int64_t num_seqs, num_heads, num_kv_heads, head_size, group;
+  const int64_t* cu;         // [num_seqs + 1]
+  float scale, out_scale;
+  const void* q;             // rows of num_heads * head_size at stride q_ld elements
+  const void* k;
+  const void* v;
+  int64_t q_ld, k_ld, v_ld;
+  void* out;                 // [num_tokens, num_heads, head_size], contiguous
+  int dtype;                 // 0 float32, 1 bf16, 2 fp16 (q, k, v and out)
+};
+
+// dst[i] = src[i] * scale for a row of n elements in storage format DT (0
+// float32, 1 bf16, 2 fp16), 16 or 8 at a time where the build has the lanes.
+template <int DT>
+void row_to_f32(const void* src, float* dst, int64_t n, float scale) {
+  int64_t i = 0;
+#if defined(FP8SERVE_VEC16)
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(fp8serve_vec16::load<DT>(src, i), sv));
+#elif defined(FP8SERVE_VEC8)
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(fp8serve_vec8::load<DT>(src, i), sv));
+#endif
+  for (; i < n; ++i) dst[i] = fp8serve_cvt::load_as_f32<DT>(src, i) * scale;
+}
+
+// dst[i] = src[i] * f rounded to storage format DT.
+template <int DT>
+void row_from_f32(const float* src, void* dst, int64_t n, float f) {
+  int64_t i = 0;
+#if defined(FP8SERVE_VEC16)
+  const __m512 fv = _mm512_set1_ps(f);
+  for (; i + 16 <= n; i += 16) fp8serve_vec16::store<DT>(dst, i, _mm512_mul_ps(_mm512_loadu_ps(src + i), fv));
+#elif defined(FP8SERVE_VEC8)
+  const __m256 fv = _mm256_set1_ps(f);
+  for (; i + 8 <= n; i += 8) fp8serve_vec8::store<DT>(dst, i, _mm256_mul_ps(_mm256_loadu_ps(src + i), fv));
+#endif
+  for (; i < n; ++i) fp8serve_cvt::store_from_f32<DT>(dst, i, src[i] * f);
+}
+
+template <int DT>
+const void* row_ptr(const void* base, int64_t elem) {
+  return static_cast<const char*>(base) + elem * (DT == 0 ? 4 : 2);
+}
+
+// S[r][0 : nkeys) = Q[r] . K^T[:, 0 : nkeys) for RT rows, nkeys a multiple of
+// the key tile. kt: [head_size][ldk]; q: [RT][head_size]; s: [RT][lds].
+template <class V, int RT>
+void qk_rows(const float* q, const float* kt, int64_t ldk, int64_t hs, int64_t nkeys, float* s, int64_t lds) {
+  constexpr int NV = V::kQkVecs, KT = NV * V::W;
+  for (int64_t j = 0; j < nkeys; j += KT) {
+    typename V::T acc[RT][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+      for (int n = 0; n < NV; ++n) acc[r][n] = V::zero();
+    const float* kp = kt + j;
+    for (int64_t d = 0; d < hs; ++d, kp += ldk) {
+      typename V::T kv[NV];
+      for (int n = 0; n < NV; ++n) kv[n] = V::load(kp + n * V::W);
+#pragma GCC unroll 8
+      for (int r = 0; r < RT; ++r) {
+        const typename V::T b = V::set1(q[r * hs + d]);
+        for (int n = 0; n < NV; ++n) acc[r][n] = V::fma(b, kv[n], acc[r][n]);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int n = 0; n < NV; ++n) V::store(s + r * lds + j + n * V::W, acc[r][n]);
+  }
+}
+
+template <class V, int RT>
+void qk_tail(int rt, const float* q, const float* kt, int64_t ldk, int64_t hs, int64_t nkeys, float* s, int64_t lds) {
+  if constexpr (RT > 0) {
+    if (rt == RT) return qk_rows<V, RT>(q, kt, ldk, hs, nkeys, s, lds);
+    qk_tail<V, RT - 1>(rt, q, kt, ldk, hs, nkeys, s, lds);
+  }
+}
+
+// o[r] = o[r] * alpha[r] + P[r][0 : nkeys) . V[0 : nkeys) for RT rows, over
+// all head dims. p: [RT][ldp]; vrows: [nkeys][head_size]; o: [RT][head_size].
+template <class V, int RT>
+void pv_rows(const float* p, int64_t ldp, const float* vrows, int64_t hs, int64_t nkeys, const float* alpha, float* o) {
+  constexpr int NV = V::kPvVecs, DT = NV * V::W;
+  for (int64_t c = 0; c < hs; c += DT) {
+    typename V::T acc[RT][NV];
+    for (int r = 0; r < RT; ++r) {
+      const typename V::T a = V::set1(alpha[r]);
+      for (int n = 0; n < NV; ++n) acc[r][n] = V::mul(V::load(o + r * hs + c + n * V::W), a);
+    }
+    const float* vp = vrows + c;
+    for (int64_t j = 0; j < nkeys; ++j, vp += hs) {
+      typename V::T vv[NV];
+      for (int n = 0; n < NV; ++n) vv[n] = V::load(vp + n * V::W);
+#pragma GCC unroll 8
+      for (int r = 0; r < RT; ++r) {
+        const typename V::T b = V::set1(p[r * ldp + j]);
+        for (int n = 0; n < NV; ++n) acc[r][n] = V::fma(b, vv[n], acc[r][n]);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int n = 0; n < NV; ++n) V::store(o + r * hs + c + n * V::W, acc[r][n]);
+  }
+}
+
+template <class V, int RT>
+void pv_tail(int rt, const float* p, int64_t ldp, const float* vrows, int64_t hs, int64_t nkeys, const float* alpha,
+             float* o) {
+  if constexpr (RT > 0) {
+    if (rt == RT) return pv_rows<V, RT>(p, ldp, vrows, hs, nkeys, alpha, o);
+    pv_tail<V, RT - 1>(rt, p, ldp, vrows, hs, nkeys, alpha, o);
+  }
+}
+
+// One row's online-softmax update over a key block: scores s[0 : nvalid) are
+// real, s[nvalid : npad) masked. Overwrites s with P (0 where masked), adds
+// the row's P to its lane-wise sum `lsum` (reduced once, at the end: one
+// horizontal add per row instead of one per block) and returns alpha, the
+// factor for the row's earlier output and sum.
+template <class V>
+float softmax_row(float* s, int64_t nvalid, int64_t npad, float& m, typename V::T& lsum) {
+  using T = typename V::T;
+  const T neg_inf = V::set1(kNegInf), zero = V::zero();
+  if (nvalid <= 0) {
+    for (int64_t j = 0; j < npad; j += V::W) V::store(s + j, zero);
+    return 1.f;
+  }
+  // Vectors wholly inside [0, nvalid) need no mask; only the tail does.
+  const int64_t nfull = nvalid / V::W * V::W;
+  T mx = neg_inf;
+  for (int64_t j = 0; j < nfull; j += V::W) mx = V::max(mx, V::load(s + j));
+  for (int64_t j = nfull; j < npad; j += V::W)
+    mx = V::max(mx, V::keep_first(V::load(s + j), static_cast<int>(nvalid - j), neg_inf));
+  const float m_new = std::max(m, V::hmax(mx));
+  // Past the first blocks the running max rarely moves: no exp, no rescale.
+  const float alpha = m_new == m ? 1.f : std::exp(m - m_new);  // 0 on the first block (m = -inf)
+  const T mv = V::set1(m_new);
+  T sum0 = zero, sum1 = zero;
+  int64_t j = 0;
+  for (; j + 2 * V::W <= nfull; j += 2 * V::W) {
+    const T e0 = V::exp_le0(V::sub(V::load(s + j), mv)), e1 = V::exp_le0(V::sub(V::load(s + j + V::W), mv));
+    V::store(s + j, e0);
+    V::store(s + j + V::W, e1);
+    sum0 = V::add(sum0, e0);
+    sum1 = V::add(sum1, e1);
+  }
+  for (; j < nfull; j += V::W) {
+    const T e = V::exp_le0(V::sub(V::load(s + j), mv));
+    V::store(s + j, e);
+    sum0 = V::add(sum0, e);
+  }
+  for (; j < npad; j += V::W) {
+    const T e = V::keep_first(V::exp_le0(V::sub(V::load(s + j), mv)), static_cast<int>(nvalid - j), zero);
+    V::store(s + j, e);
+    sum1 = V::add(sum1, e);
+  }
+  m = m_new;
+  lsum = V::add(alpha == 1.f ? lsum : V::mul(lsum, V::set1(alpha)), V::add(sum0, sum1));
+  return alpha;
+}
+
+struct Item {
+  int64_t seq, kv_head, t0;
+  int64_t cost;
+};
+
+template <class V, int DT>
+void run(const Problem& p) {
+  const int64_t hs = p.head_size, g = p.group, nkv = p.num_kv_heads;
+  // Packed K^T / V per (sequence, kv head), lengths padded to whole key blocks.
+  std::vector<int64_t> pad_off(p.num_seqs + 1, 0);
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t len = p.cu[s + 1] - p.cu[s];
+    pad_off[s + 1] = pad_off[s] + (len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  }
+  // K^T rows are lpad + kRowPad floats apart: at a power-of-two stride the
+  // head_size rows a score tile walks map to a few L1 sets and evict each
+  // other (measured: the score tiles ran at half speed).
+  std::vector<float> kt_buf((pad_off[p.num_seqs] + kRowPad * p.num_seqs) * nkv * hs), v_buf(pad_off[p.num_seqs] * nkv * hs);
+  auto kt_of = [&](int64_t s, int64_t h) {
+    return kt_buf.data() + ((pad_off[s] + kRowPad * s) * nkv + h * (pad_off[s + 1] - pad_off[s] + kRowPad)) * hs;
+  };
+  auto v_of = [&](int64_t s, int64_t h) { return v_buf.data() + (pad_off[s] * nkv + h * (pad_off[s + 1] - pad_off[s])) * hs; };
+
+  at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / nkv, h = i % nkv, base = p.cu[s], len = p.cu[s + 1] - base;
+      const int64_t lpad = pad_off[s + 1] - pad_off[s], ldk = lpad + kRowPad;
+      float* kt = kt_of(s, h);
+      float* vv = v_of(s, h);
+      for (int64_t t = 0; t < len; ++t) {
+        const void* kr = row_ptr<DT>(p.k, (base + t) * p.k_ld + h * hs);
+        for (int64_t d = 0; d < hs; ++d) kt[d * ldk + t] = fp8serve_cvt::load_as_f32<DT>(kr, d);
+        row_to_f32<DT>(row_ptr<DT>(p.v, (base + t) * p.v_ld + h * hs), vv + t * hs, hs, 1.f);
+      }
+      for (int64_t d = 0; d < hs; ++d) std::fill(kt + d * ldk + len, kt + d * ldk + lpad, 0.f);
+      std::fill(vv + len * hs, vv + lpad * hs, 0.f);
+    }
+  });
+
+  std::vector<Item> items;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t len = p.cu[s + 1] - p.cu[s];
+    for (int64_t t0 = 0; t0 < len; t0 += kQueryTokens)
+      for (int64_t h = 0; h < nkv; ++h) items.push_back({s, h, t0, (t0 + kQueryTokens) * kQueryTokens});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  constexpr int64_t key_tile = V::kQkVecs * V::W;
+  static_assert(kKeyBlock % key_tile == 0, "key blocks must be whole key tiles");
+  const int64_t max_rows = kQueryTokens * g;
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> qs(max_rows * hs), o(max_rows * hs), sc(max_rows * kKeyBlock), m(max_rows), alpha(max_rows);
+    std::vector<typename V::T> lsum(max_rows);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const Item& it = items[i];
+      const int64_t base = p.cu[it.seq], len = p.cu[it.seq + 1] - base;
+      const int64_t ldk = pad_off[it.seq + 1] - pad_off[it.seq] + kRowPad;
+      const int64_t n = std::min(kQueryTokens, len - it.t0), rows = n * g;
+      // Rows r = token * group + head in group.
+      for (int64_t ti = 0; ti < n; ++ti)
+        for (int64_t j = 0; j < g; ++j) {
+          const void* qr = row_ptr<DT>(p.q, (base + it.t0 + ti) * p.q_ld + (it.kv_head * g + j) * hs);
+          row_to_f32<DT>(qr, qs.data() + (ti * g + j) * hs, hs, p.scale);
+        }
+      std::fill(o.begin(), o.begin() + rows * hs, 0.f);
+      std::fill(m.begin(), m.begin() + rows, kNegInf);
+      std::fill(lsum.begin(), lsum.begin() + rows, V::zero());
+      const float* kt = kt_of(it.seq, it.kv_head);
+      const float* vv = v_of(it.seq, it.kv_head);
+      const int64_t kend = it.t0 + n;  // keys [0, kend): the last row's token sees them all
+      for (int64_t k0 = 0; k0 < kend; k0 += kKeyBlock) {
+        const int64_t kw = std::min(kKeyBlock, kend - k0);
+        const int64_t kwp = (kw + key_tile - 1) / key_tile * key_tile;  // within the padded length
+        int64_t r = 0;
+        for (; r + V::kQkRows <= rows; r += V::kQkRows)
+          qk_rows<V, V::kQkRows>(qs.data() + r * hs, kt + k0, ldk, hs, kwp, sc.data() + r * kKeyBlock, kKeyBlock);
+        if (r < rows)
+          qk_tail<V, V::kQkRows - 1>(static_cast<int>(rows - r), qs.data() + r * hs, kt + k0, ldk, hs, kwp,
+                                     sc.data() + r * kKeyBlock, kKeyBlock);
+        for (r = 0; r < rows; ++r) {
+          const int64_t pos = it.t0 + r / g;  // the row's token position: it sees keys [0, pos]
+          const int64_t nvalid = std::min(pos + 1 - k0, kw);
+          alpha[r] = softmax_row<V>(sc.data() + r * kKeyBlock, nvalid, kwp, m[r], lsum[r]);
+        }
+        r = 0;
+        for (; r + V::kPvRows <= rows; r += V::kPvRows)
+          pv_rows<V, V::kPvRows>(sc.data() + r * kKeyBlock, kKeyBlock, vv + k0 * hs, hs, kwp, alpha.data() + r,
+                                 o.data() + r * hs);
+        if (r < rows)
+          pv_tail<V, V::kPvRows - 1>(static_cast<int>(rows - r), sc.data() + r * kKeyBlock, kKeyBlock,
+                                     vv + k0 * hs, hs, kwp, alpha.data() + r, o.data() + r * hs);
+      }
+      for (int64_t ti = 0; ti < n; ++ti)
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = ti * g + j;
+          const float f = p.out_scale / V::hsum(lsum[r]);
+          const int64_t dst = ((base + it.t0 + ti) * p.num_heads + it.kv_head * g + j) * hs;
+          row_from_f32<DT>(o.data() + r * hs, static_cast<char*>(p.out) + dst * (DT == 0 ? 4 : 2), hs, f);
+        }
+    }
+  });
+}
+
+constexpr int64_t kBestPath = 0, kAvx2Path = 1, kAvx512Path = 2, kScalarPath = 3;
+
+int64_t pick_path(int64_t path, int64_t head_size) {
+  const bool avx512_ok =
+#ifdef FP8SERVE_VEC16
+      head_size % (Avx512::kPvVecs * Avx512::W) == 0;
+#else
+      false;
+#endif
+  const bool avx2_ok =
+#ifdef FP8SERVE_VEC8
+      head_size % (Avx2::kPvVecs * Avx2::W) == 0;
+#else
+      false;
+#endif
+  if (path == kBestPath) return avx512_ok ? kAvx512Path : avx2_ok ? kAvx2Path : kScalarPath;
+  TORCH_CHECK(path != kAvx512Path || avx512_ok, "prefill_attention: the AVX-512 path needs an AVX-512 build and head_size % 64 == 0");
+  TORCH_CHECK(path != kAvx2Path || avx2_ok, "prefill_attention: the AVX2 path needs an AVX2/FMA/F16C build and head_size % 32 == 0");
+  TORCH_CHECK(path == kScalarPath || path == kAvx2Path || path == kAvx512Path, "prefill_attention: unknown path ", path);
+  return path;
+}
+
+template <int DT>
+void run_path(const Problem& p, int64_t path) {
+  switch (path) {
+#ifdef FP8SERVE_VEC16
+    case kAvx512Path: return run<Avx512, DT>(p);
+#endif
+#ifdef FP8SERVE_VEC8
+    case kAvx2Path: return run<Avx2, DT>(p);
+#endif
+    default: return run<Scalar, DT>(p);
+  }
+}
+
+}  // namespace
+
+// softmax(scale * q k^T + causal mask) v * out_scale for each sequence of a
+// packed varlen batch; returns [num_tokens, num_heads, head_size] in q's dtype.
+// path: 0 best, 1 AVX2, 2 AVX-512, 3 scalar.
+at::Tensor prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens, double scale,
+                             double out_scale, int64_t path) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "prefill_attention: query/key/value must be 3-D");
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "prefill_attention: CPU tensors only");
+  const auto dt = query.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "prefill_attention: float32, bf16 or fp16 only");
+  TORCH_CHECK(key.scalar_type() == dt && value.scalar_type() == dt, "prefill_attention: query, key and value dtypes differ");
+  const int64_t num_tokens = query.size(0), nh = query.size(1), hs = query.size(2), nkv = key.size(1);
+  TORCH_CHECK(key.size(0) == num_tokens && value.size(0) == num_tokens && key.size(2) == hs &&
+                  value.sizes() == key.sizes(), "prefill_attention: key/value shapes do not match the query");
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "prefill_attention: num_heads must be a multiple of num_kv_heads");
+  for (const auto* t : {&query, &key, &value})
+    TORCH_CHECK(t->stride(2) == 1 && (t->size(1) <= 1 || t->stride(1) == hs), "prefill_attention: heads must be contiguous");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() &&
+                  cu_seqlens.size(0) >= 1, "prefill_attention: cu_seqlens must be a contiguous int64 vector");
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  const int64_t num_seqs = cu_seqlens.size(0) - 1;
+  TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == num_tokens, "prefill_attention: cu_seqlens must run from 0 to num_tokens");
+  for (int64_t s = 0; s < num_seqs; ++s) TORCH_CHECK(cu[s + 1] >= cu[s], "prefill_attention: cu_seqlens must not decrease");
+
+  at::Tensor out = at::empty({num_tokens, nh, hs}, query.options());
+  Problem p{num_seqs, nh, nkv, hs, nh / nkv, cu, static_cast<float>(scale), static_cast<float>(out_scale),
+            query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0), value.stride(0),
+            out.data_ptr(), dt == at::kFloat ? 0 : dt == at::kBFloat16 ? 1 : 2};
+  if (num_tokens == 0) return out;
+  const int64_t chosen = pick_path(path, hs);
+  if (p.dtype == 0) run_path<0>(p, chosen);
+  else if (p.dtype == 1) run_path<1>(p, chosen);
+  else run_path<2>(p, chosen);
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
+  m.def("prefill_attention", &prefill_attention);
+}
