@@ -94,7 +94,10 @@ def test_large_scores_stay_finite_and_exact(ops, seed):
         out = prefill_attention(q, k, v, cu, 1.0, path=path)
         assert torch.isfinite(out).all(), f"seed={seed} path={path}"
         err = ((out.double() - want).abs().max() / want.abs().max()).item()
-        assert err < max(2 * sdpa_err, 1e-5), f"seed={seed} path={path}: {err:.2e} (torch SDPA: {sdpa_err:.2e})"
+        # Over 60 seeds the vector paths' worst was 1.0x SDPA's error, the
+        # scalar path's (no FMAs, so its dot products round more) 2.5x.
+        bound = (4 if path == "scalar" else 2) * sdpa_err
+        assert err < max(bound, 1e-5), f"seed={seed} path={path}: {err:.2e} (torch SDPA: {sdpa_err:.2e})"
 
 
 def test_token_only_sees_its_own_prefix(ops, seed):
@@ -143,3 +146,11 @@ def test_rejects_bad_inputs(ops, seed):
         prefill_attention(q, k, v, torch.tensor([0, 8, 15]), 1.0)
     with pytest.raises(RuntimeError, match="must not decrease"):
         prefill_attention(q, k, v, torch.tensor([0, 9, 8, 16]), 1.0)
+
+
+def test_engine_uses_it_where_it_was_measured_faster(ops):
+    from fp8serve.kernels.prefill_attention_ops import MIN_MEAN_PROMPT_TOKENS, applies
+
+    assert applies(torch.float32, MIN_MEAN_PROMPT_TOKENS * 4, 4)
+    assert not applies(torch.float32, MIN_MEAN_PROMPT_TOKENS * 4 - 1, 4), "short prompts: SDPA is faster"
+    assert not applies(torch.bfloat16, 1 << 20, 1), "bf16: torch's flash kernel on AMX is faster"

@@ -1,10 +1,11 @@
 """CPU backend: decode steps run the C++ paged-attention kernel, which reads
 each sequence's K/V straight from its blocks in the storage format (FP8
 included) instead of gathering and dequantizing a padded copy. Fresh
-prefills (no cached context) in float32 run the C++ causal prefill kernel
-over the step's own K/V (as stored: decoded FP8 where the cache is lossy),
-packed varlen; other prefills use the reference path (compute-bound, the
-gather is a small part), whose SDPA is faster in bf16 (AMX).
+prefills (no cached context) in float32 with prompts of 64+ tokens on
+average run the C++ causal prefill kernel over the step's own K/V (as
+stored: decoded FP8 where the cache is lossy), packed varlen; other
+prefills use the reference path (compute-bound, the gather is a small part),
+whose SDPA is faster in bf16 (AMX) and for short prompts.
 
 The decode path calls the C++ ops directly: the public wrappers in
 kernels/cpu_ops.py validate every argument in Python (~100 us per layer at
@@ -42,7 +43,8 @@ class CpuPagedBackend(TorchSDPABackend):
     def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale):
         md = metadata
         if not md.is_decode_only:
-            if md.backend_data.gather_slots is None and prefill_attention_ops.applies(self.compute_dtype):
+            if md.backend_data.gather_slots is None and prefill_attention_ops.applies(
+                    self.compute_dtype, md.num_tokens, md.num_seqs):
                 return self._fresh_prefill_kernel(query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale)
             return super().forward(query, key, value, kv_cache, metadata,
                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)

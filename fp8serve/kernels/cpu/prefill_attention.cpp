@@ -337,20 +337,33 @@ struct Item {
 template <class V, int DT>
 void run(const Problem& p) {
   const int64_t hs = p.head_size, g = p.group, nkv = p.num_kv_heads;
-  // Packed K^T / V per (sequence, kv head), lengths padded to whole key blocks.
+  constexpr int64_t key_tile = V::kQkVecs * V::W;
+  static_assert(kKeyBlock % key_tile == 0, "key blocks must be whole key tiles");
+  // Packed K^T / V per (sequence, kv head), lengths padded to whole key
+  // tiles (the last tile of a block reads up to there, never further).
   std::vector<int64_t> pad_off(p.num_seqs + 1, 0);
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t len = p.cu[s + 1] - p.cu[s];
-    pad_off[s + 1] = pad_off[s] + (len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    pad_off[s + 1] = pad_off[s] + (len + key_tile - 1) / key_tile * key_tile;
   }
   // K^T rows are lpad + kRowPad floats apart: at a power-of-two stride the
   // head_size rows a score tile walks map to a few L1 sets and evict each
-  // other (measured: the score tiles ran at half speed).
-  std::vector<float> kt_buf((pad_off[p.num_seqs] + kRowPad * p.num_seqs) * nkv * hs), v_buf(pad_off[p.num_seqs] * nkv * hs);
+  // other. The buffers are kept per calling thread and only grow: freed and
+  // re-allocated per call, megabytes came back from the OS as fresh pages
+  // every call (page faults were 15% of a 16 x 32-token call). They hold
+  // 8 * num_kv_heads * head_size bytes per token of the longest batch seen.
+  thread_local std::vector<float> kt_buf, v_buf;
+  const size_t kt_need = (pad_off[p.num_seqs] + kRowPad * p.num_seqs) * nkv * hs, v_need = pad_off[p.num_seqs] * nkv * hs;
+  if (kt_buf.size() < kt_need) kt_buf.resize(kt_need);
+  if (v_buf.size() < v_need) v_buf.resize(v_need);
+  // Plain pointers: inside the parallel regions `kt_buf` would name the
+  // worker thread's own (empty) thread_local.
+  float* const kt_base = kt_buf.data();
+  float* const v_base = v_buf.data();
   auto kt_of = [&](int64_t s, int64_t h) {
-    return kt_buf.data() + ((pad_off[s] + kRowPad * s) * nkv + h * (pad_off[s + 1] - pad_off[s] + kRowPad)) * hs;
+    return kt_base + ((pad_off[s] + kRowPad * s) * nkv + h * (pad_off[s + 1] - pad_off[s] + kRowPad)) * hs;
   };
-  auto v_of = [&](int64_t s, int64_t h) { return v_buf.data() + (pad_off[s] * nkv + h * (pad_off[s + 1] - pad_off[s])) * hs; };
+  auto v_of = [&](int64_t s, int64_t h) { return v_base + (pad_off[s] * nkv + h * (pad_off[s + 1] - pad_off[s])) * hs; };
 
   at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -376,8 +389,6 @@ void run(const Problem& p) {
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  constexpr int64_t key_tile = V::kQkVecs * V::W;
-  static_assert(kKeyBlock % key_tile == 0, "key blocks must be whole key tiles");
   const int64_t max_rows = kQueryTokens * g;
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
