@@ -66,6 +66,8 @@ def test_replayed_decode_equals_eager_bit_for_bit(ops, llama_dir, seed, kv_cache
     assert replayed == eager, f"seed={seed}"
     captures = engine.model_runner.decode_captures
     assert captures.num_replays >= 8 and len(captures.recorded_batch_sizes) >= 2, f"seed={seed}"
+    # The replays ran in the TorchScript interpreter, not the Python fallback.
+    assert captures.scripted_batch_sizes == captures.recorded_batch_sizes, f"seed={seed}"
 
 
 def test_enforce_eager_records_nothing(llama_dir, seed):
@@ -144,8 +146,31 @@ def test_capture_replays_on_new_inputs(seed):
     assert not isinstance(recorded, str), recorded
     assert torch.equal(out, f(x))
     x2 = torch.randn(3, 8, generator=g)
-    assert torch.equal(recorded.replay(x2), f(x2)), f"seed={seed}"
+    assert recorded.script_replay is not None and recorded.replay is recorded.script_replay
+    for replay in (recorded.script_replay, recorded.python_replay):
+        assert torch.equal(replay(x2), f(x2)), f"seed={seed}"
     assert [id(t) for t in recorded.tensor_constants] == [id(w)]
+
+
+def test_a_script_replay_that_differs_falls_back_to_python(ops, llama_dir, seed, monkeypatch):
+    """The first replay is checked bit for bit; a TorchScript replay that
+    fails the check is replaced by the Python one, not used."""
+    from fp8serve.engine import decode_capture
+
+    real_script = decode_capture._script
+
+    def off_by_a_bit(*args):
+        scripted = real_script(*args)
+        return lambda *inputs: torch.nextafter(scripted(*inputs), torch.tensor(float("inf")))
+
+    monkeypatch.setattr(decode_capture, "_script", off_by_a_bit)
+    requests = random_requests(seed, 3)
+    engine = make_engine(llama_dir, enforce_eager=False)
+    replayed = run(engine, requests)
+    captures = engine.model_runner.decode_captures
+    assert captures.num_replays >= 4 and captures.recorded_batch_sizes, f"seed={seed}"
+    assert captures.scripted_batch_sizes == [], f"seed={seed}"
+    assert replayed == run(make_engine(llama_dir, enforce_eager=True), requests), f"seed={seed}"
 
 
 def test_an_output_no_op_produced_cannot_be_replayed(seed):
