@@ -1,4 +1,10 @@
-"""Token embedding and the language-model head (optionally tied to it)."""
+"""Token embedding and the language-model head (optionally tied to it).
+
+The weight may be stored narrower than the compute dtype (an FP8
+checkpoint's 16-bit head under float32 compute, see
+`QuantizationConfig.vocab_weight_dtype`): the embedding converts the rows it
+reads, and the head multiplies in the compute dtype without materializing a
+full-width copy of the weight."""
 
 from __future__ import annotations
 
@@ -8,28 +14,43 @@ from torch import nn
 
 from fp8serve.kernels import cpu_ops
 
+# Vocabulary rows upcast per F.linear call when the head's weight is narrower
+# than the activations (8192 x 4096 float32 = 128 MiB at most, 18 MiB for SmolLM2).
+_UPCAST_ROWS = 8192
+
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.dtype = dtype
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=weight_dtype or dtype),
+                                   requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        rows = F.embedding(input_ids, self.weight)
+        return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
 
 class LMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tied_to: VocabEmbedding | None = None):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tied_to: VocabEmbedding | None = None,
+                 weight_dtype: torch.dtype | None = None):
         super().__init__()
         if tied_to is not None:
             # Same Parameter object: the checkpoint's embedding fills both.
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=weight_dtype or dtype),
+                                       requires_grad=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the compute dtype: sampling and logprobs
         # need the precision.
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
-        return F.linear(hidden_states, self.weight).float()
+        if self.weight.dtype == hidden_states.dtype:
+            return F.linear(hidden_states, self.weight).float()
+        # A narrower stored weight: upcast a slice of the vocabulary at a time
+        # (exact), never the whole table.
+        return torch.cat([F.linear(hidden_states, self.weight[i:i + _UPCAST_ROWS].to(hidden_states.dtype)).float()
+                          for i in range(0, self.weight.shape[0], _UPCAST_ROWS)], dim=1)

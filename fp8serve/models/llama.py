@@ -13,7 +13,7 @@ from fp8serve.layers.linear import Linear, MergedLinear, QKVLinear
 from fp8serve.layers.rotary import RotaryEmbedding
 from fp8serve.layers.vocab_embedding import LMHead, VocabEmbedding
 from fp8serve.model_loader.weights_mapper import MappingRule, WeightsMapper, kv_scale_rules
-from fp8serve.quantization.base import QuantizationConfig
+from fp8serve.quantization.base import QuantizationConfig, vocab_weight_dtype
 
 
 class LlamaAttention(nn.Module):
@@ -94,7 +94,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, quant_config, dtype, layer_factory=None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype,
+                                           vocab_weight_dtype(quant_config, dtype, cfg.checkpoint_dtype))
         # One table for all layers (they share head_dim and RoPE settings).
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, dtype)
         make_layer = layer_factory or (
@@ -122,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = self._build_model(cfg, quant_config, dtype)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied,
+                              weight_dtype=vocab_weight_dtype(quant_config, dtype, cfg.checkpoint_dtype))
 
     def _build_model(self, cfg, quant_config, dtype) -> nn.Module:
         return LlamaModel(cfg, quant_config, dtype)

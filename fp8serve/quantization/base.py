@@ -46,3 +46,14 @@ class QuantizationConfig(ABC):
 
     def is_quantized_checkpoint(self) -> bool:
         return True
+
+    def vocab_weight_dtype(self, compute_dtype: torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The storage dtype of the unquantized embedding / LM head."""
+        return compute_dtype
+
+
+def vocab_weight_dtype(quant_config: QuantizationConfig | None, compute_dtype: torch.dtype,
+                       checkpoint_dtype: torch.dtype) -> torch.dtype:
+    if quant_config is None:
+        return compute_dtype
+    return quant_config.vocab_weight_dtype(compute_dtype, checkpoint_dtype)

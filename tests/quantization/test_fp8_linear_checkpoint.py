@@ -96,3 +96,24 @@ def _decoded_weight(module) -> torch.Tensor:
     if module.weight.dtype == torch.uint8:
         return dequantize_fp8(module.weight, 1.0, FP8_E4M3) * module.weight_scale[:, None]
     return module.weight
+
+
+def test_float32_compute_keeps_the_checkpoints_bf16_head(tmp_path, monkeypatch):
+    """A bf16 FP8 checkpoint under float32 compute stores its (tied)
+    embedding / LM head in bf16, and gives the same logprobs as with the head
+    upcast to float32 at load (bf16 -> float32 is exact)."""
+    from fp8serve.quantization.fp8_linear import Fp8Config
+
+    base = write_tiny_llama(tmp_path / "base", dtype=torch.bfloat16, tie_word_embeddings=True)
+    fp8_dir = tmp_path / "fp8"
+    quantize_to_fp8_checkpoint(base, fp8_dir)
+    llm = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB")
+    model = llm.llm_engine.model_runner.model
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.weight is model.model.embed_tokens.weight
+    narrow = engine_prompt_logprobs(fp8_dir)
+    monkeypatch.setattr(Fp8Config, "vocab_weight_dtype", lambda self, compute, checkpoint: compute)
+    wide_llm = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB")
+    assert wide_llm.llm_engine.model_runner.model.lm_head.weight.dtype == torch.float32
+    wide = engine_prompt_logprobs(fp8_dir)
+    worst = max(abs(a[t] - b[t]) for a, b in zip(narrow, wide) for t in a)
+    assert [set(a) for a in narrow] == [set(b) for b in wide] and worst < 1e-5, worst

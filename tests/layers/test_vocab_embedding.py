@@ -1,0 +1,59 @@
+"""Embedding / LM head with a weight stored narrower than the compute dtype
+(an FP8 checkpoint's bf16 head under float32 compute): the same numbers as
+the upcast weight, without the full-width copy. Fresh random data each run
+(the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from fp8serve.layers import vocab_embedding
+from fp8serve.layers.vocab_embedding import LMHead, VocabEmbedding
+from fp8serve.quantization.base import vocab_weight_dtype
+from fp8serve.quantization.fp8_linear import Fp8Config
+
+
+@pytest.fixture
+def seed():
+    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def test_fp8_checkpoints_keep_a_16_bit_head_under_float32_compute():
+    fp8 = Fp8Config("dynamic", [])
+    assert fp8.vocab_weight_dtype(torch.float32, torch.bfloat16) == torch.bfloat16
+    assert fp8.vocab_weight_dtype(torch.float32, torch.float16) == torch.float16
+    assert fp8.vocab_weight_dtype(torch.float32, torch.float32) == torch.float32
+    assert fp8.vocab_weight_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
+    # Unquantized checkpoints compute and store in one dtype.
+    assert vocab_weight_dtype(None, torch.float32, torch.bfloat16) == torch.float32
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 20])
+def test_narrow_head_gives_the_upcast_weights_logits(seed, num_rows, monkeypatch):
+    """1-8 rows take dense_gemv (bf16 weights, float32 maths), more rows the
+    sliced upcast; both against F.linear on the upcast weight."""
+    monkeypatch.setattr(vocab_embedding, "_UPCAST_ROWS", 96)  # several slices, the last one partial
+    g = torch.Generator().manual_seed(seed)
+    vocab, hidden = 300, 64
+    narrow = LMHead(vocab, hidden, torch.float32, weight_dtype=torch.bfloat16)
+    narrow.weight.data.copy_(torch.randn(vocab, hidden, generator=g))
+    x = torch.randn(num_rows, hidden, generator=g)
+    want = torch.nn.functional.linear(x.double(), narrow.weight.double())
+    out = narrow(x)
+    assert out.dtype == torch.float32 and out.shape == (num_rows, vocab)
+    err = ((out.double() - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-6, f"seed={seed}: {err:.2e}"
+
+
+def test_narrow_embedding_returns_compute_dtype_rows(seed):
+    g = torch.Generator().manual_seed(seed)
+    emb = VocabEmbedding(100, 32, torch.float32, weight_dtype=torch.bfloat16)
+    emb.weight.data.copy_(torch.randn(100, 32, generator=g))
+    ids = torch.randint(0, 100, (7,), generator=g)
+    rows = emb(ids)
+    assert rows.dtype == torch.float32
+    assert torch.equal(rows, emb.weight[ids].float()), f"seed={seed}"
