@@ -4,15 +4,17 @@
 // [num_tokens, num_kv_heads, head_size], cu_seqlens [num_seqs + 1].
 //
 // Why not torch's SDPA: its CPU flash kernel runs a 512-token causal float32
-// prompt of the default model (9 heads, 3 KV heads, head 64) at ~115 GFLOP/s
-// (counting the causal half), a third of what F.linear reaches on the same
-// cores, and it was 18-20% of a float32 prefill. It handles each query head
-// on its own, so every K/V row is read once per head of a GQA group.
+// prompt of the default model (9 heads, 3 KV heads, head 64) at ~110-130
+// GFLOP/s (counting the causal half), about a third of what F.linear reaches
+// on the same cores, and it was 18-20% of a float32 prefill. This kernel: ~200
+// GFLOP/s there, 1.55x (benchmarks/results/prefill_attention_2026-11-30.md).
+// For bf16 torch's kernel runs on AMX and stays faster: the engine uses this
+// one where it measured faster (kernels/prefill_attention_ops.py).
 //
 // Schedule (flash attention, online softmax):
 //   1. Pack: per (sequence, kv head), K is transposed to float32 [head_size][len]
 //      and V copied to float32 [len][head_size], both zero-padded to a whole
-//      number of key blocks. Each K/V element is converted once, whatever
+//      number of key tiles. Each K/V element is converted once, whatever
 //      the input dtype.
 //   2. Work items (sequence, kv head, block of kQueryTokens query tokens),
 //      biggest first, pulled by the threads from an atomic counter (causal
@@ -59,6 +61,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Lane traits. kQk*: score tile = kQkRows rows x (kQkVecs * W) keys;
 // kPv*: output tile = kPvRows rows x (kPvVecs * W) head dims. Sized so the
 // accumulators plus the loaded operands fit the register file (32 zmm, 16 ymm).
+// AVX-512 shapes measured at 1 x 512 / 1 x 2048 (ms): score tiles 8x2 1.72 /
+// 25.5, 4x4 1.80 / 23.6, 6x4 1.73 / 24.2, 12x2 2.62 / 37.7 (spills); output
+// tiles 6x4 as above, 3x4 1.88 / 23.7, 12x2 2.77 / 41.4. On hot data the
+// 8x2 score tile and the 6x4 output tile run at 165-185 GFLOP/s per core,
+// F.linear's per-core rate.
 struct Scalar {
   using T = float;
   static constexpr int W = 1, kQkRows = 4, kQkVecs = 4, kPvRows = 4, kPvVecs = 1;
@@ -346,9 +353,11 @@ void run(const Problem& p) {
     const int64_t len = p.cu[s + 1] - p.cu[s];
     pad_off[s + 1] = pad_off[s] + (len + key_tile - 1) / key_tile * key_tile;
   }
-  // K^T rows are lpad + kRowPad floats apart: at a power-of-two stride the
-  // head_size rows a score tile walks map to a few L1 sets and evict each
-  // other. The buffers are kept per calling thread and only grow: freed and
+  // K^T rows are lpad + kRowPad floats apart, so that prompts of 512, 1024,
+  // ... tokens do not put the head_size rows a score tile walks at a stride
+  // of a multiple of 4 KiB (the same few L1 sets). A precaution: at 1 x 512
+  // it measured within the noise (1.71 vs 1.77 ms). The buffers are kept per
+  // calling thread and only grow: freed and
   // re-allocated per call, megabytes came back from the OS as fresh pages
   // every call (page faults were 15% of a 16 x 32-token call). They hold
   // 8 * num_kv_heads * head_size bytes per token of the longest batch seen.
