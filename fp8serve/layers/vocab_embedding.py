@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8serve.kernels import cpu_ops
+from fp8serve.kernels import amx_linear_ops, cpu_ops
 
 # Vocabulary rows upcast per F.linear call when the head's weight is narrower
 # than the activations (8192 x 4096 float32 = 128 MiB at most, 18 MiB for SmolLM2).
@@ -46,6 +46,8 @@ class LMHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the compute dtype: sampling and logprobs
         # need the precision.
+        if amx_linear_ops.applies(hidden_states, self.weight):
+            return amx_linear_ops.amx_linear(hidden_states, self.weight).float()
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
         if self.weight.dtype == hidden_states.dtype:

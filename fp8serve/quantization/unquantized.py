@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8serve.kernels import cpu_ops
+from fp8serve.kernels import amx_linear_ops, cpu_ops
 from fp8serve.quantization.base import LinearMethod, set_weight_loader
 from fp8serve.quantization.loaders import load_output_shard
 
@@ -17,6 +17,8 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", set_weight_loader(weight, load_output_shard(layer)))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if amx_linear_ops.applies(x, layer.weight):
+            return amx_linear_ops.amx_linear(x, layer.weight, bias)  # decode at batch 8-24, bf16 on AMX
         if cpu_ops.dense_gemv_applies(x, layer.weight):
             return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at batch 1: memory-bound GEMV
         return F.linear(x, layer.weight, bias)

@@ -1,0 +1,87 @@
+"""The AMX bf16 linear kernel (cpu/amx_linear.cpp) against a float64
+reference and torch's F.linear: 1-32 rows, partial row blocks, weight row
+counts that are not multiples of 16, strided activation rows, bias. Skipped
+where the CPU, build or process has no AMX tiles. Fresh random data each run
+(the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8serve.kernels import amx_linear_ops
+
+
+@pytest.fixture(scope="module", autouse=True)
+def amx():
+    if not amx_linear_ops.is_available():
+        pytest.skip("no AMX tiles on this CPU / build / process")
+
+
+@pytest.fixture
+def seed():
+    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def _bf16_close(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Worst error in units of the reference's bf16 spacing (2^-8 relative), with a floor for values near 0."""
+    return ((out.double() - ref).abs() / (ref.abs() * 2**-8 + 1e-3)).max().item()
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 24, 32])
+@pytest.mark.parametrize("k,n", [(32, 16), (576, 960), (1536, 50), (64, 3000)])
+def test_matches_float64_and_torch(seed, m, k, n):
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(m, k + 64, generator=g).bfloat16()
+    x = wide[:, 32:32 + k]  # rows strided as a view of a fused output is
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    out = amx_linear_ops.amx_linear(x, w, bias)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    ref = x.double() @ w.double().t() + bias.double()
+    # One bf16 rounding of a float32 sum: within one spacing of the exact value.
+    assert _bf16_close(out, ref) <= 1.0, f"seed={seed}"
+    assert _bf16_close(out, F.linear(x, w, bias).double()) <= 2.0, f"seed={seed}: differs from torch's by > 1 ulp"
+
+
+def test_without_bias_and_with_float32_bias(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(12, 96, generator=g).bfloat16()
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    b32 = torch.randn(40, generator=g)
+    ref = x.double() @ w.double().t()
+    assert _bf16_close(amx_linear_ops.amx_linear(x, w), ref) <= 1.0, f"seed={seed}"
+    assert _bf16_close(amx_linear_ops.amx_linear(x, w, b32), ref + b32.double()) <= 1.0, f"seed={seed}"
+
+
+def test_rejects_what_it_cannot_run():
+    x = torch.randn(4, 64).bfloat16()
+    w = torch.randn(16, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="1 to 32 rows"):
+        amx_linear_ops.amx_linear(torch.randn(33, 64).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        amx_linear_ops.amx_linear(torch.randn(4, 48).bfloat16(), torch.randn(16, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16"):
+        amx_linear_ops.amx_linear(x.float(), w)
+    with pytest.raises(RuntimeError, match="columns"):
+        amx_linear_ops.amx_linear(x, torch.randn(16, 32).bfloat16())
+
+
+def test_linear_layers_use_it_for_8_to_24_bf16_rows(seed, monkeypatch):
+    from fp8serve.quantization.unquantized import UnquantizedLinearMethod
+
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter((torch.randn(64, 128, generator=g) * 0.1).bfloat16(), requires_grad=False)
+    calls = []
+    real = amx_linear_ops.amx_linear
+    monkeypatch.setattr(amx_linear_ops, "amx_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (4, 8, 24, 25):
+        x = torch.randn(m, 128, generator=g).bfloat16()
+        out = UnquantizedLinearMethod().apply(layer, x, None)
+        assert _bf16_close(out, x.double() @ layer.weight.double().t()) <= 1.0, f"seed={seed} m={m}"
+    assert calls == [8, 24]
