@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """dense_gemv (the C++ float32/bf16-weight GEMV for decode at small batch) and,
-on AMX machines, amx_linear (bf16, 1-32 rows) vs torch's F.linear, on the default model's decode shapes: 30 layers x (qkv_proj,
+on AMX machines, amx_linear (bf16, 1-64 rows) vs torch's F.linear, on the default model's decode shapes: 30 layers x (qkv_proj,
 o_proj, gate_up_proj, down_proj), weights packed on 2 MiB pages as the engine
 packs them, every call reading its weight from memory (270 MB bf16 / 540 MB
 float32 per pass). Both variants side by side, best of 3 passes; GB/s =
@@ -52,7 +52,7 @@ def main() -> None:
         ws = list(holder.ws)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         use_amx = amx and dt == torch.bfloat16
-        for m in (1, 2, 4, 8, 12, 16) + ((24, 32) if use_amx else ()):
+        for m in (1, 2, 4, 8, 12, 16) + ((24, 32, 48, 64) if use_amx else ()):
             xs = {k: torch.randn(m, k).to(dt) for k, _ in SHAPES}
             w, x = ws[2], xs[ws[2].shape[1]]
             ref = x.double() @ w.double().t()

@@ -1,14 +1,18 @@
 """bf16 linear layers for decode batches on AMX tiles: a thin wrapper over
 `cpu/amx_linear.cpp` and where it runs.
 
-`applies(x, weight)` picks it for bf16 activations and weights at 8-24 rows,
+`applies(x, weight)` picks it for bf16 activations and weights at 8-64 rows,
 from `benchmarks/dense_gemv.py` (the default model's 120 decode linears, 270 MB
 of bf16 weights on 2 MiB pages, read from memory every pass; 2-vCPU Xeon with
-AMX; benchmarks/results/dense_gemv_2026-11-30.md, stop 12): 11.8 / 12.6 / 12.9 /
-17.2 ms at 8 / 12 / 16 / 24 rows, against 12.8 / 19.6 / 23.4 ms for the
-AVX512-BF16 GEMV and 20.1 / 19.8 / 19.8 / 21.4 ms for F.linear. At 1-4 rows
-the GEMV streams faster (8.3-10.1 vs 9.8-11.3 ms) and keeps them; at 32 rows
-F.linear tied (22.1 vs 22.7 ms) and keeps them.
+AMX; benchmarks/results/dense_gemv_2026-11-30.md, stop 12), ms per pass:
+
+| rows | 4 | 8 | 12 | 16 | 24 | 32 | 48 | 64 |
+|---|---|---|---|---|---|---|---|---|
+| amx_linear | 10.8 | 10.7 | 11.4 | 11.7 | 14.8 | 15.4 | 18.4 | 24.2 |
+| AVX512-BF16 GEMV | 10.4 | 13.0 | 20.0 | 24.8 | - | - | - | - |
+| F.linear | 20.0 | 20.2 | 21.0 | 21.4 | 22.8 | 22.2 | 25.8 | 27.8 |
+
+At 1-4 rows the GEMV streams as fast or faster and keeps them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 
-MIN_ROWS, MAX_ROWS = 8, 24
+MIN_ROWS, MAX_ROWS = 8, 64
 
 
 @functools.cache

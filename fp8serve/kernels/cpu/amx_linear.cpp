@@ -1,8 +1,8 @@
 // bf16 linear layers for decode batches on AMX: out[m, n] = sum_k x[m, k] *
-// w[n, k] (+ bias[n]) for M <= 32 activation rows, bf16 x, w and out, float32
+// w[n, k] (+ bias[n]) for M <= 64 activation rows, bf16 x, w and out, float32
 // accumulation.
 //
-// Why: at M = 9..32 a decode step's linears read every weight once to do
+// Why: at M = 8..64 a decode step's linears read every weight once to do
 // 2 * M flops per weight, which is still memory-bound on AMX but not on
 // vector units. Measured on this 2-vCPU Xeon for the default model at batch 16
 // (profile of one engine step): torch's bf16 GEMM (AMX, via oneDNN/MKL) took
@@ -16,8 +16,12 @@
 // the B operand's pair-interleaved layout (16 k pairs x 16 rows of x), zero
 // for missing rows. One tdpbf16ps per (16 weight rows, 32 k, 16 x rows)
 // accumulates out^T in a 16 x 16 float32 tile; each weight row block is read
-// once for all (up to two) blocks of 16 x rows. Weight row blocks are split
+// once for all (up to four) blocks of 16 x rows. Weight row blocks are split
 // over torch's thread pool; every worker loads the tile configuration first.
+// Result: 11.7 ms for those 270 MB at 16 rows (F.linear 21.4), 24.2 at 64
+// (27.8); see kernels/amx_linear_ops.py for the table and where it is used.
+// Packing x with one scatter per 16 pairs (instead of element by element)
+// took 24 / 32 rows from 17.2 / 22.7 to 14.5 / 15.1 ms.
 //
 // AMX multiplies bf16 pairs exactly and accumulates in float32 (denormal
 // inputs read as zero, as AVX512-BF16 does); the summation order differs from
@@ -47,7 +51,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 32;  // activation rows per call: two B / C tiles
+constexpr int64_t kMaxRows = 64;  // activation rows per call: four C tiles
 
 #ifdef FP8SERVE_AMX_LINEAR
 
@@ -67,25 +71,31 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0 = A (16 weight rows x 64 bytes), 1-2 = B (16 k pairs x 16 x rows
-// x 2 bf16), 4-5 = C (16 weight rows x 16 float32).
+// Tiles: 0 = A (16 weight rows x 64 bytes), 1 = B (16 k pairs x 16 x rows x
+// 2 bf16, reloaded for each block of 16 x rows), 4-7 = C (16 weight rows x 16
+// float32, one per block of x rows).
 void configure_tiles() {
   TileConfig c;
-  for (int t : {0, 1, 2, 4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t : {0, 1, 4, 5, 6, 7}) c.rows[t] = 16, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
 
 // x [M, K] bf16 -> B tiles: xb[((mb * KC + kc) * 16 + r) * 32 + m * 2 + e] =
-// x[mb * 16 + m][kc * 32 + 2 r + e], zero where mb * 16 + m >= M.
+// x[mb * 16 + m][kc * 32 + 2 r + e], zero where mb * 16 + m >= M. Seen as
+// 32-bit pairs, each (mb, kc) block is a 16 x 16 transpose: row m's 16 pairs
+// of chunk kc go down column m, one scatter each.
 void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t MB, uint16_t* xb) {
   const int64_t KC = K / 32;
   std::memset(xb, 0, MB * KC * 16 * 32 * sizeof(uint16_t));
+  uint32_t* xb32 = reinterpret_cast<uint32_t*>(xb);
+  const __m512i down_column = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
   for (int64_t m = 0; m < M; ++m) {
     const int64_t mb = m / 16, mm = m % 16;
     const uint16_t* row = x + m * ldx;
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t kc = k / 32, r = (k % 32) / 2, e = k % 2;
-      xb[((mb * KC + kc) * 16 + r) * 32 + mm * 2 + e] = row[k];
+    for (int64_t kc = 0; kc < KC; ++kc) {
+      const __m512i pairs = _mm512_loadu_si512(row + kc * 32);
+      _mm512_i32scatter_epi32(xb32 + (mb * KC + kc) * 256 + mm, down_column, pairs, 4);
     }
   }
 }
@@ -95,7 +105,7 @@ void run_blocks(const uint16_t* w, int64_t K, const uint16_t* xb, const float* b
                 int64_t n_end, int64_t N, uint16_t* out) {
   configure_tiles();
   const int64_t KC = K / 32, w_stride = K * 2;
-  alignas(64) float c[2][16][16];
+  alignas(64) float c[4][16][16];
   std::vector<uint16_t> pad;  // a partial last block of weight rows, zero-padded
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const uint16_t* a = w + n0 * K;
@@ -106,20 +116,33 @@ void run_blocks(const uint16_t* w, int64_t K, const uint16_t* xb, const float* b
       a = pad.data();
     }
     _tile_zero(4);
-    if constexpr (MB == 2) _tile_zero(5);
+    if constexpr (MB > 1) _tile_zero(5);
+    if constexpr (MB > 2) _tile_zero(6);
+    if constexpr (MB > 3) _tile_zero(7);
     for (int64_t kc = 0; kc < KC; ++kc) {
       _tile_loadd(0, a + kc * 32, w_stride);
       _tile_loadd(1, xb + kc * 16 * 32, 64);
       _tile_dpbf16ps(4, 0, 1);
-      if constexpr (MB == 2) {
-        _tile_loadd(2, xb + (KC + kc) * 16 * 32, 64);
-        _tile_dpbf16ps(5, 0, 2);
+      if constexpr (MB > 1) {
+        _tile_loadd(1, xb + (KC + kc) * 16 * 32, 64);
+        _tile_dpbf16ps(5, 0, 1);
+      }
+      if constexpr (MB > 2) {
+        _tile_loadd(1, xb + (2 * KC + kc) * 16 * 32, 64);
+        _tile_dpbf16ps(6, 0, 1);
+      }
+      if constexpr (MB > 3) {
+        _tile_loadd(1, xb + (3 * KC + kc) * 16 * 32, 64);
+        _tile_dpbf16ps(7, 0, 1);
       }
     }
     _tile_stored(4, c[0], 64);
-    if constexpr (MB == 2) _tile_stored(5, c[1], 64);
+    if constexpr (MB > 1) _tile_stored(5, c[1], 64);
+    if constexpr (MB > 2) _tile_stored(6, c[2], 64);
+    if constexpr (MB > 3) _tile_stored(7, c[3], 64);
     // c[mb][n][m] -> out[mb * 16 + m][n0 + n], bias added, rounded to bf16.
-    const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    const __mmask16 live = rows == 16 ? 0xffff : static_cast<__mmask16>((1u << rows) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
     // Column m of a C tile: 16 floats 64 bytes apart, one gather from L1.
     const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(16));
@@ -177,8 +200,13 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor>
   const int64_t blocks = (N + 15) / 16;
   // At least 4 blocks (64 weight rows) per task: each task reloads the tile configuration.
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    if (MB == 1) run_blocks<1>(w, K, xb.data(), b, M, begin * 16, std::min(N, end * 16), N, o);
-    else run_blocks<2>(w, K, xb.data(), b, M, begin * 16, std::min(N, end * 16), N, o);
+    const int64_t n0 = begin * 16, n1 = std::min(N, end * 16);
+    switch (MB) {
+      case 1: return run_blocks<1>(w, K, xb.data(), b, M, n0, n1, N, o);
+      case 2: return run_blocks<2>(w, K, xb.data(), b, M, n0, n1, N, o);
+      case 3: return run_blocks<3>(w, K, xb.data(), b, M, n0, n1, N, o);
+      default: return run_blocks<4>(w, K, xb.data(), b, M, n0, n1, N, o);
+    }
   });
 #endif
   return out;
