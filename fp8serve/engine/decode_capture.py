@@ -30,7 +30,9 @@ What a replay assumes, and how it is enforced:
 
 from __future__ import annotations
 
+import linecache
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -211,15 +213,15 @@ def _script(recorder: _Recorder, num_inputs: int, out_slot: int) -> Callable[...
         source = "import torch\nfrom typing import List\n\n" + "\n".join(lines) + "\n"
         namespace: dict[str, object] = {"__name__": f"{__name__}._scripted_{id(recorder)}"}
         # torch.jit.script reads the function's source through inspect/linecache.
-        import linecache
         filename = f"<decode capture script {id(recorder)}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - generated here, from op calls
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # TorchScript's deprecation notices
-            scripted = torch.jit.script(namespace["replay"])
-        linecache.cache.pop(filename, None)
+        try:
+            exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - generated here, from op calls
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TorchScript's deprecation notices
+                scripted = torch.jit.script(namespace["replay"])
+        finally:
+            linecache.cache.pop(filename, None)
     except Exception as e:  # noqa: BLE001 - any failure keeps the Python replay
         logger.debug("decode replay stays in Python: %s: %s", type(e).__name__, e)
         return None
