@@ -104,12 +104,7 @@ class CapturedForward:
             return name
 
         def expr(spec) -> str:
-            kind, v = spec
-            if kind == _SLOT:
-                return f"v{v}"
-            if kind == _LIST:
-                return "[" + ", ".join(expr(x) for x in v) + "]"
-            return const(v)
+            return _expr(spec, const)
 
         def used_slots(spec) -> list[int]:
             kind, v = spec
@@ -152,6 +147,16 @@ class CapturedForward:
         self.replay = self.python_replay
 
 
+def _expr(spec, constant: Callable[[object], str]) -> str:
+    """Source for a recorded argument: a slot's variable, a list, or `constant(value)`."""
+    kind, v = spec
+    if kind == _SLOT:
+        return f"v{v}"
+    if kind == _LIST:
+        return "[" + ", ".join(_expr(x, constant) for x in v) + "]"
+    return constant(v)
+
+
 def _literal(v, tensors: list[torch.Tensor], index: dict[int, int]) -> str:
     """TorchScript source for a recorded constant argument."""
     if isinstance(v, torch.Tensor):
@@ -186,12 +191,7 @@ def _script(recorder: _Recorder, num_inputs: int, out_slot: int) -> Callable[...
     index: dict[int, int] = {}
 
     def expr(spec) -> str:
-        kind, v = spec
-        if kind == _SLOT:
-            return f"v{v}"
-        if kind == _LIST:
-            return "[" + ", ".join(expr(x) for x in v) + "]"
-        return _literal(v, tensors, index)
+        return _expr(spec, lambda v: _literal(v, tensors, index))
 
     try:
         lines = ["def replay(" + "".join(f"v{i}: torch.Tensor, " for i in range(num_inputs))

@@ -6,9 +6,6 @@ where the CPU, build or process has no AMX tiles. Fresh random data each run
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,11 +17,6 @@ from fp8serve.kernels import amx_linear_ops
 def amx():
     if not amx_linear_ops.is_available():
         pytest.skip("no AMX tiles on this CPU / build / process")
-
-
-@pytest.fixture
-def seed():
-    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
 def _bf16_close(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -7,27 +7,10 @@ the seed is in every failure message (FP8SERVE_TEST_SEED replays one)."""
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
 
-from fp8serve.kernels.cpu_ops import load_cpu_ops
 from fp8serve.kernels.prefill_attention_ops import prefill_attention, prefill_attention_ref
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip("C++ CPU kernels unavailable (load_cpu_ops() returned None)")
-    return ops
-
-
-@pytest.fixture
-def seed():
-    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
 def _paths(ops, head_size):

@@ -5,9 +5,6 @@ the upcast weight, without the full-width copy. Fresh random data each run
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
 
@@ -15,11 +12,6 @@ from fp8serve.layers import vocab_embedding
 from fp8serve.layers.vocab_embedding import LMHead, VocabEmbedding
 from fp8serve.quantization.base import vocab_weight_dtype
 from fp8serve.quantization.fp8_linear import Fp8Config
-
-
-@pytest.fixture
-def seed():
-    return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
 def test_fp8_checkpoints_keep_a_16_bit_head_under_float32_compute():

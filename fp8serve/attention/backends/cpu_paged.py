@@ -15,8 +15,6 @@ dtypes and block ids."""
 
 from __future__ import annotations
 
-import torch
-
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.kernels import prefill_attention_ops
