@@ -70,6 +70,24 @@ def test_replayed_decode_equals_eager_bit_for_bit(ops, llama_dir, seed, kv_cache
     assert captures.scripted_batch_sizes == captures.recorded_batch_sizes, f"seed={seed}"
 
 
+def test_replays_at_amx_batch_sizes_equal_eager(ops, llama_dir, seed, monkeypatch):
+    """bf16 decode batches of 8+ sequences run their linears on the AMX
+    kernel; recorded and replayed, they give what the eager model gives."""
+    from fp8serve.kernels import amx_linear_ops
+
+    if not amx_linear_ops.is_available():
+        pytest.skip("no AMX tiles here")
+    calls = []
+    real = amx_linear_ops.amx_linear
+    monkeypatch.setattr(amx_linear_ops, "amx_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    requests = random_requests(seed, 10)
+    eager = run(make_engine(llama_dir, enforce_eager=True, dtype="bfloat16"), requests)
+    engine = make_engine(llama_dir, enforce_eager=False, dtype="bfloat16")
+    assert run(engine, requests) == eager, f"seed={seed}"
+    assert any(m >= 8 for m in calls), f"seed={seed}: no linear ran on AMX"
+    assert any(b >= 8 for b in engine.model_runner.decode_captures.scripted_batch_sizes), f"seed={seed}"
+
+
 def test_enforce_eager_records_nothing(llama_dir, seed):
     engine = make_engine(llama_dir, enforce_eager=True)
     run(engine, random_requests(seed, 3))
