@@ -41,6 +41,16 @@ def seed():
     return int(os.environ.get("FP8SERVE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
+def scattered_block_tables(g: torch.Generator, seq_lens: list[int]) -> list[list[int]]:
+    """Enough blocks for each length, taken from a random permutation of the pool."""
+    ids = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    block_tables, start = [], 0
+    for n in seq_lens:
+        block_tables.append(ids[start:start + math.ceil(n / BLOCK_SIZE)])
+        start += len(block_tables[-1])
+    return block_tables
+
+
 def decode_metadata(block_tables: list[list[int]], seq_lens: list[int]) -> AttentionMetadata:
     last = [n - 1 for n in seq_lens]
     slots = [bt[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for bt, p in zip(block_tables, last)]
@@ -66,11 +76,7 @@ def test_decode_step_matches_torch_sdpa(cpu_paged_backend, seed, kv_cache_dtype,
 
     # The context before this step, written as the engine writes it (quantize-on-write).
     cache = paged.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
-    ids = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    block_tables, start = [], 0
-    for n in SEQ_LENS:
-        block_tables.append(ids[start:start + math.ceil(n / BLOCK_SIZE)])
-        start += len(block_tables[-1])
+    block_tables = scattered_block_tables(g, SEQ_LENS)
     history = [(bt[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE) for bt, n in zip(block_tables, SEQ_LENS)
                for p in range(n - 1)]
     if history:
@@ -144,11 +150,7 @@ def test_fresh_prefill_matches_torch_sdpa(cpu_paged_backend, seed, kv_cache_dtyp
     paged = cpu_paged_backend(spec, torch.float32)
     reference = TorchSDPABackend(spec, torch.float32)
     cache = paged.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
-    ids = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    block_tables, start = [], 0
-    for n in prompt_lens:
-        block_tables.append(ids[start:start + math.ceil(n / BLOCK_SIZE)])
-        start += len(block_tables[-1])
+    block_tables = scattered_block_tables(g, prompt_lens)
     md = prefill_metadata(block_tables, prompt_lens)
     # q as the model passes it: a strided view of a fused qkv row.
     qkv = torch.randn(md.num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=g) * 2
