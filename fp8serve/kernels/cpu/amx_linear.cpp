@@ -77,6 +77,10 @@ struct alignas(64) TileConfig {
 void configure_tiles() {
   TileConfig c;
   for (int t : {0, 1, 4, 5, 6, 7}) c.rows[t] = 16, c.colsb[t] = 64;
+  // GCC does not treat ldtilecfg as reading the 64 bytes: without this
+  // barrier a build of a variant of this file dropped the rows/colsb stores
+  // (only the palette byte was written) and the instruction faulted.
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 
