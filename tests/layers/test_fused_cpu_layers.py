@@ -313,6 +313,27 @@ def test_silu_and_mul_float32_vs_float64(seed):
     assert rel <= 1e-6, f"seed={seed}: max relative error {rel:.3g} vs float64"
 
 
+def test_silu_and_mul_float32_special_and_mixed_vectors(seed):
+    """float32 vectors take a fast path (FMA exp, reciprocal) unless a lane's
+    gate is below -80; vectors mixing both sides of -80, inf, -inf and NaN
+    gates must still agree with torch (NaN where torch gives NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    d = 16 * 6 + 5  # whole 16-lane vectors and a tail
+    gate = torch.randn(NUM_TOKENS, d, generator=g) * 30
+    gate[0, :16] = torch.linspace(-88.7, -70.0, 16)  # one vector straddling -80
+    gate[1, 16:32] = torch.linspace(-79.9, 60.0, 16)  # fast path from -79.9 up
+    gate[2, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0])
+    gate[3, 32:48] = torch.linspace(-87.0, 87.0, 16)
+    up = torch.randn(NUM_TOKENS, d, generator=g) * 3
+    x = torch.cat([gate, up], 1)
+    got = cpu_ops.silu_and_mul(x)
+    ref = SiluAndMul().forward_native(x)
+    ctx = f"seed={seed}"
+    assert torch.equal(got.isnan(), ref.isnan()), f"{ctx}: NaN positions differ"
+    ok = ~ref.isnan()
+    torch.testing.assert_close(got[ok], ref[ok], rtol=1e-6, atol=1e-37, msg=lambda m: f"{ctx}: {m}")
+
+
 def test_silu_and_mul_errors():
     with pytest.raises(RuntimeError):
         cpu_ops.load_cpu_ops().silu_and_mul(torch.empty(4, 3), torch.randn(4, 7))  # odd width

@@ -102,5 +102,31 @@ inline __m512 exp(__m512 x) {
   return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(_mm512_mul_ps(p, e1), e2), _mm512_set1_ps(__builtin_inff()));
 }
 
+// silu(g) = g / (1 + exp(-g)) for float32 results, where nothing has to
+// match torch bit for bit: an FMA exp (the same reduction and polynomial,
+// vscalefps for 2^n) and a reciprocal (vrcp14ps and one Newton step, ~1 ulp)
+// instead of the FMA-free exp and a vdivps, which alone costs ~16 cycles per
+// vector. Relative error a few 2^-24 (tests: <= 1e-6 against float64 and
+// torch). Valid for g >= -80 (exp(-g) finite); NaN stays NaN. Callers take
+// the exact path for vectors with a lane below -80.
+inline __m512 silu_f32_fast(__m512 g) {
+  const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  const __m512 den = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.f));  // in [1, e^80 + 1]
+  __m512 inv = _mm512_rcp14_ps(den);
+  inv = _mm512_fmadd_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(1.f)), inv);
+  return _mm512_mul_ps(g, inv);
+}
+
 }  // namespace fp8serve_vec16
 #endif
