@@ -79,18 +79,21 @@ def test_fp8_linear_matches_float64_reference(m, with_bias, x_dtype):
         assert_close(dq, x, w, scale, bias, seed, f"dequant+GEMM {what}")
 
 
-def test_fp8_dequantize_is_exact_in_float32():
+# 203 = 6 x 32 + 11: the 32-code loop and the scalar tail; 213 = 6 x 32 + 16 + 5
+# also runs the 16-code loop after the 32-code one (AVX-512 builds).
+@pytest.mark.parametrize("k", [203, 213])
+def test_fp8_dequantize_is_exact_in_float32(k):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    w = random_codes(45, 203, gen)
+    w = random_codes(45, k, gen)
     scale = torch.rand(45, generator=gen) + 0.5
-    out = torch.empty(45, 203)
+    out = torch.empty(45, k)
     load_cpu_ops().fp8_dequantize(out, w, scale)
     # decoded value and scale are exact in float32; the product is rounded once.
     expected = (dequantize_fp8(w, 1.0, FP8_E4M3).double() * scale.double()[:, None]).float()
     assert torch.equal(out, expected), f"seed={seed}"
     # bf16 rows (vector body and scalar tail alike): that float32 value rounded once, to nearest even.
-    out_bf16 = torch.empty(45, 203, dtype=torch.bfloat16)
+    out_bf16 = torch.empty(45, k, dtype=torch.bfloat16)
     load_cpu_ops().fp8_dequantize(out_bf16, w, scale)
     assert torch.equal(out_bf16, expected.to(torch.bfloat16)), f"seed={seed}"
 
