@@ -388,7 +388,8 @@ def run_rope(seed, dtype, head_size, rope_name, monkeypatch=None, num_tokens=33)
 
 
 @pytest.mark.parametrize("rope_name", list(ROPES))
-@pytest.mark.parametrize("head_size", [64, 128, 20, 34])  # halves 32, 64, 10 (8 + 2 tail), 17 (16 + 1)
+# halves 32, 64, 10 (8 + 2 tail), 17 (16 + 1), 24 (a 16-lane and an 8-lane step on AVX-512 builds)
+@pytest.mark.parametrize("head_size", [64, 128, 20, 34, 48])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rope_16bit_bit_identical(seed, dtype, head_size, rope_name, monkeypatch):
     out_q, out_k, ref_q, ref_k, _, _ = run_rope(seed, dtype, head_size, rope_name, monkeypatch)
