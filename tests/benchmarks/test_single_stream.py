@@ -154,3 +154,35 @@ def test_finish_and_table(ss):
            "4.00 | 250.0 | 0.4 | 0.43 | 11% | >= 80% of bound | MISS |" == lines[2]
     assert lines[3].endswith("| >= 53-57 tok/s (llama.cpp, issue) | IN RANGE |")
     json.dumps([ss.asdict(x) for x in (r, f)])  # the --json payload serializes
+
+
+def test_per_round_uses_each_rounds_own_machine_measurement(ss):
+    """--rounds: round i's figures divide by the machine measured before round i, and the
+    fp8@ decode is compared with llama.cpp's median of the same round."""
+    arch = ss.Arch.from_config(TINY)
+    flops = ss.prefill_flops(arch, 10)["total"]  # 1565696
+    r = ss.Result(system="fp8serve", config="float32", model="m", weights="float32", dtype="float32",
+                  kv_dtype="float32", prompt_len=10, weight_bytes={"total": 1_000_000},
+                  rounds=[{"prefill_ms": 2.0, "decode_ms": 4.0}, {"prefill_ms": 1.0, "decode_ms": 2.0}])
+    f = ss.Result(system="fp8serve", config="fp8@auto", model="m", weights="fp8", dtype="bfloat16",
+                  kv_dtype="bfloat16", prompt_len=10, weight_bytes={"total": 500_000},
+                  rounds=[{"prefill_ms": 1.0, "decode_ms": 10.0}, {"prefill_ms": 1.0, "decode_ms": 5.0}])
+    llama = ss.Result(system="llama.cpp", config="Q4_1 GGUF", model="g", weights="Q4_1 GGUF", dtype="—",
+                      kv_dtype="f16", prompt_len=10, weight_bytes={"total": 1},
+                      rounds=[{"prefill_ms": 9.0, "decode_ms": 12.0}, {"prefill_ms": 9.0, "decode_ms": 4.0}])
+    machine = [{"matmul_gflops": {"float32": {"a": 1.0, "b": 2.0}, "bfloat16": {"a": 4.0}},
+                "bandwidth": {"read_gb_s": 1.0}},
+               {"matmul_gflops": {"float32": {"a": 4.0}, "bfloat16": {"a": 8.0}}, "bandwidth": {"read_gb_s": 2.0}}]
+    rows = ss.per_round([r, f], llama, machine, arch)
+    assert [row["round"] for row in rows] == [1, 2]
+    e1, e2 = rows[0]["configs"]["float32"], rows[1]["configs"]["float32"]
+    assert e1["pct_peak"] == pytest.approx(100 * flops / 0.002 / 1e9 / 2.0)  # best float32 shape of round 1: 2.0
+    assert e2["pct_peak"] == pytest.approx(100 * flops / 0.001 / 1e9 / 4.0)
+    assert e1["pct_bound"] == pytest.approx(100 * 1.0 / 4.0)  # 1 MB at 1 GB/s = 1 ms of 4 ms
+    assert e2["pct_bound"] == pytest.approx(100 * 0.5 / 2.0)  # 1 MB at 2 GB/s = 0.5 ms of 2 ms
+    assert rows[0]["configs"]["fp8@auto"]["vs_llama_cpp"] == pytest.approx(1.2)
+    assert rows[1]["configs"]["fp8@auto"]["vs_llama_cpp"] == pytest.approx(0.8)
+    table = ss.format_rounds(rows, [r, f]).splitlines()
+    assert table[2] == "| round | float32 % peak | float32 % bound | fp8@auto % peak | fp8@auto / llama.cpp |"
+    assert table[4].endswith("| 25% | 39% | 1.20x |") and table[5].endswith("| 25% | 20% | 0.80x |")
+    json.dumps(rows)  # goes into the --json payload
