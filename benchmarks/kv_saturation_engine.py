@@ -1,0 +1,232 @@
+#!/usr/bin/env python
+"""The kv-saturation workload replayed through `LLMEngine` alone (no server, no HTTP): where the
+time of a KV-constrained run goes, per KV cache dtype, in interleaved rounds.
+
+The issue's target ("with a --kv-cache-memory that holds 8 full-length requests in 16-bit storage,
+FP8 KV gives >= 1.8x the output tok/s at saturation") is measured end to end by
+`fp8serve bench sweep --workload kv-saturation` (benchmarks/results/kv_saturation.md). This script
+takes the server out: the same requests (--num-prompts prompts of exactly --input-len random token
+ids, --output-len tokens each, ignore_eos, greedy) are all added at once and `step()` is called
+until every request has finished. Every step is timed and classified:
+
+  - prefill step: the engine's prompt-token counter moved (first prefills, and the re-prefills of
+    sequences preempted by recompute);
+  - decode step: any other step (every running sequence advanced by one token).
+
+Reported per KV dtype: total seconds, output tok/s, "saturated" tok/s (until the last request's
+first token, as the sweep defines it: until then some request is still waiting for room), decode
+and prefill seconds, decode steps, mean running sequences per decode step, median decode step time,
+decode ms per output token, preemptions; and the FP8 / 16-bit ratios of each round.
+
+Every configuration's engine is built once; the rounds interleave them, so each one's samples span
+the same minutes of this (drifting) machine.
+
+    .venv/bin/python benchmarks/kv_saturation_engine.py                      # 90 MiB, auto vs fp8
+    .venv/bin/python benchmarks/kv_saturation_engine.py --rounds 1 --num-prompts 8 --output-len 16  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from bench_common import command_line, describe_machine, machine_info
+
+
+@dataclass
+class RunStats:
+    kv_cache_dtype: str
+    round: int
+    total_s: float
+    output_tokens: int
+    saturated_s: float
+    saturated_tokens: int
+    decode_s: float
+    decode_steps: int
+    decode_seqs: int  # sum over decode steps of the sequences advanced
+    prefill_s: float
+    prefill_steps: int
+    preemptions: int
+    decode_step_ms: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.total_s
+
+    @property
+    def saturated_tok_s(self) -> float:
+        return self.saturated_tokens / self.saturated_s if self.saturated_s > 0 else float("nan")
+
+    @property
+    def mean_running(self) -> float:
+        return self.decode_seqs / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1e3 * self.decode_s / self.decode_seqs if self.decode_seqs else float("nan")
+
+
+def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Ids from 17 up: no special tokens (SmolLM2's are 0-16).
+    return torch.randint(17, vocab_size, (num, input_len), generator=g).tolist()
+
+
+def run_once(engine, prompts: list[list[int]], output_len: int, kv: str, rnd: int) -> RunStats:
+    from fp8serve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    preempt0 = engine.scheduler.num_preemptions
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{rnd}-{i}", {"prompt_token_ids": p}, sp)
+    gc.collect()
+    seen_first: set[str] = set()
+    tokens = 0
+    decode_s = prefill_s = 0.0
+    decode_steps = prefill_steps = decode_seqs = 0
+    step_ms: list[float] = []
+    sat_s, sat_tokens = 0.0, 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        prompt_tokens = engine.stats.prompt_tokens_total
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        firsts = [o.request_id for o in outs if o.request_id not in seen_first]
+        tokens += len(outs)
+        # A prefill step (first or after a preemption) counts the tokens it prefilled.
+        if outs and engine.stats.prompt_tokens_total == prompt_tokens:
+            decode_s += dt
+            decode_steps += 1
+            decode_seqs += len(outs)
+            step_ms.append(1e3 * dt)
+        else:
+            prefill_s += dt
+            prefill_steps += 1
+        if firsts:
+            seen_first.update(firsts)
+            if len(seen_first) == len(prompts):
+                sat_s, sat_tokens = time.perf_counter() - t0, tokens
+    total = time.perf_counter() - t0
+    if tokens != len(prompts) * output_len:
+        raise RuntimeError(f"{kv}: {tokens} output tokens, expected {len(prompts) * output_len}")
+    return RunStats(kv, rnd, total, tokens, sat_s, sat_tokens, decode_s, decode_steps, decode_seqs, prefill_s,
+                    prefill_steps, engine.scheduler.num_preemptions - preempt0, step_ms)
+
+
+TABLE_HEAD = ["round", "KV dtype", "total s", "output tok/s", "saturated tok/s", "decode s", "prefill s",
+              "decode steps", "mean running", "median decode step ms", "decode ms / token", "preemptions"]
+
+
+def table_row(s: RunStats) -> str:
+    cells = [str(s.round), s.kv_cache_dtype, f"{s.total_s:.1f}", f"{s.output_tok_s:.1f}", f"{s.saturated_tok_s:.1f}",
+             f"{s.decode_s:.1f}", f"{s.prefill_s:.1f}", str(s.decode_steps), f"{s.mean_running:.1f}",
+             f"{statistics.median(s.decode_step_ms):.1f}" if s.decode_step_ms else "—",
+             f"{s.decode_ms_per_token:.2f}", str(s.preemptions)]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: fp8serve's default model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtypes", default="auto,fp8", help="comma-separated; the first is the baseline")
+    p.add_argument("--kv-cache-memory", default="90MiB")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_out", default=None)
+    args = p.parse_args(argv)
+
+    from fp8serve import LLM
+    from fp8serve.default_model import ensure_default_model
+
+    model = args.model or str(ensure_default_model())
+    kvs = [k.strip() for k in args.kv_cache_dtypes.split(",") if k.strip()]
+    started = _dt.datetime.now().astimezone()
+    info = machine_info()
+    print(f"# fp8serve kv-saturation, engine only — {started.isoformat(timespec='seconds')}")
+    print(f"command: {command_line(None if argv is None else list(argv))}")
+    for line in describe_machine(info):
+        print(line)
+    print(f"model: {model}, --dtype {args.dtype}, --kv-cache-memory {args.kv_cache_memory}, --max-model-len "
+          f"{args.max_model_len}; {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
+          f"all added at once; {args.rounds} interleaved rounds")
+
+    engines = {}
+    for kv in kvs:
+        llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=args.max_model_len, device="cpu", seed=args.seed)
+        e = llm.llm_engine
+        spec = e.model_runner.kv_cache_spec
+        print(f"- {kv}: {spec.kv_cache_dtype} cache, {e.block_manager.num_blocks} blocks of {spec.block_size} tokens")
+        engines[kv] = e
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    # Warm-up: one short request per engine (kernel builds, decode captures for small batches).
+    from fp8serve import SamplingParams
+
+    for e in engines.values():
+        e.add_request(None, {"prompt_token_ids": prompts[0][:32]}, SamplingParams(max_tokens=4, ignore_eos=True))
+        while e.has_unfinished_requests():
+            e.step()
+
+    stats: list[RunStats] = []
+    for rnd in range(1, args.rounds + 1):
+        for kv, e in engines.items():
+            print(f"round {rnd}: {kv} ...", file=sys.stderr, flush=True)
+            s = run_once(e, prompts, args.output_len, kv, rnd)
+            print(f"  {s.output_tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
+            stats.append(s)
+
+    print()
+    print("| " + " | ".join(TABLE_HEAD) + " |")
+    print("|" + "|".join("---" for _ in TABLE_HEAD) + "|")
+    for s in stats:
+        print(table_row(s))
+    base = kvs[0]
+    print()
+    ratios = []
+    for rnd in range(1, args.rounds + 1):
+        b = next(s for s in stats if s.round == rnd and s.kv_cache_dtype == base)
+        for s in stats:
+            if s.round == rnd and s.kv_cache_dtype != base:
+                r = {"round": rnd, "kv_cache_dtype": s.kv_cache_dtype, "output": s.output_tok_s / b.output_tok_s,
+                     "saturated": s.saturated_tok_s / b.saturated_tok_s,
+                     "decode_per_token": b.decode_ms_per_token / s.decode_ms_per_token}
+                ratios.append(r)
+                print(f"- round {rnd}: {s.kv_cache_dtype} / {base}: output {r['output']:.2f}x, saturated "
+                      f"{r['saturated']:.2f}x, decode cost per output token {r['decode_per_token']:.2f}x lower "
+                      f"({b.decode_ms_per_token:.2f} vs {s.decode_ms_per_token:.2f} ms)")
+    for s in stats:
+        share = 100 * s.prefill_s / s.total_s
+        print(f"- round {s.round} {s.kv_cache_dtype}: prefill/recompute steps {share:.0f}% of the run "
+              f"({s.prefill_steps} steps, {1e3 * s.prefill_s / max(s.prefill_steps, 1):.0f} ms each)")
+
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "started": started.isoformat(timespec="seconds"), "machine": info, "args": vars(args),
+            "runs": [{**asdict(s), "output_tok_s": s.output_tok_s, "saturated_tok_s": s.saturated_tok_s,
+                      "mean_running": s.mean_running, "decode_ms_per_token": s.decode_ms_per_token} for s in stats],
+            "ratios": ratios, "loadavg_at_end": os.getloadavg(),
+        }, indent=2) + "\n")
+        print(f"- wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""benchmarks/kv_saturation_engine.py on a tiny checkpoint: every output token is counted once,
+prefill and decode steps are told apart by the engine's prompt-token counter (re-prefills after a
+preemption included), and the ratios compare each round with its own baseline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmark_scripts import loaded_script
+from checkpoints import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def kse():
+    with loaded_script("kv_saturation_engine.py") as module:
+        yield module
+
+
+def test_tiny_run_accounts_for_every_token_and_step(kse, tmp_path, capsys):
+    model = write_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "r.json"
+    # 6 prompts of 16 tokens (one block each) -> 20 tokens: 48 KiB holds 6 float32 blocks, so the
+    # float32 cache admits 5 requests that then need 3 blocks each and preempts; FP8 holds 24 blocks.
+    rc = kse.main(["--model", str(model), "--dtype", "float32", "--kv-cache-dtypes", "auto,fp8",
+                   "--kv-cache-memory", "48KiB", "--max-model-len", "48", "--num-prompts", "6",
+                   "--input-len", "16", "--output-len", "20", "--rounds", "2", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert [(r["round"], r["kv_cache_dtype"]) for r in runs] == [(1, "auto"), (1, "fp8"), (2, "auto"), (2, "fp8")]
+    for r in runs:
+        assert r["output_tokens"] == 6 * 20
+        # Each request's first token comes from a prefill step; every other token from a decode step,
+        # unless a preemption re-prefilled the sequence (that step's token counts as a prefill token).
+        assert r["decode_seqs"] <= 6 * 19
+        assert r["decode_seqs"] + r["prefill_steps"] * 6 >= 6 * 20
+        assert r["decode_steps"] == len(r["decode_step_ms"]) > 0
+        assert r["total_s"] >= r["decode_s"] + r["prefill_s"] - 1e-6
+        assert 0 < r["saturated_s"] <= r["total_s"] and 6 <= r["saturated_tokens"] <= r["output_tokens"]
+    auto1, fp81 = runs[0], runs[1]
+    assert auto1["preemptions"] > 0 and fp81["preemptions"] == 0
+    # Re-prefills after preemption are prefill steps: more of them than the admissions alone need.
+    assert auto1["prefill_steps"] > fp81["prefill_steps"]
+    assert fp81["mean_running"] >= auto1["mean_running"]  # twice the blocks, at least as many running
+    assert [x["round"] for x in data["ratios"]] == [1, 2]
+    assert data["ratios"][0]["output"] == pytest.approx(fp81["output_tok_s"] / auto1["output_tok_s"])
+    table = capsys.readouterr().out
+    assert "| round | KV dtype | total s | output tok/s |" in table
