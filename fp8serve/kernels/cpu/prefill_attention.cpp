@@ -146,25 +146,10 @@ struct Avx512 {
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
-  // exp(x) for x <= 0: Avx2::exp_poly's steps, and vscalefps for p * 2^n.
-  // ~15 instructions against ~35 for fp8serve_vec16::exp, which must match
-  // its scalar twin bit for bit and so avoids FMAs and handles overflow; the
-  // softmax was a quarter of this kernel's time with that one.
-  static T exp_le0(T x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    T r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    T p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-  }
+  // exp(x) for x <= 0: fp8serve_vec16::exp_fma (Avx2::exp_poly's steps with
+  // vscalefps for p * 2^n). With vec16's FMA-free exp, which must match its
+  // scalar twin bit for bit, the softmax was a quarter of this kernel's time.
+  static T exp_le0(T x) { return fp8serve_vec16::exp_fma(x); }
   static float hmax(T a) { return _mm512_reduce_max_ps(a); }
   static float hsum(T a) { return _mm512_reduce_add_ps(a); }
   static T keep_first(T v, int n, T fill) {

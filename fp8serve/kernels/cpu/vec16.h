@@ -102,15 +102,14 @@ inline __m512 exp(__m512 x) {
   return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(_mm512_mul_ps(p, e1), e2), _mm512_set1_ps(__builtin_inff()));
 }
 
-// silu(g) = g / (1 + exp(-g)) for float32 results, where nothing has to
-// match torch bit for bit: an FMA exp (the same reduction and polynomial,
-// vscalefps for 2^n) and a reciprocal (vrcp14ps and one Newton step, ~1 ulp)
-// instead of the FMA-free exp and a vdivps, which alone costs ~16 cycles per
-// vector. Relative error a few 2^-24 (tests: <= 1e-6 against float64 and
-// torch). Valid for g >= -80 (exp(-g) finite); NaN stays NaN. Callers take
-// the exact path for vectors with a lane below -80.
-inline __m512 silu_f32_fast(__m512 g) {
-  const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-87.3f));
+// exp(x) for x <= 88 where nothing has to match a scalar twin bit for bit:
+// exp's reduction and polynomial with FMAs, and vscalefps for p * 2^n
+// (~15 instructions against ~35 for exp above, which must match its scalar
+// twin and so avoids FMAs and handles overflow). Inputs below -87.3 give
+// exp(-87.3); NaN stays NaN. Used by float32-only paths: the prefill
+// attention's softmax (x <= 0) and silu_f32_fast.
+inline __m512 exp_fma(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
@@ -122,8 +121,18 @@ inline __m512 silu_f32_fast(__m512 g) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  const __m512 den = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.f));  // in [1, e^80 + 1]
-  __m512 inv = _mm512_rcp14_ps(den);
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) = g / (1 + exp(-g)) for float32 results, where nothing has to
+// match torch bit for bit: exp_fma and a reciprocal (vrcp14ps and one Newton
+// step, ~1 ulp) instead of the FMA-free exp and a vdivps, which alone costs
+// ~16 cycles per vector. Relative error a few 2^-24 (tests: <= 1e-6 against
+// float64 and torch). Valid for g >= -80 (exp(-g) finite); NaN stays NaN.
+// Callers take the exact path for vectors with a lane below -80.
+inline __m512 silu_f32_fast(__m512 g) {
+  const __m512 den = _mm512_add_ps(exp_fma(_mm512_sub_ps(_mm512_setzero_ps(), g)), _mm512_set1_ps(1.f));
+  __m512 inv = _mm512_rcp14_ps(den);  // den in [1, e^80 + 1]
   inv = _mm512_fmadd_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(1.f)), inv);
   return _mm512_mul_ps(g, inv);
 }
