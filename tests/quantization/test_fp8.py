@@ -203,12 +203,15 @@ def test_scale_divides_on_write_and_multiplies_on_read(fmt):
     assert torch.equal(quantize_fp8(x, 2.0, fmt), quantize_fp8(x / 2, 1.0, fmt)), f"seed={seed}"
     codes = quantize_fp8(x, 1.0, fmt)
     assert torch.equal(dequantize_fp8(codes, 2.0, fmt), 2 * dequantize_fp8(codes, 1.0, fmt))
-    # A scale that fits the data beats 1.0 for small values.
-    small = x * 1e-3
+    # A scale that fits the data beats 1.0 for values below the format's smallest normal (e4m3 2^-6,
+    # e5m2 2^-14), which scale 1.0 stores as subnormals or zero. (At x * 1e-3 the values were still
+    # normal in e5m2, where both scales keep 2 mantissa bits: the comparison was a coin flip, 14 of
+    # 500 seeds failed; e4m3 2 of 500. At 1e-6, 500 seeds: err_s / err_1 <= 0.04 (e4m3), <= 0.25 (e5m2).)
+    small = x * 1e-6
     err_1 = (dequantize_fp8(quantize_fp8(small, 1.0, fmt), 1.0, fmt) - small).abs().max()
     s = small.abs().max().item() / fmt.max_finite
     err_s = (dequantize_fp8(quantize_fp8(small, s, fmt), s, fmt) - small).abs().max()
-    assert err_s < err_1
+    assert err_s < 0.5 * err_1, f"seed={seed}: {err_s:.3g} vs {err_1:.3g} with scale 1.0"
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
