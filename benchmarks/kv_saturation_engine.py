@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
+    for name in ("rounds", "num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if len([k for k in args.kv_cache_dtypes.split(",") if k.strip()]) < 2:
+        p.error(f"--kv-cache-dtypes needs a baseline and at least one more, got {args.kv_cache_dtypes!r}")
 
     from fp8serve import LLM
     from fp8serve.default_model import ensure_default_model

@@ -636,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", default=None, help="write everything as JSON to this path")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     torch.manual_seed(args.seed)

@@ -48,3 +48,13 @@ def test_tiny_run_accounts_for_every_token_and_step(kse, tmp_path, capsys):
     assert data["ratios"][0]["output"] == pytest.approx(fp81["output_tok_s"] / auto1["output_tok_s"])
     table = capsys.readouterr().out
     assert "| round | KV dtype | total s | output tok/s |" in table
+
+
+@pytest.mark.parametrize("bad", [["--rounds", "0"], ["--num-prompts", "0"], ["--output-len", "-1"],
+                                 ["--kv-cache-dtypes", "fp8"]])
+def test_rejects_bad_arguments(kse, bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        kse.main(bad)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert ("must be at least 1" in err) or ("needs a baseline" in err), err

@@ -186,3 +186,10 @@ def test_per_round_uses_each_rounds_own_machine_measurement(ss):
     assert table[2] == "| round | float32 % peak | float32 % bound | fp8@auto % peak | fp8@auto / llama.cpp |"
     assert table[4].endswith("| 25% | 39% | 1.20x |") and table[5].endswith("| 25% | 20% | 0.80x |")
     json.dumps(rows)  # goes into the --json payload
+
+
+def test_rejects_zero_rounds(ss, capsys):
+    with pytest.raises(SystemExit) as e:
+        ss.main(["--rounds", "0"])
+    assert e.value.code == 2
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
