@@ -39,8 +39,12 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[1] % 32 == 0 and x.stride(1) == 1 and weight.is_contiguous() and is_available())
 
 
-def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): [M, K] bf16 x [N, K] bf16 -> [M, N] bf16, float32 accumulation."""
+def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               float_out: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias): [M, K] bf16 x [N, K] bf16 -> [M, N] bf16, float32 accumulation.
+    float_out: return float32 holding the same bf16-rounded values (what `.float()` of the bf16
+    result holds), written in the kernel's own pass (the LM head's logits)."""
     if not is_available():
         raise RuntimeError("the AMX linear kernel is not available (no AMX in this build, CPU or process)")
-    return load_cpu_ops().amx_linear(x, weight, bias)
+    ops = load_cpu_ops()
+    return (ops.amx_linear_float_out if float_out else ops.amx_linear)(x, weight, bias)

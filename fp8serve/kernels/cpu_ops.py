@@ -242,6 +242,21 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     load_cpu_ops().rotary_embedding(positions, query, key, cos, sin)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.max(logits, dim=-1).indices for [num_rows, vocab] float32 CPU
+    logits (first index of the maximum; the first NaN wins), one C++ pass
+    (sampling_ops.cpp); any other input, or no kernels, goes to torch."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] > 0 and logits.stride(1) == 1 and load_cpu_ops() is not None):
+        return load_cpu_ops().greedy_argmax(logits)
+    return greedy_argmax_ref(logits)
+
+
+def greedy_argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    """The reference `greedy_argmax` is tested against."""
+    return logits.max(dim=-1).indices
+
+
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -47,7 +47,7 @@ class LMHead(nn.Module):
         # Logits in float32 whatever the compute dtype: sampling and logprobs
         # need the precision.
         if amx_linear_ops.applies(hidden_states, self.weight):
-            return amx_linear_ops.amx_linear(hidden_states, self.weight).float()
+            return amx_linear_ops.amx_linear(hidden_states, self.weight, float_out=True)
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
         if self.weight.dtype == hidden_states.dtype:

@@ -79,7 +79,7 @@ def test_replays_at_amx_batch_sizes_equal_eager(ops, llama_dir, seed, monkeypatc
         pytest.skip("no AMX tiles here")
     calls = []
     real = amx_linear_ops.amx_linear
-    monkeypatch.setattr(amx_linear_ops, "amx_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(amx_linear_ops, "amx_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     requests = random_requests(seed, 10)
     eager = run(make_engine(llama_dir, enforce_eager=True, dtype="bfloat16"), requests)
     engine = make_engine(llama_dir, enforce_eager=False, dtype="bfloat16")
@@ -167,7 +167,58 @@ def test_capture_replays_on_new_inputs(seed):
     assert recorded.script_replay is not None and recorded.replay is recorded.script_replay
     for replay in (recorded.script_replay, recorded.python_replay):
         assert torch.equal(replay(x2), f(x2)), f"seed={seed}"
-    assert [id(t) for t in recorded.tensor_constants] == [id(w)]
+    # The only constant is w (F.linear's transpose of it is folded: a view of a constant).
+    assert [t.untyped_storage().data_ptr() for t in recorded.tensor_constants] == [w.untyped_storage().data_ptr()]
+    assert recorded.tensor_constants[0].stride() == w.t().stride(), "the transpose was replayed, not folded"
+
+
+def test_views_of_constants_are_folded_and_stay_live(seed):
+    """A view of constants only (the KV cache's unbind into K and V) is not
+    replayed: its output is a constant that aliases the live tensor, so an
+    in-place change between steps (a cache write) is seen by the replay."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, 4, 8, generator=g)
+    x = torch.randn(3, 8, generator=g)
+
+    def f(inp):
+        k, v = kv.unbind(0)
+        return inp @ k.t() + v.sum()
+
+    out, recorded = capture(lambda: f(x), [x])
+    assert not isinstance(recorded, str), recorded
+    assert len(recorded.tensor_constants) >= 1
+    assert all(t.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr() for t in recorded.tensor_constants)
+    kv.mul_(-3.0)  # the cache changes in place between steps
+    x2 = torch.randn(3, 8, generator=g)
+    for replay in (recorded.script_replay, recorded.python_replay):
+        assert torch.equal(replay(x2), f(x2)), f"seed={seed}"
+
+
+def test_a_view_op_that_copies_constants_is_replayed(seed):
+    """reshape copies where strides forbid a view (at dispatch it arrives as
+    a clone and a view of the copy): the copy would freeze the step's values,
+    so it stays in the replay. And a view-marked op whose output does not
+    share its input's storage is never folded."""
+    from fp8serve.engine.decode_capture import _CONST, _is_constant_view
+
+    a = torch.randn(4, 6)
+    view = torch.ops.aten.view.default
+    assert _is_constant_view(view, [(_CONST, a), (_CONST, [24])], {}, a.view(24))
+    assert not _is_constant_view(view, [(_CONST, a), (_CONST, [24])], {}, a.clone().view(24))
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(4, 6, generator=g)
+    x = torch.randn(24, generator=g)
+
+    def f(inp):
+        return inp * w.t().reshape(-1)  # w.t() is a view (folded); its reshape copies
+
+    out, recorded = capture(lambda: f(x), [x])
+    assert not isinstance(recorded, str), recorded
+    w.add_(1.0)
+    x2 = torch.randn(24, generator=g)
+    for replay in (recorded.script_replay, recorded.python_replay):
+        assert torch.equal(replay(x2), f(x2)), f"seed={seed}"
 
 
 def test_a_script_replay_that_differs_falls_back_to_python(ops, llama_dir, seed, monkeypatch):

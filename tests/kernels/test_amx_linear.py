@@ -71,9 +71,25 @@ def test_linear_layers_use_it_for_8_to_64_bf16_rows(seed, monkeypatch):
     layer.weight = torch.nn.Parameter((torch.randn(64, 128, generator=g) * 0.1).bfloat16(), requires_grad=False)
     calls = []
     real = amx_linear_ops.amx_linear
-    monkeypatch.setattr(amx_linear_ops, "amx_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(amx_linear_ops, "amx_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     for m in (4, 8, 64, 65):
         x = torch.randn(m, 128, generator=g).bfloat16()
         out = UnquantizedLinearMethod().apply(layer, x, None)
         assert _bf16_close(out, x.double() @ layer.weight.double().t()) <= 1.0, f"seed={seed} m={m}"
     assert calls == [8, 64]
+
+
+@pytest.mark.parametrize("m", [8, 16, 17, 50, 64])
+@pytest.mark.parametrize("n", [16, 37, 49152])
+def test_float_out_is_the_bf16_result_widened(seed, m, n):
+    """float_out (the LM head's logits) writes float32 in the kernel's pass,
+    holding exactly what .float() of the bf16 result holds, bias or not,
+    partial weight row blocks included."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 576, generator=g).bfloat16()
+    w = (torch.randn(n, 576, generator=g) * 0.05).bfloat16()
+    for bias in (None, torch.randn(n, generator=g).bfloat16()):
+        widened = amx_linear_ops.amx_linear(x, w, bias).float()
+        out = amx_linear_ops.amx_linear(x, w, bias, float_out=True)
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        assert torch.equal(out, widened), f"seed={seed}"

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "scalar_convert.h"
@@ -104,9 +105,12 @@ void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t MB, ui
   }
 }
 
-template <int MB>
+// FloatOut: out is float32 holding the bf16-rounded sums (bit for bit what
+// the bf16 result's .float() would hold), for the LM head, whose logits the
+// sampler reads in float32: one pass fewer over [M, vocab].
+template <int MB, bool FloatOut>
 void run_blocks(const uint16_t* w, int64_t K, const uint16_t* xb, const float* bias, int64_t M, int64_t n_begin,
-                int64_t n_end, int64_t N, uint16_t* out) {
+                int64_t n_end, int64_t N, void* out) {
   configure_tiles();
   const int64_t KC = K / 32, w_stride = K * 2;
   alignas(64) float c[4][16][16];
@@ -152,7 +156,9 @@ void run_blocks(const uint16_t* w, int64_t K, const uint16_t* xb, const float* b
                                               _mm512_set1_epi32(16));
     for (int64_t m = 0; m < M; ++m) {
       const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, &c[m / 16][0][m % 16], 4), b);
-      if (rows == 16) {
+      if constexpr (FloatOut) {
+        _mm512_mask_storeu_ps(static_cast<float*>(out) + m * N + n0, live, fp8serve_vec16::round_to<1>(v));
+      } else if (rows == 16) {
         fp8serve_vec16::store<1>(out, m * N + n0, v);
       } else {
         alignas(64) float tmp[16];
@@ -177,8 +183,9 @@ bool amx_linear_available() {
 }
 
 // x [M, K] bf16 (rows may be strided), weight [N, K] bf16 contiguous, bias [N]
-// float32 or bf16 or None; returns [M, N] bf16.
-at::Tensor amx_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
+// float32 or bf16 or None; returns [M, N] bf16, or float32 holding the
+// bf16-rounded values (float_out).
+at::Tensor amx_linear_impl(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias, bool float_out) {
   TORCH_CHECK(amx_linear_available(), "amx_linear: this build or process has no AMX tiles");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "amx_linear: x must be [M, K] and weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "amx_linear: bf16 x and weight only");
@@ -193,30 +200,47 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor>
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias must be [N]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
 #ifdef FP8SERVE_AMX_LINEAR
   const int64_t MB = (M + 15) / 16;
   std::vector<uint16_t> xb(MB * (K / 32) * 16 * 32);
   pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, MB, xb.data());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  void* o = out.data_ptr();
   const int64_t blocks = (N + 15) / 16;
   // At least 4 blocks (64 weight rows) per task: each task reloads the tile configuration.
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * 16, n1 = std::min(N, end * 16);
-    switch (MB) {
-      case 1: return run_blocks<1>(w, K, xb.data(), b, M, n0, n1, N, o);
-      case 2: return run_blocks<2>(w, K, xb.data(), b, M, n0, n1, N, o);
-      case 3: return run_blocks<3>(w, K, xb.data(), b, M, n0, n1, N, o);
-      default: return run_blocks<4>(w, K, xb.data(), b, M, n0, n1, N, o);
-    }
+    const auto run = [&](auto float_tag) {
+      constexpr bool F = decltype(float_tag)::value;
+      switch (MB) {
+        case 1: return run_blocks<1, F>(w, K, xb.data(), b, M, n0, n1, N, o);
+        case 2: return run_blocks<2, F>(w, K, xb.data(), b, M, n0, n1, N, o);
+        case 3: return run_blocks<3, F>(w, K, xb.data(), b, M, n0, n1, N, o);
+        default: return run_blocks<4, F>(w, K, xb.data(), b, M, n0, n1, N, o);
+      }
+    };
+    if (float_out) run(std::true_type{});
+    else run(std::false_type{});
   });
 #endif
   return out;
 }
 
+at::Tensor amx_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
+  return amx_linear_impl(x, weight, bias, /*float_out=*/false);
+}
+
+// The LM head's: logits as float32 (the bf16-rounded sums; see run_blocks).
+// Measured on the 2-vCPU Xeon, default model at 64 decode rows: the separate
+// .float() of the [64, 49152] bf16 logits took 2.5 ms of a ~70 ms step.
+at::Tensor amx_linear_float_out(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
+  return amx_linear_impl(x, weight, bias, /*float_out=*/true);
+}
+
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("amx_linear", &amx_linear);
+  m.def("amx_linear_float_out", &amx_linear_float_out);
   m.def("amx_linear_available", &amx_linear_available);
 }
