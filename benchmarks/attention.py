@@ -221,8 +221,7 @@ def main() -> None:
          "GB/s: K+V bytes read / kernel time. "
          "Steps: one decode step of a backend (cache write of the new token included).")
     if base_label == "AVX2 tiles":
-        emit("The kernel runs its AVX-512 tiles on this CPU for calls over at least 8192 context tokens "
-             "(smaller ones run the AVX2 tiles); `AVX2 tiles ms` times the AVX2 tiles "
+        emit("The kernel runs its AVX-512 tiles on this CPU; `AVX2 tiles ms` times the AVX2 tiles "
              "(`paged_attention_decode_avx2`, what AVX2-only CPUs run) on the same data; "
              "speedup = AVX2 tiles / kernel.")
     emit()

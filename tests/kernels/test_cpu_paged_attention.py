@@ -10,8 +10,8 @@ Two comparisons per case:
     rounding, at a tolerance per format. This one also checks that the e4m3
     2^8 decode factor and the k/v scales are folded where the contract says.
 
-Every path is checked: the default (which picks the AVX-512 tiles for large
-calls where the build CPU has AVX-512F), the AVX-512 tiles forced, the AVX2
+Every path is checked: the default (the AVX-512 tiles where the build CPU
+has AVX-512F), the AVX-512 tiles forced, the AVX2
 tiles (what AVX2-only CPUs run) and the portable scalar path (what non-AVX2
 builds run), with several threads (contexts split and merged) and with one.
 """
@@ -175,9 +175,9 @@ def test_avx512_tiles_are_built_where_the_cpu_has_them(ops):
 
 @pytest.mark.parametrize("kv_format", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_large_call_matches_the_forced_paths(ops, seed, kv_format):
-    """A call over more than 8192 context tokens, where the default path
-    switches to the AVX-512 tiles on AVX-512 builds: the same result as the
-    forced AVX2 tiles, up to float32 summation order."""
+    """A call over more than 8192 context tokens (long items, split contexts):
+    the default path, the forced AVX2 tiles and, on AVX-512 builds, the
+    AVX-512 tiles agree up to float32 summation order."""
     case = Case(seed, kv_format, 64, num_kv_heads=2, group=3, seq_lens=[4100, 4093, 33])
     ref = case.reference_same_codes()
     for path in ("best", "avx2") + (("avx512",) if ops.has_avx512() else ()):

@@ -64,12 +64,6 @@ constexpr int64_t kTileTokens = 16;
 constexpr int64_t kMinSplitTokens = 64;
 // Largest GQA group handled in registers at once; bigger groups go in slices.
 constexpr int kMaxGroupSlice = 8;
-// Calls over fewer context tokens (all sequences together) than this use the
-// AVX2 tiles even where the AVX-512 ones are built: measured on a 2-vCPU Xeon
-// (benchmarks/results/attention_2026-11-30.md), one sequence of 512-2048
-// tokens ran 0.8-0.97x as fast on the AVX-512 tiles, 16 x 512 about the same,
-// 16-64 x 2048 1.1-1.14x (e4m3).
-constexpr int64_t kMinAvx512Tokens = 8192;
 
 struct Problem {
   float* out;                // [num_seqs, num_heads, head_size]
@@ -408,8 +402,12 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
 // bf16 1.04-1.13x, e5m2 and float32 1.0-1.07x over the AVX2 tiles. Removing
 // parts of the tile one at a time (fp8 e4m3, 8 x 256 tokens, one thread): the
 // scores take ~45% of the time, V ~30%, the softmax ~20% (before it was
-// vectorized over 16 tokens). Small calls (one sequence) ran 0.8-0.97x as fast
-// as on the AVX2 tiles, so they keep those (kMinAvx512Tokens).
+// vectorized over 16 tokens). Small calls (one sequence) once ran 0.8-0.97x as
+// fast as on the AVX2 tiles and kept those below 8192 context tokens; re-measured
+// after the prefetch changes (stop 14: 1-24 sequences of 400-2048 tokens, e4m3
+// and bf16, alternating) the AVX-512 tiles ran 1.04-1.17x in every cell, and a
+// batch-16 engine decode step (FP8 KV, ~400 tokens each) 26.0-27.5 ms against
+// 28.1-32.1, so every call on an AVX-512 build takes them.
 
 #if defined(FP8SERVE_AVX2) && defined(__AVX512F__)
 #define FP8SERVE_AVX512 1
@@ -661,8 +659,6 @@ void decode_impl(const Problem& p, int path) {
   // Split contexts only when there are too few sequences for the threads.
   int64_t total_tokens = 0, max_len = 0;
   for (int64_t b = 0; b < p.num_seqs; ++b) total_tokens += p.seq_lens[b], max_len = std::max(max_len, p.seq_lens[b]);
-  // Small calls run faster on the AVX2 tiles (see kMinAvx512Tokens).
-  if (path == kBestPath && total_tokens < kMinAvx512Tokens) path = kAvx2Path;
   const int64_t target_items = 4 * num_threads;
   int64_t split_tokens = max_len;
   if (p.num_seqs < target_items && num_threads > 1) {
