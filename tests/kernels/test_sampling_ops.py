@@ -50,6 +50,14 @@ def test_max_in_the_last_tail_element_and_strided_rows(ops, seed):
     assert torch.equal(cpu_ops.greedy_argmax(x), x.max(dim=-1).indices), f"seed={seed}"
 
 
+def test_rows_of_one_repeated_special_value(ops):
+    """Rows that are all -inf (every token banned), all +inf or all NaN: index 0, as torch gives."""
+    for vocab in (5, 40, 49152):
+        x = torch.stack([torch.full((vocab,), v) for v in (float("-inf"), float("inf"), float("nan"), 0.0)])
+        assert torch.equal(cpu_ops.greedy_argmax(x), x.max(dim=-1).indices)
+        assert cpu_ops.greedy_argmax(x).tolist() == [0, 0, 0, 0]
+
+
 def test_rejects_what_it_does_not_handle(ops):
     with pytest.raises(RuntimeError, match="float32"):
         ops.greedy_argmax(torch.zeros(2, 8, dtype=torch.bfloat16))
