@@ -5,9 +5,9 @@
 //
 // Why: on a 2-vCPU Xeon torch's max(dim) ran 0.2 ms at 16 x 49152 float32
 // logits and 0.9 ms at 64 x 49152, hot (argmax: 0.6 / 2.5 ms); in a decode step
-// the logits are fresh from the LM head. One pass at memory speed with
-// 8 or 16 lanes, rows (or, for a single row, column chunks) split over the
-// threads.
+// the logits are fresh from the LM head. One pass with 8-lane AVX2 compares
+// (16 x 49152 hot: 92 us, ~34 GB/s of logits; 64 x 49152: 345 us), rows (or,
+// for a single row, column chunks) split over the threads.
 //
 // How: each lane keeps its running max and the index where it first saw it
 // (a strictly greater value replaces it), so per lane the first occurrence
@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #if defined(__AVX2__)
