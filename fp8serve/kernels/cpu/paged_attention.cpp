@@ -659,12 +659,11 @@ void decode_impl(const Problem& p, int path) {
   // Split contexts only when there are too few sequences for the threads.
   int64_t total_tokens = 0, max_len = 0;
   for (int64_t b = 0; b < p.num_seqs; ++b) total_tokens += p.seq_lens[b], max_len = std::max(max_len, p.seq_lens[b]);
-  // Two items per thread: with 4 per thread (before stop 14) the extra splits
-  // and their merge cost more than the balance gained. Ops called directly,
-  // 2 threads, three alternating builds: 4 x 400 tokens 62.5-65.8 -> 55.7-57.2
-  // us, 1 x 512 28.9-31.1 -> 26.3-31.2, bf16 alike; one item per thread was
-  // no better than two.
-  const int64_t target_items = 2 * num_threads;
+  // Four items per thread. Two were 5-11% faster on hot, direct calls
+  // (stop 14), but whole engine decode steps (cold K/V, alternating builds,
+  // six pairs) ran slower with them: batch 1 median 16.0 vs 15.0 ms, batch 4
+  // 22.1 vs 20.7 ms.
+  const int64_t target_items = 4 * num_threads;
   int64_t split_tokens = max_len;
   if (p.num_seqs < target_items && num_threads > 1) {
     split_tokens = std::max(kMinSplitTokens, (total_tokens + target_items - 1) / target_items);
