@@ -30,6 +30,7 @@ from fp8serve.quantization.kv_scales import resolve_kv_scales
 from fp8serve.quantization.registry import get_quantization_config
 from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
 from fp8serve.utils.memory import format_bytes
+from fp8serve.utils.platform import configure_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class ModelRunner:
         mc, cc = config.model_config, config.cache_config
         self.device = mc.torch_device
         self.dtype = mc.torch_dtype
+        if self.device.type == "cpu":
+            configure_cpu_threads()  # before loading: packing the weights uses the threads too
         torch.manual_seed(mc.seed)
         arch = mc.arch
 

@@ -10,10 +10,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fp8serve.utils import cgroup
+from fp8serve.utils.memory import format_bytes
+
 logger = logging.getLogger(__name__)
 
 
-def available_memory_bytes() -> int:
+def _meminfo_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -22,6 +25,43 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def available_memory_bytes() -> int:
+    """Memory this process can still take: the machine's MemAvailable, or
+    less where its control group (a container's --memory) allows less."""
+    avail = _meminfo_available_bytes()
+    limit = cgroup.memory_limit()
+    if limit is not None and limit.available_bytes < avail:
+        logger.info("memory: the cgroup limit binds (%s limit, %s used, in %s), not the machine's %s available",
+                    format_bytes(limit.limit_bytes), format_bytes(limit.usage_bytes), limit.group,
+                    format_bytes(avail))
+        return limit.available_bytes
+    return avail
+
+
+def configure_cpu_threads() -> int:
+    """Caps torch's intra-op threads at the CPUs this process can use: its
+    affinity mask and its cgroup CPU quota (torch counts the host's cores,
+    and more OpenMP threads than CPUs spin at every barrier while the quota
+    throttles them). An explicit OMP_NUM_THREADS, or a lower count already
+    set, is left alone. Returns the thread count in effect."""
+    current = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ:
+        return current
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        affinity = os.cpu_count() or current
+    quota = cgroup.cpu_quota()
+    usable = cgroup.usable_cpus(affinity, quota)
+    if current > usable:
+        torch.set_num_threads(usable)
+        logger.info("torch threads %d -> %d (%d CPUs in the affinity mask, cgroup CPU quota %s; "
+                    "OMP_NUM_THREADS overrides)", current, usable, affinity,
+                    "none" if quota is None else f"{quota:g}")
+        return usable
+    return current
 
 
 def cpu_flags() -> set[str]:
