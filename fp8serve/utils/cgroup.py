@@ -82,7 +82,14 @@ def _v1_mount(root: Path, controller: str) -> Path | None:
 
 def cpu_quota(root: Path = CGROUP_ROOT, proc_self_cgroup: Path = PROC_SELF_CGROUP) -> float | None:
     """CPUs' worth of time per period this group may use (2.0 for `--cpus 2`),
-    or None where no quota is set."""
+    or None where no quota is set (or none can be read)."""
+    try:
+        return _cpu_quota(root, proc_self_cgroup)
+    except OSError:  # e.g. a directory we may not stat
+        return None
+
+
+def _cpu_quota(root: Path, proc_self_cgroup: Path) -> float | None:
     groups = _own_groups(proc_self_cgroup)
     quotas: list[float] = []
     if (root / "cgroup.controllers").is_file():  # v2, unified hierarchy
@@ -110,7 +117,15 @@ def cpu_quota(root: Path = CGROUP_ROOT, proc_self_cgroup: Path = PROC_SELF_CGROU
 
 
 def memory_limit(root: Path = CGROUP_ROOT, proc_self_cgroup: Path = PROC_SELF_CGROUP) -> MemoryLimit | None:
-    """The binding memory limit of this process's group, or None where none is set."""
+    """The binding memory limit of this process's group, or None where none
+    is set (or none can be read)."""
+    try:
+        return _memory_limit(root, proc_self_cgroup)
+    except OSError:
+        return None
+
+
+def _memory_limit(root: Path, proc_self_cgroup: Path) -> MemoryLimit | None:
     groups = _own_groups(proc_self_cgroup)
     if (root / "cgroup.controllers").is_file():
         dirs, limit_file, usage_file = _candidate_dirs(root, groups.get("unified")), "memory.max", "memory.current"

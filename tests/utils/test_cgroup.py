@@ -150,3 +150,15 @@ def test_explicit_omp_num_threads_is_left_alone(monkeypatch, restore_threads):
     torch.set_num_threads(2)
     assert platform.configure_cpu_threads() == 2
     assert torch.get_num_threads() == 2
+
+
+def test_unreadable_tree_is_no_limit(tmp_path, monkeypatch):
+    root, proc = v2_tree(tmp_path)
+    write(root / "cpu.max", "100000 100000")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(root), "is_file", denied)
+    assert cgroup.cpu_quota(root, proc) is None
+    assert cgroup.memory_limit(root, proc) is None
