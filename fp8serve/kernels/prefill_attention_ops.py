@@ -1,19 +1,22 @@
 """Causal attention for fresh prefills on CPU: a thin wrapper over the C++
-kernel in `cpu/prefill_attention.cpp`, its float64 reference, and where it
-pays.
+kernels in `cpu/prefill_attention.cpp` (float32, AVX2/AVX-512) and
+`cpu/prefill_attention_amx.cpp` (bf16 on AMX tiles), their float64
+reference, and where they pay.
 
 A fresh prefill attends each new token to the K/V of its own sequence's
 tokens (no cached context), packed varlen as in `flash_attn_varlen_func`:
 no padding to the longest prompt, GQA groups share each K/V load.
 
-`applies(dtype, num_tokens, num_seqs)` says where the kernel replaces
+`applies(dtype, num_tokens, num_seqs)` says where a kernel replaces
 torch's SDPA, measured with `benchmarks/prefill_attention.py`:
 - float32 (the dtype `--dtype auto` picks on CPUs without AMX/AVX512-BF16),
-  where torch's CPU flash kernel reaches about a third of the matmul peak;
-  for bf16 torch's flash kernel runs on AMX tiles and is faster than ours;
-- prompts of 64 tokens or more on average: at 16 x 32 tokens SDPA was faster
-  (0.33 vs 0.43 ms), at 16 x 64 they tied, from 128 tokens the kernel won
-  (1.4x at 1 x 128, 1.7x at 1 x 512).
+  where torch's CPU flash kernel reaches about a third of the matmul peak,
+  for prompts of 64 tokens or more on average: at 16 x 32 tokens SDPA was
+  faster (0.33 vs 0.43 ms), at 16 x 64 they tied, from 128 tokens the
+  kernel won (1.4x at 1 x 128, 1.7x at 1 x 512);
+- bf16 on CPUs with AMX (where `--dtype auto` picks bf16), for prompts of
+  128 tokens or more on average: 1.46x at 1 x 128, 1.84x at 1 x 512, 1.45x
+  at 1 x 2048, 1.25x at 8 x 256; at 16 x 64 and 16 x 32 they tied.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ import torch
 
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 
+# Paths of the float32/16-bit vector kernel ("amx" is the separate bf16 AMX kernel).
 _PATHS = {"best": 0, "avx2": 1, "avx512": 2, "scalar": 3}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Compute dtypes where the kernel is faster than F.scaled_dot_product_attention.
-_FASTER_THAN_SDPA = (torch.float32,)
-# Below this mean prompt length per sequence SDPA is as fast or faster.
-MIN_MEAN_PROMPT_TOKENS = 64
+# Below these mean prompt lengths per sequence SDPA is as fast or faster.
+MIN_MEAN_PROMPT_TOKENS = 64  # float32, the vector kernel
+MIN_MEAN_PROMPT_TOKENS_AMX = 128  # bf16, the AMX kernel
 
 
 def is_available() -> bool:
@@ -35,9 +38,18 @@ def is_available() -> bool:
     return ops is not None and hasattr(ops, "prefill_attention")
 
 
+def amx_available() -> bool:
+    """Whether the bf16 AMX kernel is built and this process may use AMX tiles."""
+    ops = load_cpu_ops()
+    return ops is not None and hasattr(ops, "prefill_attention_amx") and bool(ops.prefill_attention_amx_available())
+
+
 def applies(dtype: torch.dtype, num_tokens: int, num_seqs: int) -> bool:
-    return (dtype in _FASTER_THAN_SDPA and num_tokens >= MIN_MEAN_PROMPT_TOKENS * num_seqs
-            and is_available())
+    if dtype == torch.float32:
+        return num_tokens >= MIN_MEAN_PROMPT_TOKENS * num_seqs and is_available()
+    if dtype == torch.bfloat16:
+        return num_tokens >= MIN_MEAN_PROMPT_TOKENS_AMX * num_seqs and amx_available()
+    return False
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -70,16 +82,27 @@ def prefill_attention(
     scale: float,
     out_scale: float = 1.0,
     *,
-    path: str = "best",  # "avx512", "avx2" or "scalar": force one set of tiles (tests, benchmarks)
+    path: str = "best",  # "amx", "avx512", "avx2" or "scalar": force one kernel / set of tiles (tests, benchmarks)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size], query's dtype
     """softmax(scale * q k^T + causal mask) v * out_scale per sequence.
-    FP8 scales fold in: scale = softmax_scale * k_scale, out_scale = v_scale."""
+    FP8 scales fold in: scale = softmax_scale * k_scale, out_scale = v_scale.
+    "best" takes the AMX kernel for bf16 where it is available (head_size a
+    multiple of 32), the vector kernel otherwise."""
     ops = load_cpu_ops()
     if ops is None or not hasattr(ops, "prefill_attention"):
         raise RuntimeError("C++ CPU kernels are not available")
-    if path not in _PATHS:
-        raise ValueError(f"unknown path {path!r}; expected one of {list(_PATHS)}")
+    if path not in _PATHS and path != "amx":
+        raise ValueError(f"unknown path {path!r}; expected one of {[*_PATHS, 'amx']}")
     _check(query, key, value, cu_seqlens)
+    use_amx = path == "amx" or (path == "best" and query.dtype == torch.bfloat16 and query.shape[2] % 32 == 0
+                                and amx_available())
+    if use_amx:
+        if not amx_available():
+            raise RuntimeError("prefill_attention path 'amx': this build or process has no AMX tiles")
+        if query.dtype != torch.bfloat16 or query.shape[2] % 32:
+            raise ValueError(f"prefill_attention path 'amx' takes bf16 with head_size a multiple of 32; got "
+                             f"{query.dtype}, head_size {query.shape[2]}")
+        return ops.prefill_attention_amx(query, key, value, cu_seqlens.contiguous(), float(scale), float(out_scale))
     return ops.prefill_attention(query, key, value, cu_seqlens.contiguous(), float(scale), float(out_scale),
                                  _PATHS[path])
 

@@ -43,11 +43,10 @@
 #include "scalar_convert.h"
 #include "vec16.h"
 
-#if defined(FP8SERVE_VEC16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include "amx_tiles.h"
+
+#if defined(FP8SERVE_VEC16) && defined(FP8SERVE_AMX)
 #define FP8SERVE_AMX_LINEAR 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -56,34 +55,10 @@ constexpr int64_t kMaxRows = 64;  // activation rows per call: four C tiles
 
 #ifdef FP8SERVE_AMX_LINEAR
 
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles: 0 = A (16 weight rows x 64 bytes), 1 = B (16 k pairs x 16 x rows x
 // 2 bf16, reloaded for each block of 16 x rows), 4-7 = C (16 weight rows x 16
 // float32, one per block of x rows).
-void configure_tiles() {
-  TileConfig c;
-  for (int t : {0, 1, 4, 5, 6, 7}) c.rows[t] = 16, c.colsb[t] = 64;
-  // GCC does not treat ldtilecfg as reading the 64 bytes: without this
-  // barrier a build of a variant of this file dropped the rows/colsb stores
-  // (only the palette byte was written) and the instruction faulted.
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
-}
+void configure_tiles() { fp8serve_amx::configure_16x64({0, 1, 4, 5, 6, 7}); }
 
 // x [M, K] bf16 -> B tiles: xb[((mb * KC + kc) * 16 + r) * 32 + m * 2 + e] =
 // x[mb * 16 + m][kc * 32 + 2 r + e], zero where mb * 16 + m >= M. Seen as
@@ -176,7 +151,7 @@ void run_blocks(const uint16_t* w, int64_t K, const uint16_t* xb, const float* b
 
 bool amx_linear_available() {
 #ifdef FP8SERVE_AMX_LINEAR
-  return amx_permitted();
+  return fp8serve_amx::permitted();
 #else
   return false;
 #endif
