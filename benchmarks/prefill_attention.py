@@ -7,8 +7,9 @@ For every compute dtype and (sequences x tokens) cell it reports the time per
 call of
   - SDPA as the reference backend calls it (GQA, is_causal, q a strided view
     of a fused qkv row, sequences padded to one length),
-  - the kernel's best path (`prefill_attention`, packed varlen), and on an
-    AVX-512 build also its AVX2 tiles (what AVX2-only CPUs run),
+  - the kernel's best path (`prefill_attention`, packed varlen: for bf16 on
+    AMX CPUs the AMX kernel, cpu/prefill_attention_amx.cpp), and on an
+    AVX-512 build also the vector kernel's AVX2 tiles (what AVX2-only CPUs run),
 with GFLOP/s counting the causal half (4 * heads * head_size * len^2 / 2 per
 sequence, as benchmarks/single_stream.py counts prefill attention) and that
 rate as a fraction of the best F.linear GFLOP/s of the same dtype measured in
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 from bench_common import best_time, command_line, describe_machine, machine_info
 
 from fp8serve.kernels.cpu_ops import load_cpu_ops
-from fp8serve.kernels.prefill_attention_ops import MIN_MEAN_PROMPT_TOKENS, applies, prefill_attention
+from fp8serve.kernels.prefill_attention_ops import (MIN_MEAN_PROMPT_TOKENS, MIN_MEAN_PROMPT_TOKENS_AMX, applies,
+                                                    prefill_attention)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -139,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"{t_sdpa / t:.2f}x"]
             emit("| " + " | ".join(row) + " |")
     emit()
-    emit("The engine runs the kernel for fresh prefills in: "
-         + (", ".join(n for n in args.dtypes if applies(DTYPES[n], 1 << 20, 1)) or "none of these dtypes")
-         + f", when prompts average >= {MIN_MEAN_PROMPT_TOKENS} tokens "
-         "(fp8serve/kernels/prefill_attention_ops.py `applies`); SDPA otherwise.")
+    where = [f"{n} (prompts averaging >= {MIN_MEAN_PROMPT_TOKENS_AMX if n == 'bfloat16' else MIN_MEAN_PROMPT_TOKENS} "
+             f"tokens{', the AMX kernel' if n == 'bfloat16' else ''})"
+             for n in args.dtypes if applies(DTYPES[n], 1 << 20, 1)]
+    emit("The engine runs a kernel for fresh prefills in: " + (", ".join(where) or "none of these dtypes")
+         + " (fp8serve/kernels/prefill_attention_ops.py `applies`); SDPA otherwise.")
     if not args.no_save:
         out = args.output or Path(__file__).resolve().parent / "results" / \
             f"prefill_attention_{datetime.date.today().isoformat()}.md"

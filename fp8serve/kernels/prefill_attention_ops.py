@@ -15,8 +15,9 @@ torch's SDPA, measured with `benchmarks/prefill_attention.py`:
   faster (0.33 vs 0.43 ms), at 16 x 64 they tied, from 128 tokens the
   kernel won (1.4x at 1 x 128, 1.7x at 1 x 512);
 - bf16 on CPUs with AMX (where `--dtype auto` picks bf16), for prompts of
-  128 tokens or more on average: 1.46x at 1 x 128, 1.84x at 1 x 512, 1.45x
-  at 1 x 2048, 1.25x at 8 x 256; at 16 x 64 and 16 x 32 they tied.
+  128 tokens or more on average: 1.13x at 1 x 128, 1.75x at 1 x 512, 1.56x
+  at 1 x 2048, 1.21x at 8 x 256, 1.30x at 4 x 1024; SDPA was faster at
+  16 x 64 (0.87x) and tied at 16 x 32 (results/prefill_attention_2026-11-30_stop15.md).
 """
 
 from __future__ import annotations
