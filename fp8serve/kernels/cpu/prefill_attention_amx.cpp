@@ -101,12 +101,13 @@ void pack_vt(const uint16_t* v, int64_t stride, int64_t len, int64_t padded, int
 // r holds the pair q[n][32 c + 2 r .. + 1] of every query n (zero past rows).
 void pack_qt(const uint16_t* q, int64_t stride, int64_t rows, int64_t hs, uint32_t* qt) {
   const int64_t chunks = hs / 32;
-  std::memset(qt, 0, chunks * 256 * sizeof(uint32_t));
-  for (int64_t n = 0; n < rows; ++n) {
-    const auto* row = reinterpret_cast<const uint32_t*>(q + n * stride);
+  if (rows < kQueryRows) std::memset(qt, 0, chunks * 256 * sizeof(uint32_t));
+  // Row n's 16 pairs of chunk c go down column n of that chunk's tile: one scatter.
+  const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(16));
+  for (int64_t n = 0; n < rows; ++n)
     for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t r = 0; r < 16; ++r) qt[(c * 16 + r) * 16 + n] = row[c * 16 + r];
-  }
+      _mm512_i32scatter_epi32(qt + c * 256 + n, down, _mm512_loadu_si512(q + n * stride + c * 32), 4);
 }
 
 // One block of up to 16 queries [q0, q0 + rows) (sequence-local positions)
@@ -114,13 +115,13 @@ void pack_qt(const uint16_t* q, int64_t stride, int64_t rows, int64_t hs, uint32
 // transposed (a row per key, a lane per query), so the online softmax's max,
 // sum and rescale are lane-wise vector ops with no horizontal reductions.
 void query_block(const Problem& p, const uint32_t* qt, int64_t q0, int64_t rows, const uint16_t* kp,
-                 const uint16_t* vt, uint16_t* out, int64_t out_stride) {
+                 const uint16_t* vt, uint16_t* out, int64_t out_stride, std::vector<float>& ot) {
   const int64_t hs = p.head_size, kchunks = hs / 32, vchunks = hs / 16;
   const int64_t num_blocks = (q0 + rows + kKeyBlock - 1) / kKeyBlock;
   alignas(64) float st[kKeyBlock][16];     // S^T of one key block
   alignas(64) uint16_t pt[16][kKeyBlock];  // P^T as B tile: key pairs x 16 queries x 2
   alignas(64) float c[4][16][16];
-  std::vector<float> ot(hs * 16, 0.f);  // O^T: [head element][query]
+  std::fill(ot.begin(), ot.end(), 0.f);  // O^T: [head element][query], the worker's buffer
   // head_size <= 64: O^T lives in tiles 4-7 (one per 16 head elements).
   const bool resident = vchunks <= 4;
   const auto store_ot = [&] {
@@ -297,6 +298,7 @@ void run(const Problem& p) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     fp8serve_amx::configure_16x64({0, 1, 2, 3, 4, 5, 6, 7});
     std::vector<uint32_t> qt(hs / 32 * 256);
+    std::vector<float> ot(hs * 16);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const Item& it = items[i];
       const int64_t t0 = p.cu[it.seq], len = p.cu[it.seq + 1] - t0, rows = std::min(kQueryRows, len - it.q0);
@@ -304,7 +306,7 @@ void run(const Problem& p) {
       const int64_t off = base[it.seq] + kvh * padded * hs;
       pack_qt(p.q + (t0 + it.q0) * p.q_stride + it.head * hs, p.q_stride, rows, hs, qt.data());
       query_block(p, qt.data(), it.q0, rows, kt.data() + off, vt.data() + off,
-                  p.out + (t0 + it.q0) * p.num_heads * hs + it.head * hs, p.num_heads * hs);
+                  p.out + (t0 + it.q0) * p.num_heads * hs + it.head * hs, p.num_heads * hs, ot);
     }
     _tile_release();
   });
