@@ -20,8 +20,14 @@
 //
 // Numerics: q, k, v are bf16 already; products are exact and sums float32,
 // as in torch's kernel; P is rounded to bf16 before P V (as GPU flash kernels
-// do in bf16), which torch's CPU kernel does not: outputs differ from the
-// float64 reference by about a bf16 ulp more (tests bound it).
+// do in bf16), which torch's CPU kernel does not. Measured over 40 seeds: at
+// most 2.8 x 2^-9 of the largest output off the float64 reference, 0.9x
+// torch SDPA's error in the median and 1.3x at most. Splitting P into two
+// bf16 parts (hi + lo, twice the P V products) brought that to at most 0.87x
+// SDPA's but cost a quarter of the kernel's speed (1 x 512: 1.28x SDPA
+// instead of 1.54x in the same script), and the default model's logits moved
+// no closer to transformers' (max |dlogit| to float64 0.33 against 0.31, a
+// 218-token prompt): not kept.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
