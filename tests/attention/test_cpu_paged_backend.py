@@ -132,6 +132,46 @@ def prefill_metadata(block_tables: list[list[int]], prompt_lens: list[int]) -> A
     )
 
 
+def run_fresh_prefill(cpu_paged_backend, seed, monkeypatch, kv_cache_dtype, compute_dtype, prompt_lens, group):
+    """A fresh prefill of `prompt_lens` through CpuPagedBackend and through the
+    reference backend (padded SDPA) on copies of one scattered cache; asserts
+    the paged one ran the C++ prefill kernel once and both wrote the same
+    bytes. Returns (paged output, reference output)."""
+    from fp8serve.kernels import prefill_attention_ops
+
+    g = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_size = 2, 64
+    num_heads = num_kv_heads * group
+    spec = KVCacheSpec(kv_cache_dtype, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
+    paged = cpu_paged_backend(spec, compute_dtype)
+    reference = TorchSDPABackend(spec, compute_dtype)
+    cache = paged.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
+    block_tables = scattered_block_tables(g, prompt_lens)
+    md = prefill_metadata(block_tables, prompt_lens)
+    # q as the model passes it: a strided view of a fused qkv row.
+    qkv = (torch.randn(md.num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=g) * 2).to(compute_dtype)
+    query = qkv[:, :num_heads * head_size].view(md.num_tokens, num_heads, head_size)
+    key = (torch.randn(md.num_tokens, num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+    value = (torch.randn(md.num_tokens, num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+    kwargs = dict(softmax_scale=head_size**-0.5, k_scale=K_SCALE, v_scale=V_SCALE)
+
+    cache_ref = cache.clone()
+    paged.build_metadata(md)
+    calls = []
+    real = prefill_attention_ops.prefill_attention
+    monkeypatch.setattr(prefill_attention_ops, "prefill_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = paged.forward(query, key, value, cache, md, **kwargs)
+    assert calls == [1], f"the fresh {compute_dtype} prefill did not run the C++ prefill kernel"
+    md.backend_data = None
+    reference.build_metadata(md)
+    want = reference.forward(query, key, value, cache_ref, md, **kwargs)
+
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8)), \
+        f"seed={seed}: the backends wrote different caches"
+    assert out.shape == want.shape == (md.num_tokens, num_heads, head_size) and out.dtype == compute_dtype
+    return out, want
+
+
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_fresh_prefill_matches_torch_sdpa(cpu_paged_backend, seed, kv_cache_dtype, group, monkeypatch):
@@ -142,37 +182,9 @@ def test_fresh_prefill_matches_torch_sdpa(cpu_paged_backend, seed, kv_cache_dtyp
 
     if not prefill_attention_ops.is_available():
         pytest.skip("the C++ prefill kernel is unavailable")
-    g = torch.Generator().manual_seed(seed)
-    num_kv_heads, head_size = 2, 64
-    num_heads = num_kv_heads * group
-    prompt_lens = [33, 1, 150, 16, 200]  # partial / single token / several key blocks / one full block
-    spec = KVCacheSpec(kv_cache_dtype, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
-    paged = cpu_paged_backend(spec, torch.float32)
-    reference = TorchSDPABackend(spec, torch.float32)
-    cache = paged.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
-    block_tables = scattered_block_tables(g, prompt_lens)
-    md = prefill_metadata(block_tables, prompt_lens)
-    # q as the model passes it: a strided view of a fused qkv row.
-    qkv = torch.randn(md.num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=g) * 2
-    query = qkv[:, :num_heads * head_size].view(md.num_tokens, num_heads, head_size)
-    key = torch.randn(md.num_tokens, num_kv_heads, head_size, generator=g) * 2
-    value = torch.randn(md.num_tokens, num_kv_heads, head_size, generator=g) * 2
-    kwargs = dict(softmax_scale=head_size**-0.5, k_scale=K_SCALE, v_scale=V_SCALE)
-
-    cache_ref = cache.clone()
-    paged.build_metadata(md)
-    calls = []
-    real = prefill_attention_ops.prefill_attention
-    monkeypatch.setattr(prefill_attention_ops, "prefill_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    out = paged.forward(query, key, value, cache, md, **kwargs)
-    assert calls == [1], "the fresh float32 prefill did not run the C++ prefill kernel"
-    md.backend_data = None
-    reference.build_metadata(md)
-    want = reference.forward(query, key, value, cache_ref, md, **kwargs)
-
-    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8)), \
-        f"seed={seed}: the backends wrote different caches"
-    assert out.shape == want.shape == (md.num_tokens, num_heads, head_size) and out.dtype == torch.float32
+    # partial / single token / several key blocks / one full block
+    out, want = run_fresh_prefill(cpu_paged_backend, seed, monkeypatch, kv_cache_dtype, torch.float32,
+                                  [33, 1, 150, 16, 200], group)
     err = ((out - want).abs().max() / want.abs().max()).item()
     assert err < 1e-5, f"seed={seed}: prefill kernel differs from TorchSDPABackend by {err:.2e} (relative)"
 
@@ -187,36 +199,9 @@ def test_bf16_fresh_prefill_runs_the_amx_kernel(cpu_paged_backend, seed, kv_cach
 
     if not prefill_attention_ops.amx_available():
         pytest.skip("no AMX tiles in this build or process")
-    g = torch.Generator().manual_seed(seed)
-    num_kv_heads, group, head_size = 2, 3, 64
-    num_heads = num_kv_heads * group
-    prompt_lens = [250, 1, 200, 150]  # mean 150 tokens, 40 of the 41 blocks
-    spec = KVCacheSpec(kv_cache_dtype, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
-    paged = cpu_paged_backend(spec, torch.bfloat16)
-    reference = TorchSDPABackend(spec, torch.bfloat16)
-    cache = paged.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
-    block_tables = scattered_block_tables(g, prompt_lens)
-    md = prefill_metadata(block_tables, prompt_lens)
-    qkv = (torch.randn(md.num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=g) * 2).bfloat16()
-    query = qkv[:, :num_heads * head_size].view(md.num_tokens, num_heads, head_size)
-    key = (torch.randn(md.num_tokens, num_kv_heads, head_size, generator=g) * 2).bfloat16()
-    value = (torch.randn(md.num_tokens, num_kv_heads, head_size, generator=g) * 2).bfloat16()
-    kwargs = dict(softmax_scale=head_size**-0.5, k_scale=K_SCALE, v_scale=V_SCALE)
-
-    cache_ref = cache.clone()
-    paged.build_metadata(md)
-    calls = []
-    real = prefill_attention_ops.prefill_attention
-    monkeypatch.setattr(prefill_attention_ops, "prefill_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    out = paged.forward(query, key, value, cache, md, **kwargs)
-    assert calls == [1], "the fresh bf16 prefill did not run the C++ prefill kernel"
-    md.backend_data = None
-    reference.build_metadata(md)
-    want = reference.forward(query, key, value, cache_ref, md, **kwargs)
-
-    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8)), \
-        f"seed={seed}: the backends wrote different caches"
-    assert out.shape == want.shape and out.dtype == torch.bfloat16
+    # mean 150 tokens, 40 of the 41 blocks
+    out, want = run_fresh_prefill(cpu_paged_backend, seed, monkeypatch, kv_cache_dtype, torch.bfloat16,
+                                  [250, 1, 200, 150], group=3)
     err = ((out.double() - want.double()).abs().max() / want.double().abs().max()).item()
     # Each side rounds its output to bf16 and the kernel P too: a few 2^-9.
     assert err < 2**-6, f"seed={seed}: AMX prefill differs from TorchSDPABackend by {err:.2e} (relative)"
