@@ -45,11 +45,12 @@ def amx_available() -> bool:
     return ops is not None and hasattr(ops, "prefill_attention_amx") and bool(ops.prefill_attention_amx_available())
 
 
-def applies(dtype: torch.dtype, num_tokens: int, num_seqs: int) -> bool:
+def applies(dtype: torch.dtype, num_tokens: int, num_seqs: int, head_size: int = 64) -> bool:
     if dtype == torch.float32:
         return num_tokens >= MIN_MEAN_PROMPT_TOKENS * num_seqs and is_available()
-    if dtype == torch.bfloat16:
-        return num_tokens >= MIN_MEAN_PROMPT_TOKENS_AMX * num_seqs and amx_available()
+    if dtype == torch.bfloat16:  # other head sizes would fall back to the vector kernel, slower than SDPA in bf16
+        return (head_size % 32 == 0 and num_tokens >= MIN_MEAN_PROMPT_TOKENS_AMX * num_seqs
+                and amx_available())
     return False
 
 

@@ -42,7 +42,7 @@ class CpuPagedBackend(TorchSDPABackend):
         md = metadata
         if not md.is_decode_only:
             if md.backend_data.gather_slots is None and prefill_attention_ops.applies(
-                    self.compute_dtype, md.num_tokens, md.num_seqs):
+                    self.compute_dtype, md.num_tokens, md.num_seqs, self.spec.head_size):
                 return self._fresh_prefill_kernel(query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale)
             return super().forward(query, key, value, kv_cache, metadata,
                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
