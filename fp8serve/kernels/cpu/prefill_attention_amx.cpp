@@ -4,19 +4,22 @@
 //
 // Why: with --dtype auto on an AMX CPU the model computes in bf16, and
 // torch's CPU flash attention took ~1.4 ms per layer of a 1 x 512 prefill of
-// the default model (~0.3 GFLOP: ~230 GFLOP/s, an eighth of what AMX does for
+// the default model (~0.3 GFLOP: ~230 GFLOP/s, a seventh of what AMX does for
 // the linear layers next to it), 28% of the whole prefill.
 //
-// How, per sequence and kv head: K and V are packed once into AMX's B-operand
-// layout (pairs of consecutive elements interleaved: for S = Q K^T the pairs
-// run along head_size, for O = P V along the keys), zero past the sequence's
-// end. Then for every query head of the group and block of 16 queries, key
-// blocks of 32 up to the causal limit: S (16 x 32, float32) from head_size/32
-// tile products per half, the online softmax in AVX-512 (scale, causal mask,
-// running max and sum, rescaling the float32 output rows), P rounded to bf16
-// as the A operand, and P V into C tiles added to the output rows. Query rows
-// are loaded straight from q (tiles take a row stride; q may be a view of the
-// fused qkv output); a last partial block of queries is copied zero-padded.
+// How: per sequence and kv head, K is copied dense (it is already the A
+// operand of S^T = K Q^T: a row per key) and V is packed transposed (A of
+// O^T = V^T P^T: a row per head element), both zero-padded to whole blocks of
+// 32 keys. Then per query head and block of 16 queries, Q^T is packed as a B
+// operand (head-element pairs down, queries across) and every key block up to
+// the causal limit does: S^T (32 keys x 16 queries, two tiles); the online
+// softmax lane by lane (a lane per query: max, sum and rescale are vertical,
+// no horizontal reductions), the reference max moving only when a score beats
+// it by kRescaleSlack; P^T rounded to bf16 as a B operand (key pairs down);
+// and O^T += V^T P^T, kept in tiles 4-7 across key blocks for head_size <= 64
+// (stored only to rescale) or added to memory four tiles at a time. The output
+// rows are gathered down O^T at the end. Work items (sequence, query head,
+// query block) go to threads from a counter, costliest first.
 //
 // Numerics: q, k, v are bf16 already; products are exact and sums float32,
 // as in torch's kernel; P is rounded to bf16 before P V (as GPU flash kernels
@@ -52,7 +55,7 @@ namespace {
 
 #ifdef FP8SERVE_AMX_ATTENTION
 
-constexpr int64_t kQueryRows = 16;  // rows of a query block (one A tile)
+constexpr int64_t kQueryRows = 16;  // queries per block: the 16 columns of Q^T / P^T tiles
 constexpr int64_t kKeyBlock = 32;   // keys per step: two S tiles, one P tile's 32 bf16
 constexpr float kRescaleSlack = 8.f;  // see query_block
 
