@@ -15,9 +15,9 @@ torch's SDPA, measured with `benchmarks/prefill_attention.py`:
   faster (0.33 vs 0.43 ms), at 16 x 64 they tied, from 128 tokens the
   kernel won (1.4x at 1 x 128, 1.7x at 1 x 512);
 - bf16 on CPUs with AMX (where `--dtype auto` picks bf16), for prompts of
-  128 tokens or more on average: 1.13x at 1 x 128, 1.75x at 1 x 512, 1.56x
-  at 1 x 2048, 1.21x at 8 x 256, 1.30x at 4 x 1024; SDPA was faster at
-  16 x 64 (0.87x) and tied at 16 x 32 (results/prefill_attention_2026-11-30_stop15.md).
+  8 tokens or more on average: 1.28x at 64 x 8, 1.13x at 16 x 32, 1.00x at
+  16 x 64, 1.38x at 1 x 128, 1.76x at 1 x 512, 1.56x at 1 x 2048, 1.32x at
+  8 x 256, 1.38x at 4 x 1024 (results/prefill_attention_2026-11-30_stop15.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _PATHS = {"best": 0, "avx2": 1, "avx512": 2, "scalar": 3}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Below these mean prompt lengths per sequence SDPA is as fast or faster.
 MIN_MEAN_PROMPT_TOKENS = 64  # float32, the vector kernel
-MIN_MEAN_PROMPT_TOKENS_AMX = 128  # bf16, the AMX kernel
+MIN_MEAN_PROMPT_TOKENS_AMX = 8  # bf16, the AMX kernel
 
 
 def is_available() -> bool:

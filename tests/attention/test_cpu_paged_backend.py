@@ -191,7 +191,7 @@ def test_fresh_prefill_matches_torch_sdpa(cpu_paged_backend, seed, kv_cache_dtyp
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3"])
 def test_bf16_fresh_prefill_runs_the_amx_kernel(cpu_paged_backend, seed, kv_cache_dtype, monkeypatch):
-    """bf16 compute with prompts of 128+ tokens on average: the backend runs
+    """bf16 compute with prompts of 8+ tokens on average: the backend runs
     the AMX prefill kernel on the K/V as stored (decoded FP8 included) and
     agrees with the reference backend's bf16 SDPA to bf16 precision; the
     cache writes are the same bytes."""

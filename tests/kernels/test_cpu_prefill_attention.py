@@ -140,7 +140,7 @@ def test_engine_uses_it_where_it_was_measured_faster(ops):
 
     assert applies(torch.float32, MIN_MEAN_PROMPT_TOKENS * 4, 4)
     assert not applies(torch.float32, MIN_MEAN_PROMPT_TOKENS * 4 - 1, 4), "short prompts: SDPA is faster"
-    # bf16: the AMX kernel where this CPU has AMX, for prompts of 128+ tokens on average; else torch's SDPA.
+    # bf16: the AMX kernel where this CPU has AMX, for prompts of 8+ tokens on average; else torch's SDPA.
     assert applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4, 4) == amx_available()
     assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4 - 1, 4)
     assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4, 4, head_size=80), "AMX needs head_size % 32"

@@ -108,15 +108,45 @@ void pack_vt(const uint16_t* v, int64_t stride, int64_t len, int64_t padded, int
 
 // Q^T of a block of 16 queries as B tiles: for head chunk c (32 elements), row
 // r holds the pair q[n][32 c + 2 r .. + 1] of every query n (zero past rows).
+// 16 x 16 transpose of 32-bit elements in registers: r[i] is row i on entry,
+// column i on return (unpacks within 128-bit lanes, then a 4 x 4 transpose of
+// the lanes).
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // lane L of r[i + j]: column 4 L + j of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Q^T of a block of 16 queries as B tiles: for head chunk c (32 elements), row
+// r holds the pair q[n][32 c + 2 r .. + 1] of every query n (zero past rows):
+// each chunk's 16 x 16 block of pairs, transposed.
 void pack_qt(const uint16_t* q, int64_t stride, int64_t rows, int64_t hs, uint32_t* qt) {
   const int64_t chunks = hs / 32;
-  if (rows < kQueryRows) std::memset(qt, 0, chunks * 256 * sizeof(uint32_t));
-  // Row n's 16 pairs of chunk c go down column n of that chunk's tile: one scatter.
-  const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(16));
-  for (int64_t n = 0; n < rows; ++n)
-    for (int64_t c = 0; c < chunks; ++c)
-      _mm512_i32scatter_epi32(qt + c * 256 + n, down, _mm512_loadu_si512(q + n * stride + c * 32), 4);
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i r[16];
+    for (int64_t n = 0; n < 16; ++n)
+      r[n] = n < rows ? _mm512_loadu_si512(q + n * stride + c * 32) : _mm512_setzero_si512();
+    transpose16x16(r);
+    for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(qt + c * 256 + i * 16, r[i]);
+  }
 }
 
 // One block of up to 16 queries [q0, q0 + rows) (sequence-local positions)
