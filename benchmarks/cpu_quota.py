@@ -139,6 +139,8 @@ def main() -> None:
     for name in ("quota", "rounds", "batch", "prompt_len", "steps"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.warmup < 0:
+        ap.error("--warmup must be >= 0")
     affinity = len(os.sched_getaffinity(0))
     configs = [("fp8serve default", None), (f"OMP_NUM_THREADS={affinity} (one per CPU of the mask)", affinity)]
     group = QuotaGroup(args.quota)

@@ -22,6 +22,8 @@ torch's SDPA, measured with `benchmarks/prefill_attention.py`:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fp8serve.kernels.cpu_ops import load_cpu_ops
@@ -39,8 +41,10 @@ def is_available() -> bool:
     return ops is not None and hasattr(ops, "prefill_attention")
 
 
+@functools.cache
 def amx_available() -> bool:
-    """Whether the bf16 AMX kernel is built and this process may use AMX tiles."""
+    """Whether the bf16 AMX kernel is built and this process may use AMX tiles
+    (fixed for the process: asked once, not per layer of every prefill)."""
     ops = load_cpu_ops()
     return ops is not None and hasattr(ops, "prefill_attention_amx") and bool(ops.prefill_attention_amx_available())
 

@@ -25,6 +25,8 @@ def test_child_times_decode_steps_of_a_real_engine(tmp_path):
 
 
 def test_counts_must_be_positive():
-    out = subprocess.run([sys.executable, str(BENCHMARKS_DIR / "cpu_quota.py"), "--rounds", "0"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--rounds must be > 0" in out.stderr
+    for args, message in ((["--rounds", "0"], "--rounds must be > 0"), (["--quota", "-1"], "--quota must be > 0"),
+                          (["--warmup", "-1"], "--warmup must be >= 0")):
+        out = subprocess.run([sys.executable, str(BENCHMARKS_DIR / "cpu_quota.py"), *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr[-500:])

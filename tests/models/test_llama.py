@@ -284,7 +284,7 @@ def test_default_model_bf16_long_prefill_on_amx_matches_transformers(default_mod
     text = " ".join(f"Step {i}: the force of gravity pulls every object toward the center of the planet."
                     for i in range(12))
     prompt_ids = llm.get_tokenizer().encode(text)
-    assert len(prompt_ids) >= prefill_attention_ops.MIN_MEAN_PROMPT_TOKENS_AMX + 64
+    assert len(prompt_ids) >= 200  # several 32-key blocks for most query blocks
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     calls = []
     real = prefill_attention_ops.prefill_attention
