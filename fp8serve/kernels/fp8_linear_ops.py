@@ -9,6 +9,9 @@ reference, and the choice between the two ways to run it.
   library does better than our FMA loops. Weights are decoded block by block
   into a small buffer in x's dtype and multiplied there, so the full-size
   float weight never exists.
+- In between, on CPUs with AMX and bf16 activations (decode batches of 13-64
+  rows): the same decoded buffer, multiplied by the AMX linear kernel
+  (`amx_linear_ops`) instead of torch's GEMM.
 
 `max_fused_rows` says where the switch happens; the numbers come from
 `benchmarks/fp8_linear.py` (see benchmarks/results/fp8_linear_*.md).
@@ -16,8 +19,11 @@ reference, and the choice between the two ways to run it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from fp8serve.kernels import amx_linear_ops
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
@@ -28,6 +34,17 @@ _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # and they are within ~30% of each other at M = 32..64 (float32 and bf16 x;
 # the bf16 GEMM ran on AMX, yet decoding to bf16 costs more than to float32).
 _MAX_FUSED_ROWS = {torch.float32: 32, torch.bfloat16: 16}
+# Where the AMX linear kernel runs (bf16 x), decode batches of 13-64 rows
+# dequantize to bf16 and multiply there instead (`_dequantize_and_matmul`):
+# the fused kernel's cost grows with its 8-row register tiles, and torch's
+# GEMM repacks the weight and allocates its own buffers on every call.
+# Engine decode steps, FP8 checkpoint (SmolLM2-135M, bf16, FP8 KV, ~300-token
+# prompts), two engines alternating in one process, medians, ms:
+#   batch        8     10     12     14     16     20     32     64
+#   before     26.3   33.5   36.6   37.1   49.0   55.2   61.0   83.0
+#   AMX        33.4   35.8   35.6   33.6   37.4   41.3   48.9   69.5
+# (before: fused kernel up to 16 rows, dequantize + torch.mm above.)
+_MAX_FUSED_ROWS_AMX_BF16 = 12
 
 # Weight rows decoded per GEMM call on the large-M path: as many as fit in
 # 8 MiB of the activation dtype (at least 128). One GEMM per layer for small
@@ -43,7 +60,15 @@ def _dequant_rows(k: int, dtype: torch.dtype) -> int:
 
 
 def max_fused_rows(dtype: torch.dtype) -> int:
+    """Largest number of activation rows the fused kernel takes for x of `dtype`."""
+    if dtype == torch.bfloat16 and amx_linear_ops.is_available():
+        return _MAX_FUSED_ROWS_AMX_BF16
     return _MAX_FUSED_ROWS[dtype]
+
+
+@functools.cache
+def _fused_rows_by_dtype() -> dict[torch.dtype, int]:
+    return {dtype: max_fused_rows(dtype) for dtype in _ACTIVATION_DTYPES}
 
 
 def is_available() -> bool:
@@ -82,7 +107,7 @@ def fp8_linear(
         raise RuntimeError("C++ CPU kernels are not available")
     x = x.contiguous()
     weight = weight.contiguous()
-    if x.shape[0] <= _MAX_FUSED_ROWS[x.dtype]:
+    if x.shape[0] <= _fused_rows_by_dtype()[x.dtype]:
         return ops.fp8_linear(x, weight, weight_scale.contiguous(), None if bias is None else bias.float().contiguous())
     return _dequantize_and_matmul(ops, x, weight, weight_scale.contiguous(), bias)
 
@@ -97,7 +122,7 @@ def fp8_linear_loaded(
     the decode path goes straight to the C++ op, which still TORCH_CHECKs
     every shape and dtype. The Python checks cost ~13 us a call, 1.5 ms of a
     batch-1 decode step of the default model (120 linears)."""
-    if x.shape[0] <= _MAX_FUSED_ROWS.get(x.dtype, -1):
+    if x.shape[0] <= _fused_rows_by_dtype().get(x.dtype, -1):
         return load_cpu_ops().fp8_linear(
             x if x.is_contiguous() else x.contiguous(), weight, weight_scale,
             None if bias is None else bias.float(),
@@ -109,11 +134,16 @@ def _dequantize_and_matmul(ops, x, weight, weight_scale, bias) -> torch.Tensor:
     n, k = weight.shape
     rows = _dequant_rows(k, x.dtype)
     buf = torch.empty(min(n, rows), k, dtype=x.dtype)
+    # Decode batches with bf16 x on AMX: the weight tile as it lies in the
+    # buffer, bias added in float32 before the one rounding to bf16.
+    on_amx = amx_linear_ops.applies(x, buf)
     if n <= rows:
         # One tile (every layer of small models): the GEMM writes [M, N] as is.
         # The earlier layout (out^T tiles, then .t().contiguous()) spent a
         # third of a float32 prefill in that transpose copy.
         ops.fp8_dequantize(buf, weight, weight_scale)
+        if on_amx:
+            return amx_linear_ops.amx_linear(x, buf, bias)
         out = torch.mm(x, buf.t())
     else:
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
@@ -121,7 +151,12 @@ def _dequantize_and_matmul(ops, x, weight, weight_scale, bias) -> torch.Tensor:
             n1 = min(n, n0 + rows)
             w = buf[: n1 - n0]
             ops.fp8_dequantize(w, weight[n0:n1], weight_scale[n0:n1])
-            out[:, n0:n1] = torch.mm(x, w.t())  # contiguous row pieces, not a transpose
+            if on_amx:
+                out[:, n0:n1] = amx_linear_ops.amx_linear(x, w, None if bias is None else bias[n0:n1])
+            else:
+                out[:, n0:n1] = torch.mm(x, w.t())  # contiguous row pieces, not a transpose
+        if on_amx:
+            return out
     if bias is not None:
         out += bias.to(x.dtype)
     return out

@@ -269,3 +269,46 @@ def test_wide_loops_are_built_where_the_cpu_has_them():
     if os.environ.get("FP8SERVE_CPU_MARCH") or not {"avx512f", "avx512bw"} <= cpu_flags():
         pytest.skip("not a native AVX-512 build")
     assert load_cpu_ops().fp8_gemm_has_avx512()
+
+
+@pytest.mark.skipif(not fp8_linear_ops.amx_linear_ops.is_available(), reason="no AMX tiles in this build/CPU/process")
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_bf16_decode_batches_of_13_to_64_rows_run_on_amx(monkeypatch, with_bias):
+    """On AMX machines bf16 batches of 13-64 rows dequantize and multiply on
+    the AMX kernel (one call per weight tile, bias passed to it); 12 rows stay
+    on the fused kernel and 65 on torch's GEMM. Results match float64 either way."""
+    amx = fp8_linear_ops.amx_linear_ops
+    calls = []
+    real = amx.amx_linear
+
+    def spy(x, w, bias=None, **kw):
+        calls.append((x.shape[0], w.shape[0], bias is not None))
+        return real(x, w, bias, **kw)
+
+    monkeypatch.setattr(amx, "amx_linear", spy)
+    assert fp8_linear_ops.max_fused_rows(torch.bfloat16) == 12
+    assert fp8_linear_ops.max_fused_rows(torch.float32) == 32
+    for m, expect_amx in [(12, False), (13, True), (40, True), (64, True), (65, False)]:
+        seed = fresh_seed()
+        x, w, scale, bias = make_case(m, 101, 192, torch.bfloat16, with_bias, seed)
+        calls.clear()
+        for out in (fp8_linear_ops.fp8_linear(x, w, scale, bias), fp8_linear_ops.fp8_linear_loaded(x, w, scale, bias)):
+            assert_close(out, x, w, scale, bias, seed, f"M={m}")
+        assert calls == ([(m, 101, with_bias)] * 2 if expect_amx else []), (m, calls)
+    # Several weight tiles: one AMX call each, the bias sliced to its columns.
+    monkeypatch.setattr(fp8_linear_ops, "_DEQUANT_BYTES", 1)
+    seed = fresh_seed()
+    x, w, scale, bias = make_case(20, 300, 192, torch.bfloat16, with_bias, seed)
+    calls.clear()
+    assert_close(fp8_linear_ops.fp8_linear(x, w, scale, bias), x, w, scale, bias, seed, "3 AMX tiles")
+    assert calls == [(20, 128, with_bias), (20, 128, with_bias), (20, 44, with_bias)]
+
+
+def test_without_amx_bf16_keeps_the_fused_kernel_to_16_rows(monkeypatch):
+    monkeypatch.setattr(fp8_linear_ops.amx_linear_ops, "is_available", lambda: False)
+    assert fp8_linear_ops.max_fused_rows(torch.bfloat16) == 16
+    seed = fresh_seed()
+    x, w, scale, bias = make_case(33, 37, 64, torch.bfloat16, True, seed)
+    # applies() is false without AMX: the dequantized tile goes through torch's GEMM.
+    assert_close(fp8_linear_ops._dequantize_and_matmul(load_cpu_ops(), x, w, scale, bias), x, w, scale, bias, seed,
+                 "dequant+GEMM without AMX")
