@@ -13,7 +13,7 @@ streamed deltas, so a client never sees text that is later cut off.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from fp8serve.sampling_params import SamplingParams
 
@@ -31,6 +31,29 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def direct_decoder(tokenizer: Decoder) -> Callable[..., str]:
+    """The `decode` that gives `tokenizer.decode`'s text with the least work.
+
+    transformers' tokenizers backed by a `tokenizers.Tokenizer` decode with it and then
+    only clean up spaces when `clean_up_tokenization_spaces` is set. When that is off and
+    the class does not override the decode path, the backend's own `decode` returns the
+    same string without the wrapper: 1.6 against 4.9 us per call hot, and a decode step
+    runs it cold, right after the weights streamed through the caches (~0.35 ms per
+    request per step before on a 2-vCPU Xeon). Anything else keeps its `decode`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # a transformers without the v5 backend class: keep the wrapper
+        return tokenizer.decode
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, TokenizersBackend) and backend is not None and hasattr(backend, "decode")
+            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False):
+        return backend.decode
+    return tokenizer.decode
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -46,6 +69,7 @@ class IncrementalDetokenizer:
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {min_tokens}.")
         self.tokenizer = tokenizer
+        self._decoder = direct_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -122,7 +146,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decoder(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _check_stop(self, prev_len: int) -> None:
         # A new match must end inside the new text, so it starts at most len(s) - 1

@@ -6,6 +6,7 @@ from a single background loop.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -102,7 +103,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> Sequence:
-        params = params or SamplingParams()
+        # The request keeps its own copy, as vLLM's clone() does: a caller
+        # changing or reusing the object afterwards does not reach a running
+        # request, and per-row metadata cached on the object's identity (the
+        # model runner's reused SamplingMetadata) cannot go stale.
+        params = copy.deepcopy(params) if params is not None else SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids)
         request_id = request_id if request_id is not None else self.new_request_id()

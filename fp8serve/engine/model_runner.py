@@ -28,6 +28,7 @@ from fp8serve.model_loader.loader import load_weights
 from fp8serve.models.registry import get_model_class
 from fp8serve.quantization.kv_scales import resolve_kv_scales
 from fp8serve.quantization.registry import get_quantization_config
+from fp8serve.sampling_params import SamplingParams
 from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
 from fp8serve.utils.memory import format_bytes
 from fp8serve.utils.platform import configure_cpu_threads
@@ -99,6 +100,8 @@ class ModelRunner:
         cc.num_blocks = self.num_blocks
         self.sampler = Sampler()
         self._decode_query_start_loc: dict[int, torch.Tensor] = {}  # arange(n + 1) per decode batch size
+        # (params of each row, metadata) of the last step whose metadata can be reused.
+        self._static_sampling: tuple[list[SamplingParams], SamplingMetadata] | None = None
         self._scales_pending_log = any(layer.calculate_kv_scales for layer in self.attn_layers)
         # CPU only: there the module tree costs ~4 ms of a decode step (a quarter
         # at batch 1; see decode_capture.py for the measurements).
@@ -282,6 +285,30 @@ class ModelRunner:
         hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         return hidden, torch.cat(starts)
 
+    def _sampling_metadata(self, seqs: list[Sequence], eos_token_id: int | None) -> SamplingMetadata:
+        """The step's SamplingMetadata; the previous step's when the rows carry
+        the same SamplingParams objects in the same order and nothing in it
+        depends on the step (`depends_on_step`). Why: building it costs four
+        small tensors and per-row Python, 0.55 ms of a 31 ms float32 batch-1
+        decode step on a 2-vCPU Xeon, for metadata that steady greedy or
+        unseeded batches repeat step after step. Rows with min_tokens are never
+        reused: their bans depend on how many tokens each row has, and one
+        SamplingParams object may serve a new and an old request alike."""
+        params = [s.sampling_params for s in seqs]
+        last = self._static_sampling
+        if last is not None and len(last[0]) == len(params) and all(a is b for a, b in zip(last[0], params)):
+            return last[1]
+        md = SamplingMetadata.from_params(
+            params,
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            eos_token_id,
+            self.device,
+        )
+        reusable = not md.depends_on_step and all(p.min_tokens == 0 for p in params)
+        self._static_sampling = (params, md) if reusable else None
+        return md
+
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_id: int | None) -> ModelRunnerOutput:
         hidden, query_start_loc = self._forward(seqs, is_prefill)  # [num_tokens, hidden_size]
@@ -306,12 +333,5 @@ class ModelRunner:
                 lp, rk, top, top_ids = compute_prompt_logprobs(self.model.compute_logits(h), targets, k)
                 prompt_logprobs[row] = PromptLogprobs(lp.cpu(), rk.cpu(), top.cpu(), top_ids.cpu())
 
-        sampling_md = SamplingMetadata.from_params(
-            [s.sampling_params for s in seqs],
-            [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
-            eos_token_id,
-            self.device,
-        )
-        out = self.sampler(logits, sampling_md)
+        out = self.sampler(logits, self._sampling_metadata(seqs, eos_token_id))
         return ModelRunnerOutput(out, prompt_logprobs)

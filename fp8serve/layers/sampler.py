@@ -75,6 +75,14 @@ class SamplingMetadata:
     def has_penalties(self) -> bool:
         return self.repetition_penalty is not None
 
+    @property
+    def depends_on_step(self) -> bool:
+        """Whether the next step of the same rows needs new metadata: seeded rows
+        draw from a per-step generator, penalties count the tokens so far and
+        min_tokens bans end when enough tokens are out. Without those it is a
+        function of the rows' SamplingParams alone."""
+        return bool(self.generators) or self.has_penalties or self.banned_token_ids is not None
+
     @classmethod
     def from_params(
         cls,

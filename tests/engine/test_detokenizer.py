@@ -66,6 +66,49 @@ def test_transformers_tokenizer_wrapper(tokenizer):
     assert "".join(stream(detok, ids)) + detok.flush() == hf.decode(ids, skip_special_tokens=True)
 
 
+def test_wrapper_decodes_through_its_backend_with_the_same_text(tokenizer):
+    import random
+
+    from transformers import PreTrainedTokenizerFast
+
+    from fp8serve.engine.detokenizer import direct_decoder
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
+    assert direct_decoder(hf) == hf.backend_tokenizer.decode  # the wrapper is skipped
+    rng = random.Random()  # fresh ids every run: the claim is "the same text", for any ids
+    vocab = tokenizer.get_vocab_size()
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert direct_decoder(hf)(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    ids = tokenizer.encode(MULTIBYTE).ids
+    detok = IncrementalDetokenizer(hf, tokenizer.encode("Once").ids, True, [], False)
+    assert detok._decoder == hf.backend_tokenizer.decode
+    assert "".join(stream(detok, ids)) + detok.flush() == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_wrapper_kept_when_it_changes_the_text(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    from fp8serve.engine.detokenizer import direct_decoder
+
+    # Space clean-up is the wrapper's own step: it must stay in the path.
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=True)
+    assert direct_decoder(cleaning) == cleaning.decode
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    loud = Shouting(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
+    assert direct_decoder(loud) == loud.decode
+    ids = tokenizer.encode("the end").ids
+    detok = IncrementalDetokenizer(loud, [], True, [], False)
+    assert "".join(stream(detok, ids)) + detok.flush() == "THE END"
+    # A plain tokenizers.Tokenizer (no wrapper) decodes itself.
+    assert direct_decoder(tokenizer) == tokenizer.decode
+
+
 class CountingTokenizer:
     def __init__(self, inner):
         self.inner = inner

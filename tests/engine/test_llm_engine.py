@@ -139,3 +139,28 @@ def test_abort_every_request_leaves_the_engine_empty(model_dir):
     assert not engine.has_unfinished_requests()
     assert engine.step() == []
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_changing_params_after_a_request_reaches_only_later_requests(model_dir, seed):
+    """A caller reusing one SamplingParams object and changing it between
+    requests (a common pattern with LLM.generate) gets the new settings on the
+    next request, and the running one keeps its own."""
+    rng = random.Random(seed)
+    engine = make_engine(model_dir, NUM_BLOCKS)
+    prompt = [rng.randrange(3, 512) for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("greedy", {"prompt_token_ids": prompt}, params)
+    params.max_tokens = 2  # after submission: must not shorten the running request
+    greedy = run_to_completion(engine)["greedy"].outputs[0].token_ids
+    assert len(greedy) == 6, seed
+
+    # The same object, now sampling with a fixed seed at a high temperature:
+    # the engine must not serve it the greedy metadata of the earlier steps.
+    params.temperature, params.seed, params.max_tokens = 5.0, rng.randrange(1 << 30), 6
+    engine.add_request("hot", {"prompt_token_ids": prompt}, params)
+    hot = run_to_completion(engine)["hot"].outputs[0].token_ids
+    fresh = make_engine(model_dir, NUM_BLOCKS)
+    fresh.add_request("ref", {"prompt_token_ids": prompt},
+                      SamplingParams(temperature=5.0, seed=params.seed, max_tokens=6, ignore_eos=True))
+    assert hot == run_to_completion(fresh)["ref"].outputs[0].token_ids, seed
+    assert hot != greedy, seed  # temperature 5 over a random tiny model: not the argmax path

@@ -71,3 +71,67 @@ def test_decode_steps_reuse_one_query_start_loc_per_batch_size(runner, seed):
     other = runner._prepare(decode_batch(rng, runner.num_blocks, 4), is_prefill=False)[2]
     assert second.query_start_loc is first.query_start_loc
     assert torch.equal(other.query_start_loc, torch.arange(5))
+
+
+def _seq(rng: random.Random, name: str, params: SamplingParams, num_outputs: int) -> Sequence:
+    s = Sequence(name, [rng.randrange(3, 500) for _ in range(rng.randint(1, 20))], params)
+    s.output_token_ids = [rng.randrange(3, 500) for _ in range(num_outputs)]
+    return s
+
+
+def _same_metadata(a, b) -> bool:
+    tensors = ("temperature", "top_p", "top_k", "min_p")
+    flags = ("max_num_logprobs", "all_greedy", "all_random", "no_top_p", "no_top_k", "no_min_p", "banned_token_ids")
+    return (all(torch.equal(getattr(a, n), getattr(b, n)) for n in tensors)
+            and all(getattr(a, n) == getattr(b, n) for n in flags) and a.has_penalties == b.has_penalties)
+
+
+def test_sampling_metadata_reused_only_while_it_cannot_change(runner, seed):
+    from fp8serve.layers.sampler import SamplingMetadata
+
+    rng = random.Random(seed)
+    runner._static_sampling = None
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    hot = SamplingParams(temperature=0.8, top_p=0.9, top_k=rng.randint(2, 50), max_tokens=64)
+    seqs = [_seq(rng, "a", greedy, 3), _seq(rng, "b", hot, 5)]
+    first = runner._sampling_metadata(seqs, eos_token_id=2)
+    fresh = SamplingMetadata.from_params([s.sampling_params for s in seqs], [s.prompt_token_ids for s in seqs],
+                                         [s.output_token_ids for s in seqs], 2, runner.device)
+    assert _same_metadata(first, fresh), seed
+    for s in seqs:
+        s.output_token_ids.append(rng.randrange(3, 500))
+    assert runner._sampling_metadata(seqs, 2) is first  # same params objects: reused
+    # Another row set, order or params object: rebuilt.
+    assert runner._sampling_metadata(seqs[::-1], 2) is not first
+    swapped = [seqs[0], _seq(rng, "c", SamplingParams(temperature=0.8, max_tokens=64), 1)]
+    md = runner._sampling_metadata(swapped, 2)
+    assert md is not first and md.no_top_k and md.no_top_p, seed
+
+
+@pytest.mark.parametrize("kind", ["min_tokens", "seed", "penalty"])
+def test_sampling_metadata_that_depends_on_the_step_is_rebuilt(runner, seed, kind):
+    rng = random.Random(seed)
+    runner._static_sampling = None
+    if kind == "min_tokens":
+        # One params object for an old request past min_tokens and a new one
+        # still under it: the new row's EOS ban must not come from the old row.
+        p = SamplingParams(temperature=0.0, min_tokens=4, max_tokens=64)
+        old = _seq(rng, "old", p, 6)
+        md_old = runner._sampling_metadata([old], 2)
+        assert md_old.banned_token_ids is None
+        new = _seq(rng, "new", p, 0)
+        md_new = runner._sampling_metadata([new], 2)
+        assert md_new is not md_old and md_new.banned_token_ids == [[2]], seed
+        return
+    p = (SamplingParams(temperature=0.9, seed=rng.randrange(1 << 30), max_tokens=64) if kind == "seed"
+         else SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=64))
+    s = _seq(rng, "x", p, 2)
+    first = runner._sampling_metadata([s], 2)
+    s.output_token_ids.append(rng.randrange(3, 500))
+    second = runner._sampling_metadata([s], 2)
+    assert second is not first, seed
+    if kind == "seed":  # a per-step stream: the draw differs from the last step's
+        assert not torch.equal(torch.rand(4, generator=first.generators[0]),
+                               torch.rand(4, generator=second.generators[0])), seed
+    else:  # the penalty sees the new token
+        assert second.output_token_ids.shape[1] == first.output_token_ids.shape[1] + 1, seed
