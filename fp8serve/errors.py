@@ -10,4 +10,10 @@ class ConfigError(UserError):
 
 
 class InvalidParameterError(UserError, ValueError):
-    """A request parameter outside its valid range (a ValueError too, as in vLLM)."""
+    """A request parameter outside its valid range (a ValueError too, as in vLLM).
+    `parameter` names the field, so the server can report it as the OpenAI
+    error's `param` (vLLM's VLLMValidationError carries the same)."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter

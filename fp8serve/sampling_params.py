@@ -64,45 +64,45 @@ class SamplingParams:
 
     def _verify(self) -> None:
         if self.n != 1:
-            raise InvalidParameterError(f"n must be 1 (fp8serve supports one sequence per request), got {self.n}.")
-        _check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+            raise InvalidParameterError(f"n must be 1 (fp8serve supports one sequence per request), got {self.n}.", "n")
+        _check(self.temperature >= 0.0, "temperature", f"temperature must be non-negative, got {self.temperature}.")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         _check(
-            _is_int(self.top_k) and (self.top_k == 0 or self.top_k >= 1),
+            _is_int(self.top_k) and (self.top_k == 0 or self.top_k >= 1), "top_k",
             f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}.",
         )
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}.")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an int or None, got {self.seed!r}.")
         _check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
             f"max_tokens must be at least 1, got {self.max_tokens}.",
         )
         _check(
-            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            _is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
             f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
         )
         if self.max_tokens is not None:
             _check(
-                self.min_tokens <= self.max_tokens,
+                self.min_tokens <= self.max_tokens, "min_tokens",
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(
-                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
                 f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}.",
             )
         _check(
-            self.repetition_penalty > 0.0,
+            self.repetition_penalty > 0.0, "repetition_penalty",
             f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}.")
+            _check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
         for s in self.stop:
-            _check(isinstance(s, str) and len(s) > 0, f"stop must contain only non-empty strings, got {s!r}.")
+            _check(isinstance(s, str) and len(s) > 0, "stop", f"stop must contain only non-empty strings, got {s!r}.")
         for t in self.stop_token_ids:
-            _check(_is_int(t) and t >= 0, f"stop_token_ids must be non-negative ints, got {t!r}.")
+            _check(_is_int(t) and t >= 0, "stop_token_ids", f"stop_token_ids must be non-negative ints, got {t!r}.")
 
     @property
     def is_greedy(self) -> bool:
@@ -118,6 +118,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, parameter: str, message: str) -> None:
     if not ok:
-        raise InvalidParameterError(message)
+        raise InvalidParameterError(message, parameter)

@@ -61,6 +61,7 @@ def test_validation_error_names_field_and_value(kwargs, field):
         SamplingParams(**kwargs)
     message = str(excinfo.value)
     assert message.startswith(field + " ")
+    assert excinfo.value.parameter == field  # the server's OpenAI error `param`
     bad = kwargs[field] if field in kwargs else None
     if field not in ("stop", "stop_token_ids"):
         assert repr(bad) in message or str(bad) in message

@@ -49,7 +49,7 @@ def _from_exception(e: Exception) -> JSONResponse:
     if isinstance(e, RequestError):
         return _error(str(e), e.status, e.err_type, e.param)
     if isinstance(e, (UserError, ValueError)):
-        return _error(str(e), 400)
+        return _error(str(e), 400, param=getattr(e, "parameter", None))
     if isinstance(e, EngineDrainingError):
         return _error(str(e), 503, "ServiceUnavailableError")
     if isinstance(e, EngineDeadError):
@@ -121,7 +121,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         if errors and errors[0].get("type") == "json_invalid":
             return _error(f"malformed JSON body: {errors[0].get('ctx', {}).get('error', '')}", 400)
         parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}" for e in errors]
-        param = next((str(e["loc"][-1]) for e in errors if e.get("loc")), None)
+        # The request's own field (`stop`), not the last step of pydantic's
+        # path into a union (`stop.list[str].1` would say `1`).
+        fields = [x for e in errors for x in e.get("loc", ()) if x != "body"]
+        param = str(fields[0]) if fields else None
         return _error("; ".join(parts) or "invalid request", 400, param=param)
 
     def check_model(name: str | None) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fp8serve.errors import InvalidParameterError
 from fp8serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.logprobs:
             k = self.top_logprobs or 0
         elif self.top_logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+            raise InvalidParameterError("top_logprobs requires logprobs=true", "top_logprobs")
         return SamplingParams(max_tokens=max_tokens, logprobs=k, **self._sampling_kwargs())
 
 

@@ -41,7 +41,9 @@ class ChatServer:
         try:
             return ids, request.to_sampling_params(budget)
         except ValueError as e:
-            raise RequestError(str(e)) from None
+            # Chat's name for SamplingParams.logprobs is top_logprobs.
+            param = getattr(e, "parameter", None)
+            raise RequestError(str(e), param="top_logprobs" if param == "logprobs" else param) from None
 
     async def complete(self, request: ChatCompletionRequest, prepared) -> dict:
         ids, params = prepared

@@ -63,7 +63,7 @@ class CompletionServer:
             try:
                 params.append(request.to_sampling_params(max(budget, 1)))
             except ValueError as e:
-                raise RequestError(str(e)) from None
+                raise RequestError(str(e), param=getattr(e, "parameter", None)) from None
         return prompts, params, hide_output
 
     def _generate(self, prompt: _Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:

@@ -213,11 +213,13 @@ def test_chat_logprobs(client):
 
 
 # --------------------------------------------------------------------- errors
-def _assert_error(resp: httpx.Response, status: int, fragment: str = "") -> dict:
+def _assert_error(resp: httpx.Response, status: int, fragment: str = "", param: str | None = None) -> dict:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"} and err["code"] == status
     assert fragment.lower() in err["message"].lower()
+    if param is not None:
+        assert err["param"] == param, err
     return err
 
 
@@ -227,11 +229,20 @@ def test_validation_errors(server, client):
     _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}),
                   400, "maximum context length")
     _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}), 400,
-                  "temperature")
-    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}), 400, "top_p")
+                  "temperature", param="temperature")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}), 400, "top_p",
+                  param="top_p")
+    # A union field names itself, not the last step of the validator's path into it.
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", 1]}), 400, "stop",
+                  param="stop")
     _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 99999]}), 400, "out of range")
     _assert_error(_post(server, "/v1/completions", b'{"model": "tiny-llama", "prompt": '), 400, "json")
-    _assert_error(_post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL}), 400, "prompt", param="prompt")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}), 400,
+                  "logprobs", param="top_logprobs")
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "requires logprobs",
+                  param="top_logprobs")
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10_000)
     # The server is still fine.
