@@ -137,5 +137,48 @@ inline __m512 silu_f32_fast(__m512 g) {
   return _mm512_mul_ps(g, inv);
 }
 
+// Saturating, nearest-even FP8 encode of 16 floats, fp8serve_vec8::fp8_codes
+// lane for lane (same operations, masks instead of blends); the 16 codes
+// packed into bytes.
+template <bool E4M3>
+inline __m128i fp8_codes(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  // min_ps returns its second operand for a NaN lane: 448 / 57344, as the scalar select does.
+  const __m512 af = _mm512_min_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(E4M3 ? 448.0f : 57344.0f));
+  const __m512i ac = _mm512_castps_si512(af);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(af, _mm512_set1_ps(E4M3 ? 512.0f : 65536.0f)),
+                                        _mm512_set1_ps(8388608.0f))),
+      _mm512_set1_epi32(0x4b000000));
+  constexpr int shift = E4M3 ? 20 : 21;
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ac, shift), _mm512_set1_epi32(1));
+  const __m512i half_ulp = _mm512_set1_epi32((1 << (shift - 1)) - 1);
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(ac, _mm512_add_epi32(half_ulp, lsb)), shift),
+                                          _mm512_set1_epi32(E4M3 ? (120 << 3) : (112 << 2)));
+  const __mmask16 is_sub = _mm512_cmplt_epi32_mask(ac, _mm512_set1_epi32(E4M3 ? 0x3c800000 : 0x38800000));
+  __m512i code = _mm512_mask_blend_epi32(is_sub, normal, sub);
+  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7f800000));
+  code = _mm512_mask_blend_epi32(is_nan, code, _mm512_set1_epi32(0x7f));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(sign, code));  // every lane < 256
+}
+
+// 16 FP8 codes -> floats (scale 1), fp8serve_vec8::fp8_decode lane for lane.
+template <bool E4M3>
+inline __m512 fp8_decode(const uint8_t* p) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (!E4M3) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(c, 8)));
+  } else {
+    const __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 8),
+                                      _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7f)), 7));
+    const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_set1_ps(256.0f));
+    const __mmask16 is_nan =
+        _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32(0x7f));
+    return _mm512_mask_blend_ps(is_nan, v, _mm512_set1_ps(__builtin_nanf("")));
+  }
+}
+
 }  // namespace fp8serve_vec16
 #endif
