@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The KV cache write (`fp8serve::reshape_and_cache`: quantize to FP8 and scatter
-into random slots), FP8 formats, optionally side by side with the same op built
-from another git revision.
+into random slots), FP8 formats by default (--formats adds 16-bit / float32
+storage for comparison), optionally side by side with the same op built from
+another git revision.
 
 Cells: input dtype (float32, bfloat16) x FP8 format x tokens per call (decode
 batches and prefills) x with / without the decoded read-back (`key_out` /
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import command_line, describe_machine, machine_info  # noqa: E402
 
-from fp8serve.kernels.cpu_ops import KV_FORMATS, load_cpu_ops  # noqa: E402
+from fp8serve.kernels.cpu_ops import KV_FORMATS, KV_STORAGE_DTYPES, load_cpu_ops  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CSRC = "fp8serve/kernels/cpu"
@@ -85,6 +86,8 @@ def main() -> None:
     p.add_argument("--num-kv-heads", type=int, default=3)
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--formats", type=lambda x: x.split(","), default=["fp8_e4m3", "fp8_e5m2"],
+                   help=f"cache formats, of {', '.join(KV_FORMATS)} (16-bit and float32 ones for comparison)")
     p.add_argument("--baseline-rev", help="also time the op as built from this git revision")
     p.add_argument("--output", type=Path, help="also write the table (markdown) here")
     args = p.parse_args()
@@ -93,6 +96,9 @@ def main() -> None:
         if value < 1:
             p.error(f"{flag} must be at least 1, got {value}")
 
+    for fmt in args.formats:
+        if fmt not in KV_FORMATS:
+            p.error(f"--formats: unknown format {fmt!r}, expected one of {', '.join(KV_FORMATS)}")
     ops = load_cpu_ops()
     if ops is None:
         sys.exit("the C++ CPU kernels are unavailable on this machine (see the warning above)")
@@ -102,7 +108,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     H, D = args.num_kv_heads, args.head_size
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),
-             f"- shapes: {H} kv heads x head size {D}; random slots; k_scale 0.5, v_scale 0.25", ""]
+             f"- shapes: {H} kv heads x head size {D}; random slots; FP8 k_scale 0.5, v_scale 0.25", ""]
     head = ["input", "format", "tokens", "read-back"] + [f"{k} us" for k in fns]
     if len(fns) == 2:
         head.append("baseline / this tree")
@@ -114,20 +120,23 @@ def main() -> None:
             k = (torch.randn(num_tokens, H, D, generator=g) * 4).to(in_dtype)
             v = (torch.randn(num_tokens, H, D, generator=g) * 4).to(in_dtype)
             slots = torch.randperm(num_blocks * 16, generator=g)[:num_tokens].contiguous()
-            for fmt in ("fp8_e4m3", "fp8_e5m2"):
+            for fmt in args.formats:
+                fp8 = fmt.startswith("fp8")
+                k_scale, v_scale = (0.5, 0.25) if fp8 else (1.0, 1.0)  # only FP8 storage takes scales
                 for read_back in (False, True):
                     state = {}
                     for name in fns:
-                        cache = torch.zeros(2, num_blocks, 16, H, D, dtype=torch.uint8)
+                        cache = torch.zeros(2, num_blocks, 16, H, D, dtype=KV_STORAGE_DTYPES[fmt])
                         outs = (torch.empty_like(k), torch.empty_like(v)) if read_back else (None, None)
                         state[name] = (cache, outs)
                     calls = {name: (lambda f=f, c=state[name][0], o=state[name][1]: f(
-                        k, v, c[0], c[1], slots, KV_FORMATS[fmt], 0.5, 0.25, o[0], o[1])) for name, f in fns.items()}
+                        k, v, c[0], c[1], slots, KV_FORMATS[fmt], k_scale, v_scale, o[0], o[1]))
+                        for name, f in fns.items()}
                     for f in calls.values():
                         f()
                     if len(fns) == 2:
                         (c0, o0), (c1, o1) = state.values()
-                        same = torch.equal(c0, c1) and all(
+                        same = torch.equal(c0.view(torch.uint8), c1.view(torch.uint8)) and all(
                             a is None or torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
                                                      b.view(torch.int16 if b.element_size() == 2 else torch.int32))
                             for a, b in zip(o0, o1))

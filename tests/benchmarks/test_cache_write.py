@@ -34,9 +34,17 @@ def test_baseline_from_git_runs_side_by_side(ops, monkeypatch, tmp_path):
     assert all(r.rstrip(" |").endswith("x") for r in rows)
 
 
-@pytest.mark.parametrize("bad", [["--rounds", "0"], ["--tokens", "0,4"], ["--head-size", "-1"]])
-def test_rejects_bad_arguments(bad, monkeypatch, capsys):
+def test_other_formats_for_comparison(ops, monkeypatch, tmp_path):
+    rows = _run(monkeypatch, tmp_path, "--tokens", "5", "--rounds", "1", "--formats", "bfloat16,float32,fp8_e4m3")
+    assert sorted({r.strip("|").split("|")[1].strip() for r in rows}) == ["bfloat16", "float32", "fp8_e4m3"]
+
+
+@pytest.mark.parametrize("bad, message", [(["--rounds", "0"], "must be at least 1"),
+                                          (["--tokens", "0,4"], "must be at least 1"),
+                                          (["--head-size", "-1"], "must be at least 1"),
+                                          (["--formats", "fp8,int4"], "unknown format 'fp8'")])
+def test_rejects_bad_arguments(bad, message, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["cache_write.py", *bad])
     with loaded_script("cache_write.py") as script, pytest.raises(SystemExit):
         script.main()
-    assert "must be at least 1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

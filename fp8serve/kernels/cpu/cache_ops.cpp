@@ -15,7 +15,8 @@
 // scalar code). Measured side by side with the 8-lane build on the 2-vCPU
 // Xeon (benchmarks/cache_write.py, results/cache_write_2026-11-30.md): 1.2-2x
 // for 16 to 8192 tokens per call, the most where the read-back is written in
-// bf16; an 8192-token FP8 write now takes about what a bf16 one does.
+// bf16; at 8192 tokens an FP8 write takes what a bf16 one does (at 512,
+// still 1.3x).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
