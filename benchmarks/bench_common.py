@@ -93,3 +93,39 @@ def describe_machine(info: dict) -> list[str]:
         f"software: torch {info['torch']}{tf} | python {info['python']} | torch threads {info['torch_threads']} | "
         f"fp8serve C++ kernels {'yes' if info['cpu_kernels'] else 'no'} | loadavg at start {info['loadavg_at_start']}",
     ]
+
+
+def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
+    """The ops of one kernel source file (fp8serve/kernels/cpu/SOURCE, with
+    the headers beside it) as of git revision `rev`, built with the engine's
+    flags and registered under torch.ops.NAMESPACE instead of fp8serve, so a
+    benchmark can time them side by side with this tree's."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    repo, csrc = Path(__file__).resolve().parent.parent, "fp8serve/kernels/cpu"
+    tmp = Path(tempfile.mkdtemp(prefix="fp8serve_baseline_"))
+    try:
+        names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{csrc}"], cwd=repo, check=True,
+                               capture_output=True, text=True).stdout.split()
+        if source not in names:
+            raise SystemExit(f"{csrc}/{source} does not exist at {rev}")
+        for name in names:
+            if name.endswith(".h") or name == source:
+                text = subprocess.run(["git", "show", f"{rev}:{csrc}/{name}"], cwd=repo, check=True,
+                                      capture_output=True, text=True).stdout
+                if name == source:
+                    text = text.replace("TORCH_LIBRARY_FRAGMENT(fp8serve, m)", f"TORCH_LIBRARY_FRAGMENT({namespace}, m)")
+                (tmp / name).write_text(text)
+        # The engine's flags (fp8serve/kernels/cpu_ops.py).
+        load(name=f"{namespace}_{Path(source).stem}", sources=[str(tmp / source)],
+             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], build_directory=str(tmp), is_python_module=False, verbose=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the library stays mapped
+    return getattr(torch.ops, namespace)
+

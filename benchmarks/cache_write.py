@@ -18,49 +18,17 @@ bit-identical caches and read-backs, or the script stops.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import command_line, describe_machine, machine_info  # noqa: E402
+from bench_common import build_kernel_at_rev, command_line, describe_machine, machine_info  # noqa: E402
 
 from fp8serve.kernels.cpu_ops import KV_FORMATS, KV_STORAGE_DTYPES, load_cpu_ops  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-CSRC = "fp8serve/kernels/cpu"
-
-
-def build_baseline(rev: str) -> object:
-    """`reshape_and_cache` from cache_ops.cpp (and its headers) at `rev`,
-    registered under torch.ops.fp8serve_base."""
-    from torch.utils.cpp_extension import load
-
-    tmp = Path(tempfile.mkdtemp(prefix="fp8serve_cache_write_"))
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{CSRC}"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split()
-    for name in names:
-        if name.endswith(".h") or name == "cache_ops.cpp":
-            text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=REPO, check=True,
-                                  capture_output=True, text=True).stdout
-            if name == "cache_ops.cpp":
-                text = text.replace("TORCH_LIBRARY_FRAGMENT(fp8serve, m)", "TORCH_LIBRARY_FRAGMENT(fp8serve_base, m)")
-            (tmp / name).write_text(text)
-    # The engine's own flags (kernels/cpu_ops.py).
-    try:
-        load(name="fp8serve_cache_write_base", sources=[str(tmp / "cache_ops.cpp")],
-             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], build_directory=str(tmp), is_python_module=False, verbose=False)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # the library stays mapped
-    return torch.ops.fp8serve_base.reshape_and_cache
-
 
 def time_calls(fns: dict, calls: int, rounds: int) -> dict[str, float]:
     """Median over rounds (ABBA order) of each function's median call time."""
@@ -104,7 +72,8 @@ def main() -> None:
         sys.exit("the C++ CPU kernels are unavailable on this machine (see the warning above)")
     fns = {"this tree": ops.reshape_and_cache}
     if args.baseline_rev:
-        fns = {"baseline": build_baseline(args.baseline_rev), **fns}
+        fns = {"baseline": build_kernel_at_rev(args.baseline_rev, "cache_ops.cpp", "fp8serve_base").reshape_and_cache,
+               **fns}
     g = torch.Generator().manual_seed(0)
     H, D = args.num_kv_heads, args.head_size
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),

@@ -12,7 +12,9 @@ AMX; benchmarks/results/dense_gemv_2026-11-30.md, stop 12), ms per pass:
 | AVX512-BF16 GEMV | 10.4 | 13.0 | 20.0 | 24.8 | - | - | - | - |
 | F.linear | 20.0 | 20.2 | 21.0 | 21.4 | 22.8 | 22.2 | 25.8 | 27.8 |
 
-At 1-4 rows the GEMV streams as fast or faster and keeps them.
+At 1-4 rows the GEMV streams as fast or faster and keeps them. Since then the kernel
+runs weight blocks in pairs at 8-32 rows (1.06-1.11x from memory;
+benchmarks/results/amx_linear_2026-11-30.md).
 """
 
 from __future__ import annotations

@@ -55,10 +55,9 @@ constexpr int64_t kMaxRows = 64;  // activation rows per call: four C tiles
 
 #ifdef FP8SERVE_AMX_LINEAR
 
-// Tiles: 0 = A (16 weight rows x 64 bytes), 1 = B (16 k pairs x 16 x rows x
-// 2 bf16, reloaded for each block of 16 x rows), 4-7 = C (16 weight rows x 16
-// float32, one per block of x rows).
-void configure_tiles() { fp8serve_amx::configure_16x64({0, 1, 4, 5, 6, 7}); }
+// Tiles: 0 and 2 (and 3) = A (16 weight rows x 64 bytes), 1 and 3 = B (16 k
+// pairs x 16 x rows x 2 bf16), 4-7 = C (16 weight rows x 16 float32).
+void configure_tiles() { fp8serve_amx::configure_16x64({0, 1, 2, 3, 4, 5, 6, 7}); }
 
 // x [M, K] bf16 -> B tiles: xb[((mb * KC + kc) * 16 + r) * 32 + m * 2 + e] =
 // x[mb * 16 + m][kc * 32 + 2 r + e], zero where mb * 16 + m >= M. Seen as
@@ -80,9 +79,46 @@ void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t MB, ui
   }
 }
 
-// FloatOut: out is float32 holding the bf16-rounded sums (bit for bit what
-// the bf16 result's .float() would hold), for the LM head, whose logits the
-// sampler reads in float32: one pass fewer over [M, vocab].
+// One block of 16 weight rows: its C tiles c[mb][n][m] -> out[mb * 16 + m][n0 + n],
+// bias added, rounded to bf16. FloatOut: out is float32 holding the
+// bf16-rounded sums (bit for bit what the bf16 result's .float() would hold),
+// for the LM head, whose logits the sampler reads in float32: one pass fewer
+// over [M, vocab].
+template <bool FloatOut>
+inline void write_block(const float (*c)[16][16], int64_t M, int64_t n0, int64_t rows, int64_t N, const float* bias,
+                        void* out) {
+  const __mmask16 live = rows == 16 ? 0xffff : static_cast<__mmask16>((1u << rows) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
+  // Column m of a C tile: 16 floats 64 bytes apart, one gather from L1.
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, &c[m / 16][0][m % 16], 4), b);
+    if constexpr (FloatOut) {
+      _mm512_mask_storeu_ps(static_cast<float*>(out) + m * N + n0, live, fp8serve_vec16::round_to<1>(v));
+    } else if (rows == 16) {
+      fp8serve_vec16::store<1>(out, m * N + n0, v);
+    } else {
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, v);
+      for (int64_t n = 0; n < rows; ++n) fp8serve_cvt::store_from_f32<1>(out, m * N + n0 + n, tmp[n]);
+    }
+  }
+}
+
+// Weight row blocks [n_begin, n_end) of one task. Each C tile accumulates
+// over k in a chain of dependent tdpbf16ps. With one or two blocks of x rows
+// (MB <= 2) a single weight block leaves one or two chains, too few to hide
+// their latency, so full weight blocks go in pairs that share each B tile
+// load (C tiles 4/5 for the first, 6/7 for the second). Measured side by side
+// with the one-block loop (benchmarks/amx_linear.py --baseline-rev, 2-vCPU
+// Xeon, results/amx_linear_2026-11-30.md): the default model's decode
+// linears read from memory 1.06-1.11x at 8-32 rows; one layer's linears
+// repeated (in cache, as the FP8 checkpoint's decoded tiles) 1.06-1.08x at
+// 17-32 rows and 0.97-1.02x at 8-16. Engine decode steps (bf16 default
+// model, FP8 KV, alternating processes): batch 16 0.94-1.01x the time
+// (median 0.965), batch 24 0.93-1.01x; the FP8 checkpoint's unchanged.
+// MB = 3-4 already has 3-4 chains and no tiles to spare for a second block.
 template <int MB, bool FloatOut>
 void run_blocks(const uint16_t* w, int64_t K, const uint16_t* xb, const float* bias, int64_t M, int64_t n_begin,
                 int64_t n_end, int64_t N, void* out) {
@@ -90,7 +126,33 @@ void run_blocks(const uint16_t* w, int64_t K, const uint16_t* xb, const float* b
   const int64_t KC = K / 32, w_stride = K * 2;
   alignas(64) float c[4][16][16];
   std::vector<uint16_t> pad;  // a partial last block of weight rows, zero-padded
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
+  int64_t n0 = n_begin;
+  if constexpr (MB <= 2) {
+    alignas(64) float c2[2][2][16][16];
+    for (; n0 + 32 <= n_end && n0 + 32 <= N; n0 += 32) {
+      const uint16_t* a = w + n0 * K;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t kc = 0; kc < KC; ++kc) {
+        _tile_loadd(1, xb + kc * 16 * 32, 64);
+        if constexpr (MB == 2) _tile_loadd(3, xb + (KC + kc) * 16 * 32, 64);
+        _tile_loadd(0, a + kc * 32, w_stride);
+        _tile_dpbf16ps(4, 0, 1);
+        if constexpr (MB == 2) _tile_dpbf16ps(5, 0, 3);
+        _tile_loadd(2, a + 16 * K + kc * 32, w_stride);
+        _tile_dpbf16ps(6, 2, 1);
+        if constexpr (MB == 2) _tile_dpbf16ps(7, 2, 3);
+      }
+      _tile_stored(4, c2[0][0], 64);
+      if constexpr (MB == 2) _tile_stored(5, c2[0][1], 64);
+      _tile_stored(6, c2[1][0], 64);
+      if constexpr (MB == 2) _tile_stored(7, c2[1][1], 64);
+      for (int j = 0; j < 2; ++j) write_block<FloatOut>(c2[j], M, n0 + 16 * j, 16, N, bias, out);
+    }
+  }
+  for (; n0 < n_end; n0 += 16) {
     const uint16_t* a = w + n0 * K;
     const int64_t rows = std::min<int64_t>(16, N - n0);
     if (rows < 16) {
@@ -123,24 +185,7 @@ void run_blocks(const uint16_t* w, int64_t K, const uint16_t* xb, const float* b
     if constexpr (MB > 1) _tile_stored(5, c[1], 64);
     if constexpr (MB > 2) _tile_stored(6, c[2], 64);
     if constexpr (MB > 3) _tile_stored(7, c[3], 64);
-    // c[mb][n][m] -> out[mb * 16 + m][n0 + n], bias added, rounded to bf16.
-    const __mmask16 live = rows == 16 ? 0xffff : static_cast<__mmask16>((1u << rows) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
-    // Column m of a C tile: 16 floats 64 bytes apart, one gather from L1.
-    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(16));
-    for (int64_t m = 0; m < M; ++m) {
-      const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, &c[m / 16][0][m % 16], 4), b);
-      if constexpr (FloatOut) {
-        _mm512_mask_storeu_ps(static_cast<float*>(out) + m * N + n0, live, fp8serve_vec16::round_to<1>(v));
-      } else if (rows == 16) {
-        fp8serve_vec16::store<1>(out, m * N + n0, v);
-      } else {
-        alignas(64) float tmp[16];
-        _mm512_store_ps(tmp, v);
-        for (int64_t n = 0; n < rows; ++n) fp8serve_cvt::store_from_f32<1>(out, m * N + n0 + n, tmp[n]);
-      }
-    }
+    write_block<FloatOut>(c, M, n0, rows, N, bias, out);
   }
   _tile_release();
 }
