@@ -26,6 +26,8 @@ Examples:
   python benchmarks/attention.py --num-heads 32 --num-kv-heads 8 --head-size 128
   # compare against another build of the kernel (its ops registered under another namespace):
   python benchmarks/attention.py --baseline-lib /tmp/old.so --baseline-namespace fp8serve_base
+  # or against the kernel as it was at a git revision (built by the script):
+  python benchmarks/attention.py --baseline-rev HEAD~1
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_common import best_time, describe_machine, machine_info
+from bench_common import best_time, build_kernel_at_rev, describe_machine, machine_info
 
 from fp8serve.attention.backends.cpu_paged import CpuPagedBackend
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
@@ -150,6 +152,7 @@ def main() -> None:
     p.add_argument("--skip-reference", action="store_true", help="do not time the TorchSDPABackend step")
     p.add_argument("--baseline-lib", help="another build of the kernel library to time side by side")
     p.add_argument("--baseline-namespace", default="fp8serve_base", help="its torch.ops namespace")
+    p.add_argument("--baseline-rev", help="time paged_attention.cpp as of this git revision side by side")
     p.add_argument("--no-avx2-column", action="store_true",
                    help="on an AVX-512 build, do not also time the AVX2 tiles")
     p.add_argument("--output", type=Path, default=None,
@@ -162,7 +165,12 @@ def main() -> None:
     if load_cpu_ops() is None:
         sys.exit("the C++ CPU kernels are unavailable on this machine (see the warning above)")
     baseline, base_label = None, ""
-    if args.baseline_lib:
+    if args.baseline_lib and args.baseline_rev:
+        p.error("give --baseline-lib or --baseline-rev, not both")
+    if args.baseline_rev:
+        ops_at_rev = build_kernel_at_rev(args.baseline_rev, "paged_attention.cpp", args.baseline_namespace)
+        baseline, base_label = ops_at_rev.paged_attention_decode, f"baseline ({args.baseline_rev})"
+    elif args.baseline_lib:
         torch.ops.load_library(args.baseline_lib)
         baseline = getattr(torch.ops, args.baseline_namespace).paged_attention_decode
         base_label = "baseline"

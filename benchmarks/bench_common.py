@@ -110,8 +110,11 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
     repo, csrc = Path(__file__).resolve().parent.parent, "fp8serve/kernels/cpu"
     tmp = Path(tempfile.mkdtemp(prefix="fp8serve_baseline_"))
     try:
-        names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{csrc}"], cwd=repo, check=True,
-                               capture_output=True, text=True).stdout.split()
+        listing = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{csrc}"], cwd=repo,
+                                 capture_output=True, text=True)
+        if listing.returncode != 0:
+            raise SystemExit(f"--baseline-rev {rev}: git cannot list {csrc} there ({listing.stderr.strip()})")
+        names = listing.stdout.split()
         if source not in names:
             raise SystemExit(f"{csrc}/{source} does not exist at {rev}")
         for name in names:
