@@ -17,7 +17,6 @@ medians over rounds in ABBA order of each build's pass time; with
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import build_kernel_at_rev, command_line, describe_machine, machine_info  # noqa: E402
+from bench_common import alternate, build_kernel_at_rev, command_line, describe_machine, machine_info  # noqa: E402
 
 from fp8serve.kernels import amx_linear_ops  # noqa: E402
 from fp8serve.kernels.cpu_ops import load_cpu_ops  # noqa: E402
@@ -93,14 +92,9 @@ def main() -> None:
                     f(xs[w.shape[1]], w, None)
             return time.perf_counter() - t
 
-        res: dict[str, list[float]] = {k: [] for k in fns}
-        keys = list(fns)
         for f in fns.values():
             one_pass(f)  # warm-up
-        for r in range(args.rounds):
-            for side in (keys if r % 2 == 0 else keys[::-1]):
-                res[side].append(one_pass(fns[side]))
-        t = {k: statistics.median(v) for k, v in res.items()}
+        t = alternate({k: (lambda f=f: one_pass(f)) for k, f in fns.items()}, args.rounds)
         row = [str(m)] + [f"{1e3 * t[k]:.2f}" for k in fns] + [f"{nbytes / t[k] / 1e9:.1f}" for k in fns]
         if len(fns) == 2:
             row.append(f"{t['baseline'] / t['this tree']:.2f}x")

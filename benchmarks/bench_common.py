@@ -132,3 +132,18 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
         shutil.rmtree(tmp, ignore_errors=True)  # the library stays mapped
     return getattr(torch.ops, namespace)
 
+
+def alternate(measures: dict, rounds: int) -> dict[str, float]:
+    """Runs each zero-argument `measures[name]()` (which returns seconds)
+    once per round, the order reversed every other round (ABBA: a slow
+    stretch of a shared machine, or state that builds up, weighs on every
+    side alike); returns each side's median over the rounds."""
+    import statistics
+
+    res: dict[str, list[float]] = {k: [] for k in measures}
+    keys = list(measures)
+    for r in range(rounds):
+        for side in (keys if r % 2 == 0 else keys[::-1]):
+            res[side].append(measures[side]())
+    return {k: statistics.median(v) for k, v in res.items()}
+

@@ -26,26 +26,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import build_kernel_at_rev, command_line, describe_machine, machine_info  # noqa: E402
+from bench_common import alternate, build_kernel_at_rev, command_line, describe_machine, machine_info  # noqa: E402
 
 from fp8serve.kernels.cpu_ops import KV_FORMATS, KV_STORAGE_DTYPES, load_cpu_ops  # noqa: E402
 
 def time_calls(fns: dict, calls: int, rounds: int) -> dict[str, float]:
     """Median over rounds (ABBA order) of each function's median call time."""
-    res: dict[str, list[float]] = {k: [] for k in fns}
-    keys = list(fns)
-    for r in range(rounds):
-        for side in (keys if r % 2 == 0 else keys[::-1]):
-            f = fns[side]
-            for _ in range(3):
-                f()
-            ts = []
-            for _ in range(calls):
-                t = time.perf_counter()
-                f()
-                ts.append(time.perf_counter() - t)
-            res[side].append(statistics.median(ts))
-    return {k: statistics.median(v) for k, v in res.items()}
+    def median_call(f) -> float:
+        for _ in range(3):
+            f()
+        ts = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    return alternate({k: (lambda f=f: median_call(f)) for k, f in fns.items()}, rounds)
 
 
 def main() -> None:

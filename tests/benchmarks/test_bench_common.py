@@ -1,0 +1,21 @@
+"""benchmarks/bench_common.py: the ABBA alternation helper."""
+
+from __future__ import annotations
+
+from benchmark_scripts import loaded_script
+
+
+def test_alternate_reverses_the_order_every_other_round_and_takes_medians():
+    with loaded_script("bench_common.py") as common:
+        order: list[str] = []
+        values = {"a": iter([5.0, 1.0, 3.0, 100.0]), "b": iter([2.0, 2.0, 9.0, 4.0])}
+
+        def measure(name):
+            def run():
+                order.append(name)
+                return next(values[name])
+            return run
+
+        medians = common.alternate({"a": measure("a"), "b": measure("b")}, rounds=4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert medians == {"a": 4.0, "b": 3.0}
