@@ -55,8 +55,8 @@ constexpr int64_t kMaxRows = 64;  // activation rows per call: four C tiles
 
 #ifdef FP8SERVE_AMX_LINEAR
 
-// Tiles: 0 and 2 (and 3) = A (16 weight rows x 64 bytes), 1 and 3 = B (16 k
-// pairs x 16 x rows x 2 bf16), 4-7 = C (16 weight rows x 16 float32).
+// Tiles: 0 and 2 = A (16 weight rows x 64 bytes), 1 and 3 = B (16 k pairs x
+// 16 x rows x 2 bf16), 4-7 = C (16 weight rows x 16 float32).
 void configure_tiles() { fp8serve_amx::configure_16x64({0, 1, 2, 3, 4, 5, 6, 7}); }
 
 // x [M, K] bf16 -> B tiles: xb[((mb * KC + kc) * 16 + r) * 32 + m * 2 + e] =
@@ -132,9 +132,11 @@ void run_blocks(const uint16_t* w, int64_t K, const uint16_t* xb, const float* b
     for (; n0 + 32 <= n_end && n0 + 32 <= N; n0 += 32) {
       const uint16_t* a = w + n0 * K;
       _tile_zero(4);
-      _tile_zero(5);
       _tile_zero(6);
-      _tile_zero(7);
+      if constexpr (MB == 2) {
+        _tile_zero(5);
+        _tile_zero(7);
+      }
       for (int64_t kc = 0; kc < KC; ++kc) {
         _tile_loadd(1, xb + kc * 16 * 32, 64);
         if constexpr (MB == 2) _tile_loadd(3, xb + (KC + kc) * 16 * 32, 64);
