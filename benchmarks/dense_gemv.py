@@ -7,13 +7,22 @@ float32 per pass). Both variants side by side, best of 3 passes; GB/s =
 weight bytes / time. Also the max relative error against float64.
 
     .venv/bin/python benchmarks/dense_gemv.py
+    .venv/bin/python benchmarks/dense_gemv.py --walks    # the two row walks at M = 1-2, side by side
+
+--walks times dense_gemv's interleaved and sequential row walks (dense_gemv.cpp
+`Walk`) on the same 120 decode linears and on the tied lm_head (49152 x 576),
+alternating in ABBA rounds, next to a plain read (`Tensor.sum`) of as many
+bytes in the same rounds; medians of --rounds.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +33,75 @@ from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) of SmolLM2-135M's projections
 LAYERS = 30
+LM_HEAD = (576, 49152)  # (K, N) of the tied lm_head
+
+
+def packed_weights(dt: torch.dtype, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    holder = torch.nn.Module()
+    holder.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n, k).to(dt) * 0.05, requires_grad=False)
+                                        for k, n in shapes])
+    pack_parameters_on_huge_pages(holder)
+    return list(holder.ws)
+
+
+def walks(rounds: int, layers: int) -> None:
+    """Interleaved vs sequential row walks at M = 1-2, ABBA rounds, against a plain read."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import alternate, command_line, describe_machine, machine_info
+
+    from fp8serve.kernels import cpu_ops
+
+    print("# dense_gemv row walks\n")
+    print(f"Command: `{command_line()}`\n")
+    for line in describe_machine(machine_info()):
+        print(line)
+    print(f"- this CPU's auto walk: M = 1 {cpu_ops.dense_gemv_auto_walk(1)}, M = 2 {cpu_ops.dense_gemv_auto_walk(2)}")
+    print(f"- medians of {rounds} ABBA rounds; GB/s = weight bytes / time; read = `Tensor.sum` over as many bytes\n")
+    print("| weights | calls | M | path | interleaved ms | GB/s | sequential ms | GB/s | sequential speedup | read GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for dt in (torch.float32, torch.bfloat16):
+        for calls, shapes in ((f"{4 * layers} decode linears", [s for _ in range(layers) for s in SHAPES]), ("lm_head", [LM_HEAD])):
+            ws = packed_weights(dt, shapes)
+            nbytes = sum(w.numel() * w.element_size() for w in ws)
+            flat = torch.ones(nbytes // 4)
+            paths = ["best"] + (["fma"] if dt == torch.bfloat16 and cpu_ops._has_bf16_dot() else [])
+            for m in (1, 2):
+                xs = {k: torch.randn(m, k).to(dt) for k, _ in shapes}
+                for path in paths:
+                    def run(walk, path=path, xs=xs, ws=ws):
+                        t = time.perf_counter()
+                        for w in ws:
+                            cpu_ops.dense_gemv(xs[w.shape[1]], w, None, path=path, walk=walk)
+                        return time.perf_counter() - t
+
+                    def read():
+                        t = time.perf_counter()
+                        flat.sum()
+                        return time.perf_counter() - t
+
+                    med = alternate({"interleaved": lambda: run("interleaved"), "sequential": lambda: run("sequential"),
+                                     "read": read}, rounds)
+                    i, q = med["interleaved"], med["sequential"]
+                    print(f"| {str(dt).removeprefix('torch.')} | {calls} | {m} | {path} | {i * 1e3:.2f} | "
+                          f"{nbytes / i / 1e9:.1f} | {q * 1e3:.2f} | {nbytes / q / 1e9:.1f} | {i / q:.2f}x | "
+                          f"{nbytes / med['read'] / 1e9:.1f} |", flush=True)
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--walks", action="store_true", help="compare the interleaved and sequential row walks at M = 1-2")
+    p.add_argument("--rounds", type=int, default=12, help="ABBA rounds for --walks (median)")
+    p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers' linears per pass for --walks")
+    args = p.parse_args()
+    for name in ("rounds", "layers"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     ops = load_cpu_ops()
     if ops is None:
         raise SystemExit("C++ CPU kernels unavailable")
+    if args.walks:
+        walks(args.rounds, args.layers)
+        return
     print(f"# dense_gemv vs F.linear\n\nmachine: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"loadavg {os.getloadavg()}\n")

@@ -299,13 +299,30 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return ok and load_cpu_ops() is not None
 
 
+# dense_gemv's row walks (dense_gemv.cpp `Walk`): how a call streams the weight rows.
+DENSE_GEMV_WALKS = {"auto": 0, "interleaved": 1, "sequential": 2}
+
+
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               path: str = "best") -> torch.Tensor:
+               path: str = "best", walk: str = "auto") -> torch.Tensor:
     """x @ weight.T (+ bias) for M <= 16 rows, float32 or bf16 weights,
     accumulated in float32 and returned in x's dtype. path="fma" keeps the
     float32-FMA loop where the build would use AVX512-BF16 dot products
-    (bf16 x and weights), for tests and benchmarks."""
+    (bf16 x and weights), for tests and benchmarks. walk: "auto" (sequential
+    at M <= 2 on AMD CPUs, interleaved otherwise), or force "interleaved" or
+    "sequential" (M <= 2), for tests and benchmarks."""
     ops = load_cpu_ops()
     if path not in ("best", "fma"):
         raise ValueError(f"unknown path {path!r}; expected 'best' or 'fma'")
-    return (ops.dense_gemv if path == "best" else ops.dense_gemv_fma)(x, weight, bias)
+    if walk not in DENSE_GEMV_WALKS:
+        raise ValueError(f"unknown walk {walk!r}; expected one of {list(DENSE_GEMV_WALKS)}")
+    if walk == "auto":
+        return (ops.dense_gemv if path == "best" else ops.dense_gemv_fma)(x, weight, bias)
+    if walk == "sequential" and x.dim() == 2 and x.shape[0] > 2:
+        raise ValueError(f"the sequential walk takes at most 2 rows, got {x.shape[0]}")
+    return ops.dense_gemv_walk(x, weight, bias, path == "best", DENSE_GEMV_WALKS[walk])
+
+
+def dense_gemv_auto_walk(m: int) -> str:
+    """The walk dense_gemv takes at `m` rows on this CPU ("interleaved" or "sequential")."""
+    return "sequential" if load_cpu_ops().dense_gemv_auto_walk(m) == 2 else "interleaved"

@@ -33,6 +33,49 @@ def test_matches_float64(seed, m, k, w_dtype, x_dtype, with_bias, path):
     assert err < tol, f"seed={seed}: {err:.2e}"
 
 
+@pytest.mark.parametrize("m", [1, 2])  # the sequential walk takes 1-2 rows
+@pytest.mark.parametrize("k", [576, 160, 40, 37, 8])  # two accumulator sets along k, then tails
+@pytest.mark.parametrize("w_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("path", ["best", "fma"])
+@pytest.mark.parametrize("walk", ["interleaved", "sequential"])
+def test_each_row_walk_matches_float64(seed, m, k, w_dtype, x_dtype, path, walk):
+    """Both row walks on every CPU, whichever one `auto` picks here."""
+    g = torch.Generator().manual_seed(seed)
+    n = 163  # odd: interleaved leaves a remainder of weight rows
+    w = (torch.randn(n, k, generator=g) * 0.1).to(w_dtype)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    bias = torch.randn(n, generator=g).to(x_dtype)
+    out = cpu_ops.dense_gemv(x, w, bias, path=path, walk=walk)
+    ref = x.double() @ w.double().t() + bias.double()
+    tol = 1e-5 if x_dtype == torch.float32 else 2 ** -8
+    err = ((out.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+    assert err < tol, f"seed={seed}: {err:.2e}"
+
+
+def test_auto_walk_follows_the_cpu_vendor():
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    amd = "AuthenticAMD" in cpuinfo
+    for m in (1, 2):
+        assert cpu_ops.dense_gemv_auto_walk(m) == ("sequential" if amd else "interleaved")
+    for m in (3, 8, 16):
+        assert cpu_ops.dense_gemv_auto_walk(m) == "interleaved"
+
+
+def test_bad_walks_are_refused():
+    w = torch.randn(40, 64)
+    with pytest.raises(ValueError, match="unknown walk 'rows'"):
+        cpu_ops.dense_gemv(torch.randn(1, 64), w, walk="rows")
+    with pytest.raises(ValueError, match="at most 2 rows, got 3"):
+        cpu_ops.dense_gemv(torch.randn(3, 64), w, walk="sequential")
+    with pytest.raises(RuntimeError, match="at most 2 rows, got 4"):  # the op checks too
+        cpu_ops.load_cpu_ops().dense_gemv_walk(torch.randn(4, 64), w, None, True, 2)
+    with pytest.raises(RuntimeError, match="walk must be 0, 1 or 2, got 7"):
+        cpu_ops.load_cpu_ops().dense_gemv_walk(torch.randn(1, 64), w, None, True, 7)
+
+
 def test_strided_x_rows_and_limits(seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(40, 64, generator=g)

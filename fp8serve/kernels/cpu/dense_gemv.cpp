@@ -19,6 +19,19 @@
 // inputs as zero; products of normal bf16 values are exact in float32.)
 //
 // Threads: rows of w are split over torch's thread pool (at::parallel_for).
+//
+// Row walk at M = 1-2 (`Walk`). Interleaved, the Xeon's best: R = 4 weight
+// rows per tile and a software prefetch two tiles ahead. On AMD Zen 4 (2-vCPU
+// EPYC guest, 2026-11-30) that reached 21-25 GB/s of a 30-40 GB/s plain read,
+// and one row at a time with no software prefetch, so that the kernel reads w
+// front to back as a single stream, reached 33 (bf16) to 50 (float32) GB/s:
+// 1.5x / 2x on the default model's 120 decode linears, 1.3x / 1.5x at M = 2
+// (benchmarks/results/dense_gemv_2026-11-30_zen4.md). Two rows at a time were
+// as slow as four there, and a prefetch 1-4 rows ahead cost 20-40%. So
+// AMD CPUs walk rows sequentially at M <= 2, with two accumulator sets along k
+// to keep the FMA chains short; Intel CPUs keep the interleaved walk, measured
+// best there (stop 18). At M >= 3 both walk interleaved: the loop is bound by
+// FMAs, not by memory.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,33 +58,62 @@ constexpr int64_t kTileRows = 8;      // activation rows per register tile
 constexpr int64_t kRowBlock = 64;
 constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at least
 
+// How a call walks the weight rows (see the header). kAuto picks per CPU vendor and M.
+enum Walk : int64_t { kAutoWalk = 0, kInterleaved = 1, kSequential = 2 };
+constexpr int64_t kMaxSequentialRows = 2;  // activation rows that may walk sequentially
+
+bool cpu_is_amd() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+
+// Whether this call walks rows sequentially.
+bool walk_sequential(int64_t walk, int64_t M) {
+  static const bool amd = cpu_is_amd();
+  if (walk == kAutoWalk) return amd && M <= kMaxSequentialRows;
+  return walk == kSequential;
+}
+
 // WT: 0 float32 weights, 1 bf16 weights (the storage tags of scalar_convert.h).
-// dots[r * MT + m] = sum_k w[r][k] * x[m][k] for R weight rows, MT activation rows.
-// Each 64 bytes of a row also prefetch the same columns `prefetch_ahead` bytes
-// further on (two tiles of rows ahead): rows are short, so the hardware
-// prefetchers barely ramp up before a stream ends (see fp8_gemm.cpp, where
-// this doubled the batch-1 read rate).
-template <int WT, int R, int MT>
+// dots[r * MT + m] = sum_k w[r][k] * x[m][k] for R weight rows, MT activation rows,
+// summed in KS independent accumulator sets along k (shorter FMA chains when
+// R * MT is small). With prefetch_ahead > 0, each 64 bytes of a row also
+// prefetch the same columns that many bytes further on (two tiles of rows
+// ahead): rows are short, so the Xeon's hardware prefetchers barely ramp up
+// before a stream ends (see fp8_gemm.cpp, where this doubled the batch-1 read
+// rate there).
+template <int WT, int R, int MT, int KS = 1>
 inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t K, float* dots,
                      int64_t prefetch_ahead) {
   int64_t k = 0;
 #ifdef FP8SERVE_VEC8
   namespace v8 = fp8serve_vec8;
   constexpr int64_t kElemBytes = WT == 0 ? 4 : 2;
-  __m256 acc[R][MT];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) {
-    if (((k * kElemBytes) & 63) == 0) {
-      for (int r = 0; r < R; ++r) _mm_prefetch(w + r * w_row_bytes + k * kElemBytes + prefetch_ahead, _MM_HINT_T0);
+  __m256 acc[KS][R][MT];
+  for (int s = 0; s < KS; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm256_setzero_ps();
+  const auto step = [&](int s, int64_t kk) {
+    if (prefetch_ahead > 0 && ((kk * kElemBytes) & 63) == 0) {
+      for (int r = 0; r < R; ++r) _mm_prefetch(w + r * w_row_bytes + kk * kElemBytes + prefetch_ahead, _MM_HINT_T0);
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 wv = v8::load<WT>(w + r * w_row_bytes, k);
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[r][m]);
+      const __m256 wv = v8::load<WT>(w + r * w_row_bytes, kk);
+      for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + kk), acc[s][r][m]);
     }
-  }
+  };
+  for (; k + 8 * KS <= K; k += 8 * KS)
+    for (int s = 0; s < KS; ++s) step(s, k + 8 * s);
+  for (; k + 8 <= K; k += 8) step(0, k);
+  for (int s = 1; s < KS; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[0][r][m] = _mm256_add_ps(acc[0][r][m], acc[s][r][m]);
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) dots[r * MT + m] = v8::hsum(acc[r][m]);
+    for (int m = 0; m < MT; ++m) dots[r * MT + m] = v8::hsum(acc[0][r][m]);
 #else
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) dots[r * MT + m] = 0.f;
@@ -84,11 +126,14 @@ inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t
   }
 }
 
-template <int WT, int MT>
+template <int WT, int MT, bool kSeq>
 void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const float* bias, int64_t N, int64_t K,
           int64_t n_begin, int64_t n_end) {
-  // R * MT <= 8 accumulators leave registers for the weight vectors.
-  constexpr int R = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
+  // Interleaved: R * MT <= 8 accumulators leave registers for the weight
+  // vectors. Sequential: one row, two accumulator sets, no software prefetch.
+  constexpr int R = kSeq ? 1 : MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
+  constexpr int KS = kSeq ? 2 : 1;
+  const int64_t tiles_ahead = kSeq ? 0 : 2;
   float dots[R * MT];
   int64_t n = n_begin;
   const auto emit = [&](int64_t n0, int rr) {
@@ -98,11 +143,11 @@ void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const 
     }
   };
   for (; n + R <= n_end; n += R) {
-    dot_tile<WT, R, MT>(w + n * w_row_bytes, w_row_bytes, x, K, dots, 2 * R * w_row_bytes);
+    dot_tile<WT, R, MT, KS>(w + n * w_row_bytes, w_row_bytes, x, K, dots, tiles_ahead * R * w_row_bytes);
     emit(n, R);
   }
   for (; n < n_end; ++n) {
-    dot_tile<WT, 1, MT>(w + n * w_row_bytes, w_row_bytes, x, K, dots, 2 * w_row_bytes);
+    dot_tile<WT, 1, MT, KS>(w + n * w_row_bytes, w_row_bytes, x, K, dots, tiles_ahead * w_row_bytes);
     emit(n, 1);
   }
 }
@@ -110,34 +155,45 @@ void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define FP8SERVE_BF16_DOT 1
 // dots[r * MT + m] = sum_k w[r][k] * x[m][k], bf16 rows of K (a multiple of
-// 32) elements, R * MT zmm accumulators.
-template <int R, int MT>
+// 32) elements, KS * R * MT zmm accumulators (KS sets along k). prefetch_ahead
+// as in dot_tile (0: none).
+template <int R, int MT, int KS = 1>
 inline void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* dots, int64_t prefetch_ahead) {
-  __m512 acc[R][MT];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  __m512 acc[KS][R][MT];
+  for (int s = 0; s < KS; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm512_setzero_ps();
   const char* wb = reinterpret_cast<const char*>(w);
-  for (int64_t k = 0; k < K; k += 32) {
+  const auto step = [&](int s, int64_t k) {
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(wb + (r * K + k) * 2 + prefetch_ahead, _MM_HINT_T0);
+      if (prefetch_ahead > 0) _mm_prefetch(wb + (r * K + k) * 2 + prefetch_ahead, _MM_HINT_T0);
       wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
     }
     for (int m = 0; m < MT; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+      for (int r = 0; r < R; ++r) acc[s][r][m] = _mm512_dpbf16_ps(acc[s][r][m], wv[r], xv);
     }
-  }
+  };
+  int64_t k = 0;
+  for (; k + 32 * KS <= K; k += 32 * KS)
+    for (int s = 0; s < KS; ++s) step(s, k + 32 * s);
+  for (; k < K; k += 32) step(0, k);
+  for (int s = 1; s < KS; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[0][r][m] = _mm512_add_ps(acc[0][r][m], acc[s][r][m]);
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) dots[r * MT + m] = _mm512_reduce_add_ps(acc[r][m]);
+    for (int m = 0; m < MT; ++m) dots[r * MT + m] = _mm512_reduce_add_ps(acc[0][r][m]);
 }
 
 // MT <= 8 activation rows in one register tile: each weight vector feeds MT
-// instructions.
-template <int MT>
+// instructions. kSeq: the sequential walk (see the header).
+template <int MT, bool kSeq>
 void rows_bf16(float* out, const uint16_t* x, const uint16_t* w, const float* bias, int64_t N, int64_t K,
                int64_t n_begin, int64_t n_end) {
-  constexpr int R = MT <= 4 ? 4 : MT <= 8 ? 2 : 1;  // R * MT <= 16 accumulators
+  constexpr int R = kSeq ? 1 : MT <= 4 ? 4 : MT <= 8 ? 2 : 1;  // R * MT <= 16 accumulators
+  constexpr int KS = kSeq ? 2 : 1;
+  const int64_t tiles_ahead = kSeq ? 0 : 2;
   float dots[R * MT];
   const auto emit = [&](int64_t n0, int rr) {
     for (int r = 0; r < rr; ++r) {
@@ -147,20 +203,26 @@ void rows_bf16(float* out, const uint16_t* x, const uint16_t* w, const float* bi
   };
   int64_t n = n_begin;
   for (; n + R <= n_end; n += R) {
-    dot_tile_bf16<R, MT>(w + n * K, x, K, dots, 2 * R * K * 2);
+    dot_tile_bf16<R, MT, KS>(w + n * K, x, K, dots, tiles_ahead * R * K * 2);
     emit(n, R);
   }
   for (; n < n_end; ++n) {
-    dot_tile_bf16<1, MT>(w + n * K, x, K, dots, 2 * K * 2);
+    dot_tile_bf16<1, MT, KS>(w + n * K, x, K, dots, tiles_ahead * K * 2);
     emit(n, 1);
   }
 }
 
-void rows_bf16_any(int64_t mt, float* out, const uint16_t* x, const uint16_t* w, const float* bias, int64_t N,
-                   int64_t K, int64_t b, int64_t e) {
+void rows_bf16_any(int64_t mt, bool seq, float* out, const uint16_t* x, const uint16_t* w, const float* bias,
+                   int64_t N, int64_t K, int64_t b, int64_t e) {
+  if (seq) {
+    TORCH_CHECK(mt <= kMaxSequentialRows, "the sequential walk takes at most ", kMaxSequentialRows, " rows");
+    if (mt == 1) rows_bf16<1, true>(out, x, w, bias, N, K, b, e);
+    else rows_bf16<2, true>(out, x, w, bias, N, K, b, e);
+    return;
+  }
   switch (mt) {
 #define FP8SERVE_CASE(T) \
-  case T: rows_bf16<T>(out, x, w, bias, N, K, b, e); break;
+  case T: rows_bf16<T, false>(out, x, w, bias, N, K, b, e); break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
 #undef FP8SERVE_CASE
@@ -170,11 +232,17 @@ void rows_bf16_any(int64_t mt, float* out, const uint16_t* x, const uint16_t* w,
 #endif
 
 template <int WT>
-void rows_any(int64_t mt, float* out, const float* x, const char* w, int64_t wrb, const float* bias, int64_t N,
-              int64_t K, int64_t b, int64_t e) {
+void rows_any(int64_t mt, bool seq, float* out, const float* x, const char* w, int64_t wrb, const float* bias,
+              int64_t N, int64_t K, int64_t b, int64_t e) {
+  if (seq) {
+    TORCH_CHECK(mt <= kMaxSequentialRows, "the sequential walk takes at most ", kMaxSequentialRows, " rows");
+    if (mt == 1) rows<WT, 1, true>(out, x, w, wrb, bias, N, K, b, e);
+    else rows<WT, 2, true>(out, x, w, wrb, bias, N, K, b, e);
+    return;
+  }
   switch (mt) {
 #define FP8SERVE_CASE(T) \
-  case T: rows<WT, T>(out, x, w, wrb, bias, N, K, b, e); break;
+  case T: rows<WT, T, false>(out, x, w, wrb, bias, N, K, b, e); break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
 #undef FP8SERVE_CASE
@@ -187,7 +255,10 @@ void rows_any(int64_t mt, float* out, const float* x, const char* w, int64_t wrb
 // x: [M, K] float32 or bf16 (rows contiguous), M <= 16; w: [N, K] contiguous,
 // float32 or bf16; bias: [N] or none. Returns [M, N] in x's dtype.
 // allow_bf16_dot: false keeps the float32-FMA loop (tests, benchmarks).
-at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias, bool allow_bf16_dot) {
+// walk: a Walk (kAutoWalk picks by CPU vendor and M; the others force one,
+// for tests and benchmarks; kSequential takes M <= 2).
+at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias, bool allow_bf16_dot,
+                           int64_t walk) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && w.device().is_cpu(), "x must be a [M, K] CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bf16");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
@@ -195,6 +266,10 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "w has ", w.size(1), " columns, x has ", K);
   TORCH_CHECK(M <= kMaxRows, "dense_gemv takes at most ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(walk == kAutoWalk || walk == kInterleaved || walk == kSequential, "walk must be 0, 1 or 2, got ", walk);
+  TORCH_CHECK(walk != kSequential || M <= kMaxSequentialRows, "the sequential walk takes at most ",
+              kMaxSequentialRows, " rows, got ", M);
+  const bool seq = walk_sequential(walk, M);
   at::Tensor b;
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
@@ -229,7 +304,7 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
         // weight rows stay in L2 between tiles.
         for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
           const int64_t mt = std::min(kTileRows, M - m0);
-          rows_bf16_any(mt, op + m0 * N, xb + m0 * K, wb16, bp, N, K, n0, n1);
+          rows_bf16_any(mt, seq, op + m0 * N, xb + m0 * K, wb16, bp, N, K, n0, n1);
         }
       }
       io.narrow(M, begin, end);
@@ -242,8 +317,8 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
       const int64_t n1 = std::min(end, n0 + kRowBlock);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int64_t mt = std::min(kTileRows, M - m0);
-        if (wbf16) rows_any<1>(mt, op + m0 * N, xp + m0 * K, wp, wrb, bp, N, K, n0, n1);
-        else rows_any<0>(mt, op + m0 * N, xp + m0 * K, wp, wrb, bp, N, K, n0, n1);
+        if (wbf16) rows_any<1>(mt, seq, op + m0 * N, xp + m0 * K, wp, wrb, bp, N, K, n0, n1);
+        else rows_any<0>(mt, seq, op + m0 * N, xp + m0 * K, wp, wrb, bp, N, K, n0, n1);
       }
     }
     io.narrow(M, begin, end);
@@ -252,13 +327,22 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
 }
 
 at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias) {
-  return dense_gemv_impl(x, w, bias, /*allow_bf16_dot=*/true);
+  return dense_gemv_impl(x, w, bias, /*allow_bf16_dot=*/true, kAutoWalk);
 }
 
 // Same contract, always the float32-FMA loop (what CPUs without AVX512-BF16 run).
 at::Tensor dense_gemv_fma(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias) {
-  return dense_gemv_impl(x, w, bias, /*allow_bf16_dot=*/false);
+  return dense_gemv_impl(x, w, bias, /*allow_bf16_dot=*/false, kAutoWalk);
 }
+
+// Either path with a forced row walk (tests, benchmarks): walk 1 interleaved, 2 sequential.
+at::Tensor dense_gemv_walk(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias, bool allow_bf16_dot,
+                           int64_t walk) {
+  return dense_gemv_impl(x, w, bias, allow_bf16_dot, walk);
+}
+
+// The walk kAutoWalk takes at M rows on this CPU: 1 interleaved, 2 sequential.
+int64_t dense_gemv_auto_walk(int64_t M) { return walk_sequential(kAutoWalk, M) ? kSequential : kInterleaved; }
 
 bool dense_gemv_has_bf16_dot() {
 #ifdef FP8SERVE_BF16_DOT
@@ -271,5 +355,7 @@ bool dense_gemv_has_bf16_dot() {
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("dense_gemv", &dense_gemv);
   m.def("dense_gemv_fma", &dense_gemv_fma);
+  m.def("dense_gemv_walk", &dense_gemv_walk);
+  m.def("dense_gemv_auto_walk", &dense_gemv_auto_walk);
   m.def("dense_gemv_has_bf16_dot", &dense_gemv_has_bf16_dot);
 }
