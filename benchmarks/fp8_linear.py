@@ -19,6 +19,12 @@ by other processes on a shared machine does not count. --wall times with
 --threads threads on the wall clock.
 
     .venv/bin/python benchmarks/fp8_linear.py [--quick] [--wall --threads 2]
+    .venv/bin/python benchmarks/fp8_linear.py --walks   # the fused kernel's two row walks at M = 1-2
+
+--walks times `fp8_linear`'s interleaved and sequential row walks (fp8_gemm.cpp
+`Walk`) on SmolLM2-135M's 120 decode linears (e4m3 codes on 2 MiB pages, as the
+engine packs them), with torch's threads, alternating in ABBA rounds next to a
+plain read (`Tensor.sum`) of as many bytes; medians of --rounds.
 """
 
 from __future__ import annotations
@@ -71,14 +77,78 @@ def time_rounds(variants: dict, rounds: int, clock, flops_per_call: float) -> di
     return best
 
 
+def walks(rounds: int, layers: int) -> None:
+    """Interleaved vs sequential row walks of the fused kernel at M = 1-2, ABBA rounds."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import alternate, command_line, describe_machine, machine_info
+
+    from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
+
+    ops = load_cpu_ops()
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N), SmolLM2-135M
+    holder = torch.nn.Module()
+    gen = torch.Generator().manual_seed(0)
+    codes = []
+    for _ in range(layers):
+        for k, n in shapes:
+            c = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+            codes.append(torch.nn.Parameter(torch.where((c & 0x7F) == 0x7F, c ^ 1, c), requires_grad=False))
+    holder.ws = torch.nn.ParameterList(codes)
+    pack_parameters_on_huge_pages(holder)
+    ws = list(holder.ws)
+    scales = {n: torch.rand(n, generator=gen) * 1e-2 + 1e-4 for _, n in shapes}
+    nbytes = sum(w.numel() for w in ws)
+    flat = torch.ones(nbytes // 4)
+    print("# fp8_linear row walks\n")
+    print(f"Command: `{command_line()}`\n")
+    for line in describe_machine(machine_info()):
+        print(line)
+    print(f"- this CPU's auto walk: M = 1 {'sequential' if ops.fp8_linear_auto_walk(1) == 2 else 'interleaved'}, "
+          f"M = 2 {'sequential' if ops.fp8_linear_auto_walk(2) == 2 else 'interleaved'}")
+    print(f"- {len(ws)} decode linears, {nbytes / 1e6:.0f} MB of codes; medians of {rounds} ABBA rounds; "
+          "GB/s = code bytes / time; read = `Tensor.sum` over as many bytes\n")
+    print("| x dtype | M | loop | interleaved ms | GB/s | sequential ms | GB/s | sequential speedup | read GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dt in (torch.float32, torch.bfloat16):
+        for m in (1, 2):
+            xs = {k: torch.randn(m, k, generator=gen).to(dt) for k, _ in shapes}
+            for wide in (True, False):
+                def run(walk, wide=wide, xs=xs):
+                    t = time.perf_counter()
+                    for w in ws:
+                        ops.fp8_linear_walk(xs[w.shape[1]], w, scales[w.shape[0]], None, wide, walk)
+                    return time.perf_counter() - t
+
+                def read():
+                    t = time.perf_counter()
+                    flat.sum()
+                    return time.perf_counter() - t
+
+                med = alternate({"interleaved": lambda: run(1), "sequential": lambda: run(2), "read": read}, rounds)
+                i, q = med["interleaved"], med["sequential"]
+                print(f"| {str(dt).removeprefix('torch.')} | {m} | {'32-code (AVX-512)' if wide else '16-code (AVX2)'} | "
+                      f"{i * 1e3:.2f} | {nbytes / i / 1e9:.1f} | {q * 1e3:.2f} | {nbytes / q / 1e9:.1f} | {i / q:.2f}x | "
+                      f"{nbytes / med['read'] / 1e9:.1f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--walks", action="store_true", help="compare the fused kernel's two row walks at M = 1-2")
+    ap.add_argument("--layers", type=int, default=30, help="decoder layers' linears per pass for --walks")
     ap.add_argument("--wall", action="store_true", help="wall-clock time instead of thread CPU time")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="SmolLM2 shapes and M in {1, 16} only")
     ap.add_argument("--out", type=Path, default=None, help="markdown file (default benchmarks/results/fp8_linear_<date>.md)")
     args = ap.parse_args()
+    for name in ("rounds", "layers"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.walks:
+        if load_cpu_ops() is None:
+            sys.exit("C++ CPU kernels unavailable")
+        walks(args.rounds, args.layers)
+        return
     if args.wall:
         torch.set_num_threads(args.threads)
         clock = time.perf_counter

@@ -79,6 +79,39 @@ def test_fp8_linear_matches_float64_reference(m, with_bias, x_dtype):
         assert_close(dq, x, w, scale, bias, seed, f"dequant+GEMM {what}")
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("m", [1, 2])  # the sequential walk takes 1-2 rows
+@pytest.mark.parametrize("wide", [True, False], ids=["wide", "avx2"])
+@pytest.mark.parametrize("walk", ["interleaved", "sequential"])
+def test_each_row_walk_matches_float64_reference(walk, wide, m, x_dtype):
+    """Both row walks on every CPU, whichever one the engine's calls take here."""
+    ops = load_cpu_ops()
+    code = {"interleaved": 1, "sequential": 2}[walk]
+    for n, k in SHAPES:
+        seed = fresh_seed()
+        x, w, scale, bias = make_case(m, n, k, x_dtype, True, seed)
+        out = ops.fp8_linear_walk(x, w, scale, bias, wide, code)
+        assert_close(out, x, w, scale, bias, seed, f"{walk} wide={wide} M={m} N={n} K={k} {x_dtype}")
+
+
+def test_auto_walk_follows_the_cpu_vendor():
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    walk = 2 if "AuthenticAMD" in cpuinfo else 1
+    ops = load_cpu_ops()
+    assert [ops.fp8_linear_auto_walk(m) for m in (1, 2, 3, 8)] == [walk, walk, 1, 1]
+
+
+def test_bad_walks_are_refused():
+    ops = load_cpu_ops()
+    x, w, scale, bias = make_case(3, 37, 64, torch.float32, False, 0)
+    with pytest.raises(RuntimeError, match="at most 2 rows, got 3"):
+        ops.fp8_linear_walk(x, w, scale, None, True, 2)
+    with pytest.raises(RuntimeError, match="walk must be 0, 1 or 2, got 5"):
+        ops.fp8_linear_walk(x[:1], w, scale, None, True, 5)
+
+
 # 203 = 6 x 32 + 11: the 32-code loop and the scalar tail; 213 = 6 x 32 + 16 + 5
 # also runs the 16-code loop after the 32-code one (AVX-512 builds).
 @pytest.mark.parametrize("k", [203, 213])

@@ -42,6 +42,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_vendor.h"
 #include "float_staging.h"
 #include "scalar_convert.h"
 #include "vec8.h"
@@ -62,19 +63,9 @@ constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at leas
 enum Walk : int64_t { kAutoWalk = 0, kInterleaved = 1, kSequential = 2 };
 constexpr int64_t kMaxSequentialRows = 2;  // activation rows that may walk sequentially
 
-bool cpu_is_amd() {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd");
-#else
-  return false;
-#endif
-}
-
 // Whether this call walks rows sequentially.
 bool walk_sequential(int64_t walk, int64_t M) {
-  static const bool amd = cpu_is_amd();
-  if (walk == kAutoWalk) return amd && M <= kMaxSequentialRows;
+  if (walk == kAutoWalk) return fp8serve_cpu::is_amd() && M <= kMaxSequentialRows;
   return walk == kSequential;
 }
 

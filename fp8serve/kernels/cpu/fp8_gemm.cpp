@@ -25,6 +25,15 @@
 // difference was within the machine's noise (~1 ms of ~20).
 //
 // Threads: rows of w are split over torch's thread pool (at::parallel_for).
+//
+// Row walk at M = 1-2 (`Walk`, as in dense_gemv.cpp). Interleaved, the Xeon's
+// best: R = 4 weight rows per tile and a software prefetch two tiles ahead. On
+// AMD Zen 4 (2-vCPU EPYC guest) one row at a time with no software prefetch,
+// and each vector loop's two FMAs on separate accumulators, ran the default
+// model's 120 decode linears 1.28-1.41x as fast at M = 1 (1.22-1.26x on the
+// 16-code AVX2 loop) and 1.07-1.20x at M = 2
+// (benchmarks/results/fp8_linear_2026-11-30_zen4.md). AMD CPUs take it at
+// M <= 2; Intel CPUs keep the interleaved walk.
 
 // ATen rather than torch/torch.h: same types, a fraction of the compile time.
 #include <ATen/ATen.h>
@@ -32,6 +41,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_vendor.h"
 #include "float_staging.h"
 #include "vec16.h"
 #include "vec8.h"
@@ -140,21 +150,24 @@ inline float hsum(__m256 v) {
 //
 // kWide: first 32 codes at a time in 16-lane vectors where the build has
 // AVX-512 (FP8SERVE_GEMM_AVX512); see the header for what it gains.
-template <int R, int MT, bool kWide>
+// kSplit: the vector loops' two FMAs per row go to two accumulators (the
+// sequential walk's single row would otherwise wait on one FMA chain);
+// prefetch_ahead 0: no software prefetch.
+template <int R, int MT, bool kWide, bool kSplit = false>
 inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, float* dots,
                      int64_t prefetch_ahead) {
   int64_t k = 0;
 #ifdef FP8SERVE_GEMM_AVX2
-  __m256 acc[R][MT];
+  __m256 acc[R][MT], acc_hi[R][MT];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m) acc[r][m] = acc_hi[r][m] = _mm256_setzero_ps();
 #ifdef FP8SERVE_GEMM_AVX512
   if constexpr (kWide) {
-    __m512 wide[R][MT];
+    __m512 wide[R][MT], wide_hi[R][MT];
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) wide[r][m] = _mm512_setzero_ps();
+      for (int m = 0; m < MT; ++m) wide[r][m] = wide_hi[r][m] = _mm512_setzero_ps();
     for (; k + 32 <= len; k += 32) {
-      if ((k & 63) == 0) {
+      if (prefetch_ahead > 0 && (k & 63) == 0) {
         for (int r = 0; r < R; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(w + r * ld + k + prefetch_ahead), _MM_HINT_T0);
       }
@@ -163,10 +176,15 @@ inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, 
         decode32(w + r * ld + k, lo, hi);
         for (int m = 0; m < MT; ++m) {
           wide[r][m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * ld + k), wide[r][m]);
-          wide[r][m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * ld + k + 16), wide[r][m]);
+          const __m512 xh = _mm512_loadu_ps(x + m * ld + k + 16);
+          if constexpr (kSplit) wide_hi[r][m] = _mm512_fmadd_ps(hi, xh, wide_hi[r][m]);
+          else wide[r][m] = _mm512_fmadd_ps(hi, xh, wide[r][m]);
         }
       }
     }
+    if constexpr (kSplit)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) wide[r][m] = _mm512_add_ps(wide[r][m], wide_hi[r][m]);
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MT; ++m)
         acc[r][m] = _mm256_add_ps(_mm512_castps512_ps256(wide[r][m]),
@@ -174,7 +192,7 @@ inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, 
   }
 #endif
   for (; k + 16 <= len; k += 16) {
-    if ((k & 63) == 0) {
+    if (prefetch_ahead > 0 && (k & 63) == 0) {
       // Past the end of w this is a no-op: prefetches never fault.
       for (int r = 0; r < R; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(w + r * ld + k + prefetch_ahead), _MM_HINT_T0);
@@ -184,7 +202,9 @@ inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, 
       decode16(w + r * ld + k, lo, hi);
       for (int m = 0; m < MT; ++m) {
         acc[r][m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + m * ld + k), acc[r][m]);
-        acc[r][m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + m * ld + k + 8), acc[r][m]);
+        const __m256 xh = _mm256_loadu_ps(x + m * ld + k + 8);
+        if constexpr (kSplit) acc_hi[r][m] = _mm256_fmadd_ps(hi, xh, acc_hi[r][m]);
+        else acc[r][m] = _mm256_fmadd_ps(hi, xh, acc[r][m]);
       }
     }
   }
@@ -194,6 +214,9 @@ inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, 
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + m * ld + k), acc[r][m]);
     }
   }
+  if constexpr (kSplit)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_add_ps(acc[r][m], acc_hi[r][m]);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) dots[r * MT + m] += hsum(acc[r][m]);
 #endif
@@ -218,17 +241,18 @@ constexpr int64_t kPrefetchTiles = 2;
 
 // Rows [n_begin, n_end) of out (row stride N) for MT activation rows; `dots`
 // holds (n_end - n_begin) * MT partial sums across column blocks.
-template <int R, int MT, bool kWide>
+template <int R, int MT, bool kWide, bool kSeq>
 void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale, const float* bias, int64_t N,
                int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
+  const int64_t tiles_ahead = kSeq ? 0 : kPrefetchTiles;
   std::fill(dots, dots + (n_end - n_begin) * MT, 0.f);
   for (int64_t k0 = 0; k0 < K; k0 += kColBlock<MT>) {
     const int64_t len = std::min(kColBlock<MT>, K - k0);
     int64_t n = n_begin;
     for (; n + R <= n_end; n += R)
-      dot_tile<R, MT, kWide>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, kPrefetchTiles * R * K);
+      dot_tile<R, MT, kWide, kSeq>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, tiles_ahead * R * K);
     for (; n < n_end; ++n)
-      dot_tile<1, MT, kWide>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, kPrefetchTiles * K);
+      dot_tile<1, MT, kWide, kSeq>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, tiles_ahead * K);
   }
   for (int64_t n = n_begin; n < n_end; ++n) {
     const float s = scale[n] * kE4M3DecodeMultiplier, b = bias ? bias[n] : 0.f;
@@ -236,20 +260,36 @@ void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale,
   }
 }
 
-// MT activation rows at a time; rows per tile keep R * MT <= 8 accumulators.
-template <int MT, bool kWide>
+// MT activation rows at a time; rows per tile keep R * MT <= 8 accumulators
+// (interleaved walk), or one row per tile (sequential walk).
+template <int MT, bool kWide, bool kSeq>
 void rows_mtile(float* out, const float* x, const uint8_t* w, const float* scale, const float* bias, int64_t N,
                 int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
-  constexpr int R = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
-  rows_tile<R, MT, kWide>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
+  constexpr int R = kSeq ? 1 : MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
+  rows_tile<R, MT, kWide, kSeq>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
+}
+
+// How a call walks the weight rows (see the header). kAutoWalk picks per CPU vendor and M.
+enum Walk : int64_t { kAutoWalk = 0, kInterleaved = 1, kSequential = 2 };
+constexpr int64_t kMaxSequentialRows = 2;  // activation rows that may walk sequentially
+
+bool walk_sequential(int64_t walk, int64_t M) {
+  if (walk == kAutoWalk) return fp8serve_cpu::is_amd() && M <= kMaxSequentialRows;
+  return walk == kSequential;
 }
 
 template <bool kWide>
-void rows_any_m(int64_t mt, float* out, const float* x, const uint8_t* w, const float* scale, const float* bias,
-                int64_t N, int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
+void rows_any_m(int64_t mt, bool seq, float* out, const float* x, const uint8_t* w, const float* scale,
+                const float* bias, int64_t N, int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
+  if (seq) {
+    TORCH_CHECK(mt <= kMaxSequentialRows, "the sequential walk takes at most ", kMaxSequentialRows, " rows");
+    if (mt == 1) rows_mtile<1, kWide, true>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
+    else rows_mtile<2, kWide, true>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
+    return;
+  }
   switch (mt) {
 #define FP8SERVE_CASE(T) \
-  case T: rows_mtile<T, kWide>(out, x, w, scale, bias, N, K, n_begin, n_end, dots); break;
+  case T: rows_mtile<T, kWide, false>(out, x, w, scale, bias, N, K, n_begin, n_end, dots); break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
 #undef FP8SERVE_CASE
@@ -279,12 +319,18 @@ void check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K) {
 // x: [M, K] float32 or bf16, contiguous; w: [N, K] uint8 e4m3 codes,
 // contiguous; scale: [N] float32 (true per-row scale); bias: [N] float32 or
 // none. Returns [M, N] in x's dtype, accumulated in float32.
+// walk: a Walk (kAutoWalk picks by CPU vendor and M; the others force one,
+// for tests and benchmarks; kSequential takes M <= 2).
 at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias,
-                           bool wide) {
+                           bool wide, int64_t walk) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous [M, K] CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, scale, K);
+  TORCH_CHECK(walk == kAutoWalk || walk == kInterleaved || walk == kSequential, "walk must be 0, 1 or 2, got ", walk);
+  TORCH_CHECK(walk != kSequential || M <= kMaxSequentialRows, "the sequential walk takes at most ",
+              kMaxSequentialRows, " rows, got ", M);
+  const bool seq = walk_sequential(walk, M);
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat &&
                     bias->is_contiguous(),
@@ -305,8 +351,8 @@ at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::op
       const int64_t n1 = std::min(end, n0 + kRowBlock);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM) {
         const int64_t mt = std::min(kMaxTileM, M - m0);
-        if (wide) rows_any_m<true>(mt, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
-        else rows_any_m<false>(mt, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
+        if (wide) rows_any_m<true>(mt, seq, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
+        else rows_any_m<false>(mt, seq, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
       }
     }
     io.narrow(M, begin, end);
@@ -315,13 +361,22 @@ at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::op
 }
 
 at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
-  return fp8_linear_impl(x, w, scale, bias, /*wide=*/true);
+  return fp8_linear_impl(x, w, scale, bias, /*wide=*/true, kAutoWalk);
 }
 
 // Same contract, the 8-lane loops only (what AVX2-only CPUs run).
 at::Tensor fp8_linear_avx2(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
-  return fp8_linear_impl(x, w, scale, bias, /*wide=*/false);
+  return fp8_linear_impl(x, w, scale, bias, /*wide=*/false, kAutoWalk);
 }
+
+// Either loop with a forced row walk (tests, benchmarks): walk 1 interleaved, 2 sequential.
+at::Tensor fp8_linear_walk(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias, bool wide,
+                           int64_t walk) {
+  return fp8_linear_impl(x, w, scale, bias, wide, walk);
+}
+
+// The walk kAutoWalk takes at M rows on this CPU: 1 interleaved, 2 sequential.
+int64_t fp8_linear_auto_walk(int64_t M) { return walk_sequential(kAutoWalk, M) ? kSequential : kInterleaved; }
 
 // out[n, k] = e4m3(w[n, k]) * scale[n] for a block of rows; out is a
 // contiguous float32 or bf16 [n, K] buffer the caller reuses.
@@ -403,6 +458,8 @@ bool fp8_gemm_has_avx512() {
 TORCH_LIBRARY_FRAGMENT(FP8SERVE_GEMM_NS, m) {
   m.def("fp8_linear", &fp8_linear);
   m.def("fp8_linear_avx2", &fp8_linear_avx2);
+  m.def("fp8_linear_walk", &fp8_linear_walk);
+  m.def("fp8_linear_auto_walk", &fp8_linear_auto_walk);
   m.def("fp8_gemm_has_avx512", &fp8_gemm_has_avx512);
   m.def("fp8_dequantize", &fp8_dequantize);
   m.def("fp8_gemm_has_avx2", &fp8_gemm_has_avx2);

@@ -1,0 +1,29 @@
+"""benchmarks/fp8_linear.py --walks: both row walks of the fused kernel side by side, bad arguments rejected."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from benchmark_scripts import loaded_script
+
+
+def test_walks_table(ops, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fp8_linear.py", "--walks", "--rounds", "1", "--layers", "1"])
+    with loaded_script("fp8_linear.py") as script:
+        script.main()
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and not ln.startswith("| x dtype")]
+    assert len(rows) == 8  # 2 x dtypes x 2 M x 2 loops
+    cells = {tuple(c.strip() for c in r.strip("|").split("|")[:3]) for r in rows}
+    assert ("float32", "1", "32-code (AVX-512)") in cells and ("bfloat16", "2", "16-code (AVX2)") in cells
+    assert all(r.rstrip(" |").split("|")[-2].strip().endswith("x") for r in rows)
+
+
+@pytest.mark.parametrize("bad, message", [(["--rounds", "0"], "--rounds must be >= 1, got 0"),
+                                          (["--layers", "0"], "--layers must be >= 1, got 0")])
+def test_rejects_bad_arguments(bad, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fp8_linear.py", "--walks", *bad])
+    with loaded_script("fp8_linear.py") as script, pytest.raises(SystemExit):
+        script.main()
+    assert message in capsys.readouterr().err
