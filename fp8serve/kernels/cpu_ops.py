@@ -274,6 +274,13 @@ def _has_bf16_dot() -> bool:
     return ops is not None and bool(ops.dense_gemv_has_bf16_dot())
 
 
+@functools.cache
+def _has_amx() -> bool:
+    from fp8serve.kernels import amx_linear_ops  # it imports this module
+
+    return amx_linear_ops.is_available()
+
+
 def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `dense_gemv` beats F.linear for this call. Measured on the
     default model's 120 decode linears with cold weights (2-vCPU Xeon, AMX;
@@ -285,12 +292,19 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     products (bf16 x bf16 on such CPUs) bf16 reached 1.66x at M = 8, 1.10x at
     12 and 0.88x at 16 (run 3 of that file); alternating calls gave medians of
     1.25x / 1.17x / 1.11x at M = 9 / 10 / 12 and 0.94x at 16: those builds take
-    bf16 x bf16 up to 12 rows."""
+    bf16 x bf16 up to 12 rows. That 0.94x was against torch's GEMM on AMX; on
+    a CPU without AMX (AMD Zen 4, where torch's bf16 GEMM read 9-11 GB/s at
+    these rows) the dot products ran 1.30-1.36x as fast as F.linear at
+    M = 12-16, so CPUs without AMX take bf16 x bf16 up to 16 rows (with AMX,
+    amx_linear serves 8-64 rows before this is asked)."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.dim() != 2 or not weight.is_contiguous():
         return False
     m = x.shape[0]
     if weight.dtype == torch.bfloat16:
-        max_rows = 12 if x.dtype == torch.bfloat16 and _has_bf16_dot() else 8
+        if x.dtype == torch.bfloat16 and _has_bf16_dot():
+            max_rows = 12 if _has_amx() else 16
+        else:
+            max_rows = 8
         ok = 1 <= m <= max_rows and x.dtype in (torch.bfloat16, torch.float32)
     elif weight.dtype == torch.float32:
         ok = 1 <= m <= 16 and x.dtype == torch.float32

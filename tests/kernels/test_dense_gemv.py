@@ -101,10 +101,18 @@ def test_applies_only_where_measured_faster():
         assert cpu_ops.dense_gemv_applies(torch.empty(m, 8, dtype=torch.bfloat16), bf)
     for m in (1, 2, 4, 8, 12, 16):
         assert cpu_ops.dense_gemv_applies(torch.empty(m, 8), f32)
-    # bf16 x bf16 up to 12 rows where the build has AVX512-BF16 dot products, else 8.
-    bf16_rows = 12 if cpu_ops.load_cpu_ops().dense_gemv_has_bf16_dot() else 8
+    # bf16 x bf16 where the build has AVX512-BF16 dot products: up to 12 rows with AMX (torch's GEMM
+    # uses it), 16 without; else 8.
+    from fp8serve.kernels import amx_linear_ops
+
+    if cpu_ops.load_cpu_ops().dense_gemv_has_bf16_dot():
+        bf16_rows = 12 if amx_linear_ops.is_available() else 16
+    else:
+        bf16_rows = 8
     assert cpu_ops.dense_gemv_applies(torch.empty(bf16_rows, 8, dtype=torch.bfloat16), bf)
-    assert not cpu_ops.dense_gemv_applies(torch.empty(bf16_rows + 1, 8, dtype=torch.bfloat16), bf)
+    if bf16_rows < 16:
+        assert not cpu_ops.dense_gemv_applies(torch.empty(bf16_rows + 1, 8, dtype=torch.bfloat16), bf)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(17, 8, dtype=torch.bfloat16), bf)
     assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8), bf)  # float32 x: the FMA loop, up to 8
     assert not cpu_ops.dense_gemv_applies(torch.empty(17, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(0, 8), f32)
