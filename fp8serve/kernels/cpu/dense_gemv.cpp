@@ -22,10 +22,10 @@
 //
 // Row walk at M = 1-2 (`Walk`). Interleaved, the Xeon's best: R = 4 weight
 // rows per tile and a software prefetch two tiles ahead. On AMD Zen 4 (2-vCPU
-// EPYC guest, 2026-11-30) that reached 21-25 GB/s of a 30-40 GB/s plain read,
-// and one row at a time with no software prefetch, so that the kernel reads w
-// front to back as a single stream, reached 33 (bf16) to 50 (float32) GB/s:
-// 1.5x / 2x on the default model's 120 decode linears, 1.3x / 1.5x at M = 2
+// EPYC guest, 2026-11-30) that read 19-25 GB/s where a plain read gave 31-54,
+// and one row at a time with no software prefetch, so that each thread reads
+// its rows of w front to back as a single stream, read 26-46 GB/s: 1.3-1.8x on
+// the default model's 120 decode linears and its lm_head at M = 1-2
 // (benchmarks/results/dense_gemv_2026-11-30_zen4.md). Two rows at a time were
 // as slow as four there, and a prefetch 1-4 rows ahead cost 20-40%. So
 // AMD CPUs walk rows sequentially at M <= 2, with two accumulator sets along k
@@ -42,12 +42,17 @@
 #include <optional>
 #include <vector>
 
-#include "cpu_vendor.h"
+#include "row_walk.h"
 #include "float_staging.h"
 #include "scalar_convert.h"
 #include "vec8.h"
 
 namespace {
+
+using fp8serve_walk::kAutoWalk;
+using fp8serve_walk::kInterleaved;
+using fp8serve_walk::kMaxSequentialRows;
+using fp8serve_walk::kSequential;
 
 using namespace fp8serve_cvt;
 
@@ -58,16 +63,6 @@ constexpr int64_t kTileRows = 8;      // activation rows per register tile
 // weight comes from memory once per call whatever M.
 constexpr int64_t kRowBlock = 64;
 constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at least
-
-// How a call walks the weight rows (see the header). kAuto picks per CPU vendor and M.
-enum Walk : int64_t { kAutoWalk = 0, kInterleaved = 1, kSequential = 2 };
-constexpr int64_t kMaxSequentialRows = 2;  // activation rows that may walk sequentially
-
-// Whether this call walks rows sequentially.
-bool walk_sequential(int64_t walk, int64_t M) {
-  if (walk == kAutoWalk) return fp8serve_cpu::is_amd() && M <= kMaxSequentialRows;
-  return walk == kSequential;
-}
 
 // WT: 0 float32 weights, 1 bf16 weights (the storage tags of scalar_convert.h).
 // dots[r * MT + m] = sum_k w[r][k] * x[m][k] for R weight rows, MT activation rows,
@@ -257,10 +252,8 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "w has ", w.size(1), " columns, x has ", K);
   TORCH_CHECK(M <= kMaxRows, "dense_gemv takes at most ", kMaxRows, " rows, got ", M);
-  TORCH_CHECK(walk == kAutoWalk || walk == kInterleaved || walk == kSequential, "walk must be 0, 1 or 2, got ", walk);
-  TORCH_CHECK(walk != kSequential || M <= kMaxSequentialRows, "the sequential walk takes at most ",
-              kMaxSequentialRows, " rows, got ", M);
-  const bool seq = walk_sequential(walk, M);
+  fp8serve_walk::check(walk, M);
+  const bool seq = fp8serve_walk::sequential(walk, M);
   at::Tensor b;
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
@@ -333,7 +326,9 @@ at::Tensor dense_gemv_walk(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
 }
 
 // The walk kAutoWalk takes at M rows on this CPU: 1 interleaved, 2 sequential.
-int64_t dense_gemv_auto_walk(int64_t M) { return walk_sequential(kAutoWalk, M) ? kSequential : kInterleaved; }
+int64_t dense_gemv_auto_walk(int64_t M) {
+  return fp8serve_walk::sequential(kAutoWalk, M) ? kSequential : kInterleaved;
+}
 
 bool dense_gemv_has_bf16_dot() {
 #ifdef FP8SERVE_BF16_DOT

@@ -41,7 +41,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "cpu_vendor.h"
+#include "row_walk.h"
 #include "float_staging.h"
 #include "vec16.h"
 #include "vec8.h"
@@ -65,6 +65,11 @@
 #endif
 
 namespace {
+
+using fp8serve_walk::kAutoWalk;
+using fp8serve_walk::kInterleaved;
+using fp8serve_walk::kMaxSequentialRows;
+using fp8serve_walk::kSequential;
 
 constexpr float kE4M3DecodeMultiplier = 256.f;  // 2^8, see header
 
@@ -269,15 +274,6 @@ void rows_mtile(float* out, const float* x, const uint8_t* w, const float* scale
   rows_tile<R, MT, kWide, kSeq>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
 }
 
-// How a call walks the weight rows (see the header). kAutoWalk picks per CPU vendor and M.
-enum Walk : int64_t { kAutoWalk = 0, kInterleaved = 1, kSequential = 2 };
-constexpr int64_t kMaxSequentialRows = 2;  // activation rows that may walk sequentially
-
-bool walk_sequential(int64_t walk, int64_t M) {
-  if (walk == kAutoWalk) return fp8serve_cpu::is_amd() && M <= kMaxSequentialRows;
-  return walk == kSequential;
-}
-
 template <bool kWide>
 void rows_any_m(int64_t mt, bool seq, float* out, const float* x, const uint8_t* w, const float* scale,
                 const float* bias, int64_t N, int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
@@ -327,10 +323,8 @@ at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::op
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, scale, K);
-  TORCH_CHECK(walk == kAutoWalk || walk == kInterleaved || walk == kSequential, "walk must be 0, 1 or 2, got ", walk);
-  TORCH_CHECK(walk != kSequential || M <= kMaxSequentialRows, "the sequential walk takes at most ",
-              kMaxSequentialRows, " rows, got ", M);
-  const bool seq = walk_sequential(walk, M);
+  fp8serve_walk::check(walk, M);
+  const bool seq = fp8serve_walk::sequential(walk, M);
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat &&
                     bias->is_contiguous(),
@@ -376,7 +370,9 @@ at::Tensor fp8_linear_walk(at::Tensor x, at::Tensor w, at::Tensor scale, std::op
 }
 
 // The walk kAutoWalk takes at M rows on this CPU: 1 interleaved, 2 sequential.
-int64_t fp8_linear_auto_walk(int64_t M) { return walk_sequential(kAutoWalk, M) ? kSequential : kInterleaved; }
+int64_t fp8_linear_auto_walk(int64_t M) {
+  return fp8serve_walk::sequential(kAutoWalk, M) ? kSequential : kInterleaved;
+}
 
 // out[n, k] = e4m3(w[n, k]) * scale[n] for a block of rows; out is a
 // contiguous float32 or bf16 [n, K] buffer the caller reuses.
