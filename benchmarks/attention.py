@@ -15,6 +15,15 @@ For every KV storage format and (batch, context) cell it reports
 and separately the cache write (quantize + scatter) of a decode batch and of a
 16 x 512-token prefill.
 
+Kernel times come twice. Hot: the same call repeated, so a cell whose K+V fits
+in the last-level cache (up to 32 MiB on some CPUs) is read from cache, not
+memory. Cold (`--cold-flush-mib`, default 128): before each timed pass a buffer
+larger than the cache is read, then the pass calls the kernel on several
+copies of the cell (different caches and block tables), so every call reads
+K+V that no recent call touched, as in an engine step, where the weights and
+the other layers' caches stream between two calls of one layer. Cold times are
+medians of --cold-rounds passes.
+
 Timings are the best of several repeats after warm-up (the CPU may be shared:
 the best repeat is the least disturbed one); every ratio comes from the same
 run. Fixed seeds. Targets (issue "Fast on CPU"): FP8 reads >= 50% of the copy
@@ -120,6 +129,22 @@ class DecodeCase:
                                softmax_scale=self.softmax_scale, k_scale=K_SCALE, v_scale=V_SCALE)
 
 
+def time_cold(cases: list[DecodeCase], flush: torch.Tensor, rounds: int) -> float:
+    """Median seconds per kernel call over `rounds` passes, each after reading
+    `flush` (larger than the last-level cache) and calling every case once."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(rounds):
+        flush.sum()
+        t = time.perf_counter()
+        for case in cases:
+            case.kernel()
+        times.append((time.perf_counter() - t) / len(cases))
+    return statistics.median(times)
+
+
 def time_cache_write(args, kv_dtype: str, num_tokens: int, min_time: float, repeats: int) -> tuple[float, float]:
     """(seconds, GB/s counting float32 K+V read and cache bytes written) of one write."""
     g = torch.Generator().manual_seed(1)
@@ -150,6 +175,9 @@ def main() -> None:
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-reference", action="store_true", help="do not time the TorchSDPABackend step")
+    p.add_argument("--cold-flush-mib", type=int, default=128,
+                   help="MiB read before each cold pass (more than the last-level cache); 0: no cold columns")
+    p.add_argument("--cold-rounds", type=int, default=9, help="cold passes per cell (median)")
     p.add_argument("--baseline-lib", help="another build of the kernel library to time side by side")
     p.add_argument("--baseline-namespace", default="fp8serve_base", help="its torch.ops namespace")
     p.add_argument("--baseline-rev", help="time paged_attention.cpp as of this git revision side by side")
@@ -160,6 +188,10 @@ def main() -> None:
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args()
 
+    if args.cold_flush_mib < 0:
+        p.error(f"--cold-flush-mib must be >= 0, got {args.cold_flush_mib}")
+    if args.cold_rounds < 1:
+        p.error(f"--cold-rounds must be >= 1, got {args.cold_rounds}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if load_cpu_ops() is None:
@@ -201,6 +233,8 @@ def main() -> None:
     print(f"(bandwidth at start: copy {copy_start:.1f} GB/s, read {read_start:.1f} GB/s)", flush=True)
     rows: list[dict] = []
     kernel_ms: dict[tuple[str, int, int], float] = {}
+    cold_ms: dict[tuple[str, int, int], float] = {}
+    flush = torch.ones((args.cold_flush_mib << 20) // 4) if args.cold_flush_mib else None
     for kv_dtype in args.kv_dtypes:
         for batch in args.batch_sizes:
             for context in args.context_lens:
@@ -209,6 +243,15 @@ def main() -> None:
                 r["kernel"] = best_time(case.kernel, args.min_time, args.repeats)
                 r["gbs"] = case.bytes_read / r["kernel"] / 1e9
                 kernel_ms[kv_dtype, batch, context] = r["kernel"] * 1e3
+                if flush is not None:
+                    # A few copies per pass (at least ~8 MiB of K+V, at most 8) amortize the timer.
+                    n = max(1, min(8, math.ceil((8 << 20) / case.bytes_read)))
+                    others = [DecodeCase(args, kv_dtype, batch, context, seed=batch * 100003 + context + i)
+                              for i in range(1, n)]
+                    r["cold"] = time_cold([case, *others], flush, args.cold_rounds)
+                    r["cold_gbs"] = case.bytes_read / r["cold"] / 1e9
+                    cold_ms[kv_dtype, batch, context] = r["cold"] * 1e3
+                    del others
                 if baseline:
                     r["base"] = best_time(lambda: case.kernel(baseline), args.min_time, args.repeats)
                 r["paged"] = best_time(lambda: case.backend_step(case.paged), args.min_time, args.repeats)
@@ -225,7 +268,9 @@ def main() -> None:
          f"copy {copy_bw:.1f} GB/s (read + write; {copy_start:.1f} before, {copy_end:.1f} after), "
          f"read-only sum {read_bw:.1f} GB/s ({read_start:.1f} before, {read_end:.1f} after)")
     emit()
-    emit("Kernel: the `paged_attention_decode` op alone, called directly as the engine does. "
+    emit("Kernel: the `paged_attention_decode` op alone, called directly as the engine does, hot (the same call "
+         "repeated: small cells read from cache) and cold (after reading a "
+         f"{args.cold_flush_mib} MiB buffer, on copies of the cell no recent call touched). "
          "GB/s: K+V bytes read / kernel time. "
          "Steps: one decode step of a backend (cache write of the new token included).")
     if base_label == "AVX2 tiles":
@@ -235,12 +280,16 @@ def main() -> None:
     emit()
     base_cols = f" {base_label} ms | speedup |" if baseline else ""
     base_sep = "---|---|" if baseline else ""
-    emit(f"| kv dtype | batch | context | K+V MiB | kernel ms | GB/s | % copy | % read |{base_cols}"
+    cold_cols = " cold ms | cold GB/s | cold % copy |" if flush is not None else ""
+    cold_sep = "---|---|---|" if flush is not None else ""
+    emit(f"| kv dtype | batch | context | K+V MiB | kernel ms | GB/s | % copy | % read |{cold_cols}{base_cols}"
          " cpu_paged step ms | torch_sdpa step ms | step speedup |")
-    emit(f"|---|---|---|---|---|---|---|---|{base_sep}---|---|---|")
+    emit(f"|---|---|---|---|---|---|---|---|{cold_sep}{base_sep}---|---|---|")
     for r in rows:
         line = (f"| {r['kv_dtype']} | {r['batch']} | {r['context']} | {r['mib']:.1f} | {r['kernel'] * 1e3:.3f} "
                 f"| {r['gbs']:.1f} | {100 * r['gbs'] / copy_bw:.0f}% | {100 * r['gbs'] / read_bw:.0f}% |")
+        if "cold" in r:
+            line += f" {r['cold'] * 1e3:.3f} | {r['cold_gbs']:.1f} | {100 * r['cold_gbs'] / copy_bw:.0f}% |"
         if baseline:
             line += f" {r['base'] * 1e3:.3f} | {r['base'] / r['kernel']:.2f}x |"
         if "ref" in r:
@@ -252,15 +301,18 @@ def main() -> None:
     fp8 = [d for d in args.kv_dtypes if d.startswith("fp8")]
     sixteen = [d for d in args.kv_dtypes if d in ("bfloat16", "float16")]
     if fp8 and sixteen:
-        emit()
-        emit("FP8 kernel time / 16-bit kernel time (target <= 1):")
-        emit()
-        emit("| batch | context | " + " | ".join(f"{f} / {s}" for f in fp8 for s in sixteen) + " |")
-        emit("|---|---|" + "---|" * (len(fp8) * len(sixteen)))
-        for batch in args.batch_sizes:
-            for context in args.context_lens:
-                ratios = [kernel_ms[f, batch, context] / kernel_ms[s, batch, context] for f in fp8 for s in sixteen]
-                emit(f"| {batch} | {context} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+        for label, times in (("", kernel_ms), ("cold ", cold_ms)):
+            if not times:
+                continue
+            emit()
+            emit(f"FP8 {label}kernel time / 16-bit {label}kernel time (target <= 1):")
+            emit()
+            emit("| batch | context | " + " | ".join(f"{f} / {s}" for f in fp8 for s in sixteen) + " |")
+            emit("|---|---|" + "---|" * (len(fp8) * len(sixteen)))
+            for batch in args.batch_sizes:
+                for context in args.context_lens:
+                    ratios = [times[f, batch, context] / times[s, batch, context] for f in fp8 for s in sixteen]
+                    emit(f"| {batch} | {context} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
 
     emit()
     emit("Cache write (`CpuPagedBackend.write_kv_cache`: quantize/convert + scatter of K and V into "

@@ -22,3 +22,27 @@ def test_unknown_revision_is_a_clear_error(ops, monkeypatch):
     with loaded_script("attention.py") as script, pytest.raises(SystemExit) as excinfo:
         script.main()
     assert "--baseline-rev no-such-revision-xyz: git cannot list fp8serve/kernels/cpu" in str(excinfo.value)
+
+
+def test_cold_columns_and_ratio_table(ops, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--batch-sizes", "2", "--context-lens", "40",
+                                      "--kv-dtypes", "bfloat16,fp8_e4m3", "--min-time", "0.01", "--repeats", "1",
+                                      "--skip-reference", "--no-avx2-column", "--cold-flush-mib", "4",
+                                      "--cold-rounds", "2", "--no-save"])
+    with loaded_script("attention.py") as script:
+        script.main()
+    out = capsys.readouterr().out
+    header = next(ln for ln in out.splitlines() if ln.startswith("| kv dtype | batch"))
+    assert "| cold ms | cold GB/s | cold % copy |" in header
+    rows = [ln for ln in out.splitlines() if ln.startswith("| bfloat16 | 2 | 40 |") or ln.startswith("| fp8_e4m3 | 2 |")]
+    assert len(rows) == 2 and all(float(r.split("|")[9]) > 0 for r in rows)  # cold ms
+    assert "FP8 cold kernel time / 16-bit cold kernel time (target <= 1):" in out
+
+
+@pytest.mark.parametrize("bad, message", [(["--cold-flush-mib", "-1"], "--cold-flush-mib must be >= 0, got -1"),
+                                          (["--cold-rounds", "0"], "--cold-rounds must be >= 1, got 0")])
+def test_rejects_bad_cold_arguments(bad, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["attention.py", *bad, "--no-save"])
+    with loaded_script("attention.py") as script, pytest.raises(SystemExit):
+        script.main()
+    assert message in capsys.readouterr().err
