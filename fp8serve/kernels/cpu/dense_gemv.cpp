@@ -24,8 +24,9 @@
 // rows per tile and a software prefetch two tiles ahead. On AMD Zen 4 (2-vCPU
 // EPYC guest, 2026-11-30) that read 19-25 GB/s where a plain read gave 31-54,
 // and one row at a time with no software prefetch, so that each thread reads
-// its rows of w front to back as a single stream, read 26-46 GB/s: 1.3-1.8x on
-// the default model's 120 decode linears and its lm_head at M = 1-2
+// its rows of w front to back as a single stream, read 21-46 GB/s: 1.3-1.8x on
+// the default model's 120 decode linears and its lm_head at M = 1-2 (1.1-1.6x
+// for bf16 weights through the float32-FMA loop)
 // (benchmarks/results/dense_gemv_2026-11-30_zen4.md). Two rows at a time were
 // as slow as four there, and a prefetch 1-4 rows ahead cost 20-40%. So
 // AMD CPUs walk rows sequentially at M <= 2, with two accumulator sets along k
