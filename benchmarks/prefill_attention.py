@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from bench_common import best_time, command_line, describe_machine, machine_info
 
 from fp8serve.kernels.cpu_ops import load_cpu_ops
-from fp8serve.kernels.prefill_attention_ops import (MIN_MEAN_PROMPT_TOKENS, MIN_MEAN_PROMPT_TOKENS_AMX, applies,
+from fp8serve.kernels.prefill_attention_ops import (MIN_MEAN_PROMPT_TOKENS, MIN_MEAN_PROMPT_TOKENS_AMX,
+                                                    MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR, amx_available, applies,
                                                     prefill_attention)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -141,9 +142,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"{t_sdpa / t:.2f}x"]
             emit("| " + " | ".join(row) + " |")
     emit()
-    where = [f"{n} (prompts averaging >= {MIN_MEAN_PROMPT_TOKENS_AMX if n == 'bfloat16' else MIN_MEAN_PROMPT_TOKENS} "
-             f"tokens{', the AMX kernel' if n == 'bfloat16' else ''})"
-             for n in args.dtypes if applies(DTYPES[n], 1 << 20, 1)]
+    def min_tokens(n: str) -> str:
+        if n != "bfloat16":
+            return f"{MIN_MEAN_PROMPT_TOKENS} tokens"
+        if amx_available():
+            return f"{MIN_MEAN_PROMPT_TOKENS_AMX} tokens, the AMX kernel"
+        return f"{MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR} tokens, the vector kernel: no AMX here"
+
+    where = [f"{n} (prompts averaging >= {min_tokens(n)})" for n in args.dtypes if applies(DTYPES[n], 1 << 20, 1)]
     emit("The engine runs a kernel for fresh prefills in: " + (", ".join(where) or "none of these dtypes")
          + " (fp8serve/kernels/prefill_attention_ops.py `applies`); SDPA otherwise.")
     if not args.no_save:

@@ -17,7 +17,13 @@ torch's SDPA, measured with `benchmarks/prefill_attention.py`:
 - bf16 on CPUs with AMX (where `--dtype auto` picks bf16), for prompts of
   8 tokens or more on average: 1.28x at 64 x 8, 1.13x at 16 x 32, 1.00x at
   16 x 64, 1.38x at 1 x 128, 1.76x at 1 x 512, 1.56x at 1 x 2048, 1.32x at
-  8 x 256, 1.38x at 4 x 1024 (results/prefill_attention_2026-11-30_stop15.md).
+  8 x 256, 1.38x at 4 x 1024 (results/prefill_attention_2026-11-30_stop15.md);
+- bf16 on CPUs without AMX (AVX512-BF16 makes `--dtype auto` pick bf16 there
+  too), the vector kernel (bf16 widened to float32 in registers), for prompts
+  of 8 tokens or more on average: torch's SDPA has no AMX to use there, and
+  on an AMD Zen 4 guest the kernel ran 1.58-2.49x as fast in every cell from
+  64 x 8 to 1 x 2048 (results/prefill_attention_2026-11-30_stop19_zen4.md).
+  With AMX, head sizes the AMX kernel cannot take stay on SDPA, which uses AMX.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Below these mean prompt lengths per sequence SDPA is as fast or faster.
 MIN_MEAN_PROMPT_TOKENS = 64  # float32, the vector kernel
 MIN_MEAN_PROMPT_TOKENS_AMX = 8  # bf16, the AMX kernel
+MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR = 8  # bf16 without AMX, the vector kernel (shortest measured: 64 x 8)
 
 
 def is_available() -> bool:
@@ -52,9 +59,10 @@ def amx_available() -> bool:
 def applies(dtype: torch.dtype, num_tokens: int, num_seqs: int, head_size: int = 64) -> bool:
     if dtype == torch.float32:
         return num_tokens >= MIN_MEAN_PROMPT_TOKENS * num_seqs and is_available()
-    if dtype == torch.bfloat16:  # other head sizes would fall back to the vector kernel, slower than SDPA in bf16
-        return (head_size % 32 == 0 and num_tokens >= MIN_MEAN_PROMPT_TOKENS_AMX * num_seqs
-                and amx_available())
+    if dtype == torch.bfloat16:
+        if amx_available():  # other head sizes would run the vector kernel, slower than SDPA on AMX
+            return head_size % 32 == 0 and num_tokens >= MIN_MEAN_PROMPT_TOKENS_AMX * num_seqs
+        return num_tokens >= MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR * num_seqs and is_available()
     return False
 
 

@@ -136,12 +136,19 @@ def test_rejects_bad_inputs(ops, seed):
 
 def test_engine_uses_it_where_it_was_measured_faster(ops):
     from fp8serve.kernels.prefill_attention_ops import (MIN_MEAN_PROMPT_TOKENS, MIN_MEAN_PROMPT_TOKENS_AMX,
-                                                        amx_available, applies)
+                                                        MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR, amx_available,
+                                                        applies)
 
     assert applies(torch.float32, MIN_MEAN_PROMPT_TOKENS * 4, 4)
     assert not applies(torch.float32, MIN_MEAN_PROMPT_TOKENS * 4 - 1, 4), "short prompts: SDPA is faster"
-    # bf16: the AMX kernel where this CPU has AMX, for prompts of 8+ tokens on average; else torch's SDPA.
-    assert applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4, 4) == amx_available()
-    assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4 - 1, 4)
-    assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4, 4, head_size=80), "AMX needs head_size % 32"
+    if amx_available():
+        # bf16: the AMX kernel for prompts of 8+ tokens on average; SDPA (on AMX) for other head sizes.
+        assert applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4, 4)
+        assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4 - 1, 4)
+        assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4, 4, head_size=80), "AMX needs % 32"
+    else:
+        # bf16 without AMX: the vector kernel for prompts of 8+ tokens on average, any head size.
+        assert applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR * 4, 4)
+        assert applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR * 4, 4, head_size=80)
+        assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR * 4 - 1, 4)
     assert not applies(torch.float16, 1 << 20, 1)
