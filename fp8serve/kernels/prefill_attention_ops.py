@@ -18,11 +18,13 @@ torch's SDPA, measured with `benchmarks/prefill_attention.py`:
   8 tokens or more on average: 1.28x at 64 x 8, 1.13x at 16 x 32, 1.00x at
   16 x 64, 1.38x at 1 x 128, 1.76x at 1 x 512, 1.56x at 1 x 2048, 1.32x at
   8 x 256, 1.38x at 4 x 1024 (results/prefill_attention_2026-11-30_stop15.md);
-- bf16 on CPUs without AMX (AVX512-BF16 makes `--dtype auto` pick bf16 there
-  too), the vector kernel (bf16 widened to float32 in registers), for prompts
-  of 8 tokens or more on average: torch's SDPA has no AMX to use there, and
-  on an AMD Zen 4 guest the kernel ran 1.58-2.49x as fast in every cell from
-  64 x 8 to 1 x 2048 (results/prefill_attention_2026-11-30_stop19_zen4.md).
+- bf16 on CPUs without AMX (`--dtype auto` picks bf16 where its matmul
+  measures faster, as with AVX512-BF16), the vector kernel (bf16 widened to
+  float32 in registers), for prompts of 8 tokens or more on average: torch's
+  SDPA has no AMX to use there, and on an AMD Zen 4 guest the kernel ran
+  1.61-2.42x as fast in every cell from 64 x 8 to 1 x 2048
+  (results/prefill_attention_2026-11-30_stop19_zen4.md; not measured on
+  AVX2-only CPUs).
   With AMX, head sizes the AMX kernel cannot take stay on SDPA, which uses AMX.
 """
 
