@@ -46,7 +46,9 @@ import datetime
 import math
 import os
 import shlex
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -132,9 +134,6 @@ class DecodeCase:
 def time_cold(cases: list[DecodeCase], flush: torch.Tensor, rounds: int) -> float:
     """Median seconds per kernel call over `rounds` passes, each after reading
     `flush` (larger than the last-level cache) and calling every case once."""
-    import statistics
-    import time
-
     times = []
     for _ in range(rounds):
         flush.sum()

@@ -64,7 +64,7 @@ def walks(rounds: int, layers: int) -> None:
             ws = packed_weights(dt, shapes)
             nbytes = sum(w.numel() * w.element_size() for w in ws)
             flat = torch.ones(nbytes // 4)
-            paths = ["best"] + (["fma"] if dt == torch.bfloat16 and cpu_ops._has_bf16_dot() else [])
+            paths = ["best"] + (["fma"] if dt == torch.bfloat16 and cpu_ops.load_cpu_ops().dense_gemv_has_bf16_dot() else [])
             for m in (1, 2):
                 xs = {k: torch.randn(m, k).to(dt) for k, _ in shapes}
                 for path in paths:
