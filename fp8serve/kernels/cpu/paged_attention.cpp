@@ -28,7 +28,8 @@
 // element is converted once and used for `group` FMAs. Scores are reduced
 // eight tokens at a time (one transpose-add) instead of a horizontal sum per
 // dot product. The next tile's rows are prefetched: blocks are scattered, so
-// the hardware prefetchers lose the stream at every block boundary.
+// the hardware prefetchers lose the stream at every block boundary. The
+// prefetches go to L1 on Intel and to L2 on AMD (prefetch_level.h).
 //
 // The scalar path (no AVX2/FMA/F16C at build time, head_size % 8 != 0, or
 // asked for: `paged_attention_decode_scalar`, which tests use to keep it
@@ -47,6 +48,7 @@
 #include <limits>
 #include <vector>
 
+#include "prefetch_level.h"
 #include "scalar_convert.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -273,12 +275,12 @@ inline __m256 transpose_sum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-inline void prefetch_row_pair(const NextRows& next, int64_t t) {
+inline void prefetch_row_pair(const NextRows& next, int64_t t, fp8serve_prefetch::Level level) {
   const char* k = reinterpret_cast<const char*>(next.k[t] + next.head_off);
   const char* v = reinterpret_cast<const char*>(next.v[t] + next.head_off);
   for (int64_t off = 0; off < next.row_bytes; off += 64) {
-    _mm_prefetch(k + off, _MM_HINT_T0);
-    _mm_prefetch(v + off, _MM_HINT_T0);
+    fp8serve_prefetch::line(k + off, level);
+    fp8serve_prefetch::line(v + off, level);
   }
 }
 
@@ -290,10 +292,11 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
   constexpr bool kSplitAcc = G <= 4;
   alignas(32) __m256 partial[G][8];  // per-token dot-product lanes, 8 tokens at a time
   alignas(32) float s[G][kTileTokens];
+  const fp8serve_prefetch::Level level = fp8serve_prefetch::kv_level();
 
   // Scores: each K element converted once, used by G FMAs.
   for (int64_t t = 0; t < n; ++t) {
-    if (t < next.n) prefetch_row_pair(next, t);
+    if (t < next.n) prefetch_row_pair(next, t, level);
     const uint8_t* row = krows[t] + head_off;
     __m256 a[G], b[G];
     for (int g = 0; g < G; ++g) a[g] = b[g] = _mm256_setzero_ps();
@@ -464,9 +467,10 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
                  int64_t head_size, const float* q, HeadState st, NextRows next) {
   alignas(32) __m256 partial[G][8];
   alignas(32) float s[G][kTileTokens];
+  const fp8serve_prefetch::Level level = fp8serve_prefetch::kv_level();
 
   for (int64_t t = 0; t < n; ++t) {
-    if (t < next.n) prefetch_row_pair(next, t);
+    if (t < next.n) prefetch_row_pair(next, t, level);
     const uint8_t* row = krows[t] + head_off;
     __m512 a[G];
     for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
@@ -579,15 +583,11 @@ struct TileTable {
   }
 };
 
-inline void prefetch_rows(const uint8_t* const* rows, int64_t n, int64_t head_off, int64_t row_bytes) {
-#ifdef FP8SERVE_AVX2
+inline void prefetch_rows(const uint8_t* const* rows, int64_t n, int64_t head_off, int64_t row_bytes,
+                          fp8serve_prefetch::Level level) {
   for (int64_t t = 0; t < n; ++t) {
-    const char* p = reinterpret_cast<const char*>(rows[t] + head_off);
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < row_bytes; off += 64) fp8serve_prefetch::line(rows[t] + head_off + off, level);
   }
-#else
-  (void)rows, (void)n, (void)head_off, (void)row_bytes;
-#endif
 }
 
 // Slot addresses of tokens [t, t + n) of one sequence.
@@ -623,9 +623,10 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
   tile_rows(p, bt, item.begin, n, krows[cur], vrows[cur]);
   // Nothing prefetched the item's first tile: ask for all of it before its
   // first loads (whole slots, every kv head).
+  const fp8serve_prefetch::Level level = fp8serve_prefetch::kv_level();
   if (vector_path) {
-    prefetch_rows(krows[cur], n, 0, p.slot_bytes);
-    prefetch_rows(vrows[cur], n, 0, p.slot_bytes);
+    prefetch_rows(krows[cur], n, 0, p.slot_bytes, level);
+    prefetch_rows(vrows[cur], n, 0, p.slot_bytes, level);
   }
   for (int64_t t = item.begin; t < item.end; t += kTileTokens) {
     const int64_t next_t = t + kTileTokens;
@@ -883,6 +884,9 @@ bool has_avx512() {
 #endif
 }
 
+// The cache level (1 or 2) the kernel's prefetches of K/V rows target on this CPU.
+int64_t paged_attention_prefetch_level() { return static_cast<int64_t>(fp8serve_prefetch::kv_level()); }
+
 // Each source file registers its own ops in the `fp8serve` namespace, so
 // kernels can be added without a shared binding file.
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
@@ -893,4 +897,5 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("paged_attention_decode_fused", &paged_attention_decode_fused);
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
+  m.def("paged_attention_prefetch_level", &paged_attention_prefetch_level);
 }

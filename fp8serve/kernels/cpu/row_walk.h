@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "cpu_vendor.h"
+
 namespace fp8serve_walk {
 
 enum Walk : int64_t { kAutoWalk = 0, kInterleaved = 1, kSequential = 2 };
@@ -19,18 +21,7 @@ enum Walk : int64_t { kAutoWalk = 0, kInterleaved = 1, kSequential = 2 };
 // by FMAs, and more weight rows per tile share each activation load.
 constexpr int64_t kMaxSequentialRows = 2;
 
-// Whether this process runs on an AMD CPU; false where the compiler cannot tell.
-inline bool is_amd() {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  return amd;
-#else
-  return false;
-#endif
-}
+using fp8serve_cpu::is_amd;
 
 // Rejects a walk code that is not a Walk, and kSequential past kMaxSequentialRows rows.
 inline void check(int64_t walk, int64_t M) {
