@@ -8,11 +8,16 @@ weight bytes / time. Also the max relative error against float64.
 
     .venv/bin/python benchmarks/dense_gemv.py
     .venv/bin/python benchmarks/dense_gemv.py --walks    # the two row walks at M = 1-2, side by side
+    .venv/bin/python benchmarks/dense_gemv.py --baseline-rev HEAD~1   # this tree vs dense_gemv.cpp at a revision
 
 --walks times dense_gemv's interleaved and sequential row walks (dense_gemv.cpp
 `Walk`) on the same 120 decode linears and on the tied lm_head (49152 x 576),
 alternating in ABBA rounds, next to a plain read (`Tensor.sum`) of as many
 bytes in the same rounds; medians of --rounds.
+
+--baseline-rev REV builds dense_gemv.cpp as of git revision REV beside this
+tree's and times both on the 120 decode linears at M = 1-16, float32 and bf16
+weights, in ABBA rounds (medians of --rounds).
 """
 
 from __future__ import annotations
@@ -87,12 +92,49 @@ def walks(rounds: int, layers: int) -> None:
                           f"{nbytes / med['read'] / 1e9:.1f} |", flush=True)
 
 
+def versus_revision(rev: str, rounds: int, layers: int) -> None:
+    """This tree's dense_gemv against dense_gemv.cpp at git revision `rev`, ABBA rounds."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import alternate, build_kernel_at_rev, command_line, describe_machine, machine_info
+
+    ours = load_cpu_ops()
+    base = build_kernel_at_rev(rev, "dense_gemv.cpp", "fp8serve_base_gemv")
+    print(f"# dense_gemv: this tree vs {rev}\n")
+    print(f"Command: `{command_line()}`\n")
+    for line in describe_machine(machine_info()):
+        print(line)
+    print(f"- {4 * layers} decode linears per pass; medians of {rounds} ABBA rounds; GB/s = weight bytes / time\n")
+    print(f"| weights | M | {rev} ms | GB/s | this tree ms | GB/s | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    shapes = [s for _ in range(layers) for s in SHAPES]
+    for dt in (torch.float32, torch.bfloat16):
+        ws = packed_weights(dt, shapes)
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        for m in (1, 2, 4, 8, 12, 16):
+            xs = {k: torch.randn(m, k).to(dt) for k, _ in shapes}
+
+            def run(op, xs=xs, ws=ws):
+                t = time.perf_counter()
+                for w in ws:
+                    op(xs[w.shape[1]], w, None)
+                return time.perf_counter() - t
+
+            med = alternate({"base": lambda: run(base.dense_gemv), "ours": lambda: run(ours.dense_gemv)}, rounds)
+            b, o = med["base"], med["ours"]
+            print(f"| {str(dt).removeprefix('torch.')} | {m} | {b * 1e3:.2f} | {nbytes / b / 1e9:.1f} | {o * 1e3:.2f} | "
+                  f"{nbytes / o / 1e9:.1f} | {b / o:.2f}x |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--walks", action="store_true", help="compare the interleaved and sequential row walks at M = 1-2")
-    p.add_argument("--rounds", type=int, default=12, help="ABBA rounds for --walks (median)")
-    p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers' linears per pass for --walks")
+    p.add_argument("--rounds", type=int, default=12, help="ABBA rounds for --walks and --baseline-rev (median)")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help="decoder layers' linears per pass for --walks and --baseline-rev")
+    p.add_argument("--baseline-rev", help="time dense_gemv.cpp as of this git revision beside this tree's")
     args = p.parse_args()
+    if args.walks and args.baseline_rev:
+        p.error("give --walks or --baseline-rev, not both")
     for name in ("rounds", "layers"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -101,6 +143,9 @@ def main() -> None:
         raise SystemExit("C++ CPU kernels unavailable")
     if args.walks:
         walks(args.rounds, args.layers)
+        return
+    if args.baseline_rev:
+        versus_revision(args.baseline_rev, args.rounds, args.layers)
         return
     print(f"# dense_gemv vs F.linear\n\nmachine: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -1,4 +1,4 @@
-"""benchmarks/dense_gemv.py --walks: both row walks side by side, bad arguments rejected."""
+"""benchmarks/dense_gemv.py --walks and --baseline-rev: variants side by side, bad arguments rejected."""
 
 from __future__ import annotations
 
@@ -27,3 +27,28 @@ def test_rejects_bad_arguments(bad, message, monkeypatch, capsys):
     with loaded_script("dense_gemv.py") as script, pytest.raises(SystemExit):
         script.main()
     assert message in capsys.readouterr().err
+
+
+def test_baseline_rev_table(ops, monkeypatch, capsys):
+    """Against HEAD's dense_gemv.cpp: one row per weight dtype and M, both sides timed."""
+    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--baseline-rev", "HEAD", "--rounds", "1", "--layers", "1"])
+    with loaded_script("dense_gemv.py") as script:
+        script.main()
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and not ln.startswith("| weights")]
+    cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
+    assert {(c[0], c[1]) for c in cells} == {(d, str(m)) for d in ("float32", "bfloat16") for m in (1, 2, 4, 8, 12, 16)}
+    assert all(float(c[2]) > 0 and float(c[4]) > 0 and c[6].endswith("x") for c in cells)
+
+
+def test_walks_and_baseline_rev_are_exclusive(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--walks", "--baseline-rev", "HEAD"])
+    with loaded_script("dense_gemv.py") as script, pytest.raises(SystemExit):
+        script.main()
+    assert "give --walks or --baseline-rev, not both" in capsys.readouterr().err
+
+
+def test_unknown_revision_is_reported(ops, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--baseline-rev", "no-such-revision-xyz"])
+    with loaded_script("dense_gemv.py") as script, pytest.raises(SystemExit) as excinfo:
+        script.main()
+    assert "--baseline-rev no-such-revision-xyz: git cannot list fp8serve/kernels/cpu" in str(excinfo.value)

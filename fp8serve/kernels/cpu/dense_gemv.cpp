@@ -31,8 +31,13 @@
 // as slow as four there, and a prefetch 1-4 rows ahead cost 20-40%. So
 // AMD CPUs walk rows sequentially at M <= 2, with two accumulator sets along k
 // to keep the FMA chains short; Intel CPUs keep the interleaved walk, measured
-// best there (stop 18). At M >= 3 both walk interleaved: the loop is bound by
-// FMAs, not by memory.
+// best there (stop 18). At M >= 3 both walk interleaved, and on AMD its
+// prefetch targets L2 (prefetch_level.h): the default model's 120 decode
+// linears at M = 4 / 8 / 16 ran 1.44 / 1.29 / 1.17x (float32) and
+// 1.51 / 1.66 / 1.27x (bf16) as fast as with the L1 prefetch
+// (benchmarks/results/dense_gemv_prefetch_l2_2026-11-30_zen4.md). At M = 1-2
+// the interleaved walk with the L2 prefetch ran 0.92-0.95x the sequential walk
+// (float32) and 1.03-1.06x (bf16) in a scratch build: the sequential walk stays.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,6 +48,7 @@
 #include <optional>
 #include <vector>
 
+#include "prefetch_level.h"
 #include "row_walk.h"
 #include "float_staging.h"
 #include "scalar_convert.h"
@@ -73,7 +79,7 @@ constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at leas
 // ahead): rows are short, so the Xeon's hardware prefetchers barely ramp up
 // before a stream ends (see fp8_gemm.cpp, where this doubled the batch-1 read
 // rate there).
-template <int WT, int R, int MT, int KS = 1>
+template <int WT, int R, int MT, int KS = 1, fp8serve_prefetch::Level L = fp8serve_prefetch::kL1>
 inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t K, float* dots,
                      int64_t prefetch_ahead) {
   int64_t k = 0;
@@ -86,7 +92,7 @@ inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t
       for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm256_setzero_ps();
   const auto step = [&](int s, int64_t kk) {
     if (prefetch_ahead > 0 && ((kk * kElemBytes) & 63) == 0) {
-      for (int r = 0; r < R; ++r) _mm_prefetch(w + r * w_row_bytes + kk * kElemBytes + prefetch_ahead, _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) fp8serve_prefetch::line<L>(w + r * w_row_bytes + kk * kElemBytes + prefetch_ahead);
     }
     for (int r = 0; r < R; ++r) {
       const __m256 wv = v8::load<WT>(w + r * w_row_bytes, kk);
@@ -113,7 +119,7 @@ inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t
   }
 }
 
-template <int WT, int MT, bool kSeq>
+template <int WT, int MT, bool kSeq, fp8serve_prefetch::Level L = fp8serve_prefetch::kL1>
 void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const float* bias, int64_t N, int64_t K,
           int64_t n_begin, int64_t n_end) {
   // Interleaved: R * MT <= 8 accumulators leave registers for the weight
@@ -130,11 +136,11 @@ void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const 
     }
   };
   for (; n + R <= n_end; n += R) {
-    dot_tile<WT, R, MT, KS>(w + n * w_row_bytes, w_row_bytes, x, K, dots, tiles_ahead * R * w_row_bytes);
+    dot_tile<WT, R, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, K, dots, tiles_ahead * R * w_row_bytes);
     emit(n, R);
   }
   for (; n < n_end; ++n) {
-    dot_tile<WT, 1, MT, KS>(w + n * w_row_bytes, w_row_bytes, x, K, dots, tiles_ahead * w_row_bytes);
+    dot_tile<WT, 1, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, K, dots, tiles_ahead * w_row_bytes);
     emit(n, 1);
   }
 }
@@ -144,7 +150,7 @@ void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const 
 // dots[r * MT + m] = sum_k w[r][k] * x[m][k], bf16 rows of K (a multiple of
 // 32) elements, KS * R * MT zmm accumulators (KS sets along k). prefetch_ahead
 // as in dot_tile (0: none).
-template <int R, int MT, int KS = 1>
+template <int R, int MT, int KS = 1, fp8serve_prefetch::Level L = fp8serve_prefetch::kL1>
 inline void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* dots, int64_t prefetch_ahead) {
   __m512 acc[KS][R][MT];
   for (int s = 0; s < KS; ++s)
@@ -154,7 +160,7 @@ inline void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float
   const auto step = [&](int s, int64_t k) {
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) {
-      if (prefetch_ahead > 0) _mm_prefetch(wb + (r * K + k) * 2 + prefetch_ahead, _MM_HINT_T0);
+      if (prefetch_ahead > 0) fp8serve_prefetch::line<L>(wb + (r * K + k) * 2 + prefetch_ahead);
       wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
     }
     for (int m = 0; m < MT; ++m) {
@@ -175,7 +181,7 @@ inline void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float
 
 // MT <= 8 activation rows in one register tile: each weight vector feeds MT
 // instructions. kSeq: the sequential walk (see the header).
-template <int MT, bool kSeq>
+template <int MT, bool kSeq, fp8serve_prefetch::Level L = fp8serve_prefetch::kL1>
 void rows_bf16(float* out, const uint16_t* x, const uint16_t* w, const float* bias, int64_t N, int64_t K,
                int64_t n_begin, int64_t n_end) {
   constexpr int R = kSeq ? 1 : MT <= 4 ? 4 : MT <= 8 ? 2 : 1;  // R * MT <= 16 accumulators
@@ -190,11 +196,11 @@ void rows_bf16(float* out, const uint16_t* x, const uint16_t* w, const float* bi
   };
   int64_t n = n_begin;
   for (; n + R <= n_end; n += R) {
-    dot_tile_bf16<R, MT, KS>(w + n * K, x, K, dots, tiles_ahead * R * K * 2);
+    dot_tile_bf16<R, MT, KS, L>(w + n * K, x, K, dots, tiles_ahead * R * K * 2);
     emit(n, R);
   }
   for (; n < n_end; ++n) {
-    dot_tile_bf16<1, MT, KS>(w + n * K, x, K, dots, tiles_ahead * K * 2);
+    dot_tile_bf16<1, MT, KS, L>(w + n * K, x, K, dots, tiles_ahead * K * 2);
     emit(n, 1);
   }
 }
@@ -207,9 +213,13 @@ void rows_bf16_any(int64_t mt, bool seq, float* out, const uint16_t* x, const ui
     else rows_bf16<2, true>(out, x, w, bias, N, K, b, e);
     return;
   }
+  const bool l2 = fp8serve_prefetch::level() == fp8serve_prefetch::kL2;
   switch (mt) {
 #define FP8SERVE_CASE(T) \
-  case T: rows_bf16<T, false>(out, x, w, bias, N, K, b, e); break;
+  case T:                                                                             \
+    if (l2) rows_bf16<T, false, fp8serve_prefetch::kL2>(out, x, w, bias, N, K, b, e); \
+    else rows_bf16<T, false, fp8serve_prefetch::kL1>(out, x, w, bias, N, K, b, e);    \
+    break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
 #undef FP8SERVE_CASE
@@ -227,9 +237,13 @@ void rows_any(int64_t mt, bool seq, float* out, const float* x, const char* w, i
     else rows<WT, 2, true>(out, x, w, wrb, bias, N, K, b, e);
     return;
   }
+  const bool l2 = fp8serve_prefetch::level() == fp8serve_prefetch::kL2;
   switch (mt) {
 #define FP8SERVE_CASE(T) \
-  case T: rows<WT, T, false>(out, x, w, wrb, bias, N, K, b, e); break;
+  case T:                                                                               \
+    if (l2) rows<WT, T, false, fp8serve_prefetch::kL2>(out, x, w, wrb, bias, N, K, b, e); \
+    else rows<WT, T, false, fp8serve_prefetch::kL1>(out, x, w, wrb, bias, N, K, b, e);    \
+    break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
 #undef FP8SERVE_CASE

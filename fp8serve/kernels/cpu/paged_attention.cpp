@@ -292,7 +292,7 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
   constexpr bool kSplitAcc = G <= 4;
   alignas(32) __m256 partial[G][8];  // per-token dot-product lanes, 8 tokens at a time
   alignas(32) float s[G][kTileTokens];
-  const fp8serve_prefetch::Level level = fp8serve_prefetch::kv_level();
+  const fp8serve_prefetch::Level level = fp8serve_prefetch::level();
 
   // Scores: each K element converted once, used by G FMAs.
   for (int64_t t = 0; t < n; ++t) {
@@ -467,7 +467,7 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
                  int64_t head_size, const float* q, HeadState st, NextRows next) {
   alignas(32) __m256 partial[G][8];
   alignas(32) float s[G][kTileTokens];
-  const fp8serve_prefetch::Level level = fp8serve_prefetch::kv_level();
+  const fp8serve_prefetch::Level level = fp8serve_prefetch::level();
 
   for (int64_t t = 0; t < n; ++t) {
     if (t < next.n) prefetch_row_pair(next, t, level);
@@ -623,7 +623,7 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
   tile_rows(p, bt, item.begin, n, krows[cur], vrows[cur]);
   // Nothing prefetched the item's first tile: ask for all of it before its
   // first loads (whole slots, every kv head).
-  const fp8serve_prefetch::Level level = fp8serve_prefetch::kv_level();
+  const fp8serve_prefetch::Level level = fp8serve_prefetch::level();
   if (vector_path) {
     prefetch_rows(krows[cur], n, 0, p.slot_bytes, level);
     prefetch_rows(vrows[cur], n, 0, p.slot_bytes, level);
@@ -884,8 +884,8 @@ bool has_avx512() {
 #endif
 }
 
-// The cache level (1 or 2) the kernel's prefetches of K/V rows target on this CPU.
-int64_t paged_attention_prefetch_level() { return static_cast<int64_t>(fp8serve_prefetch::kv_level()); }
+// The cache level (1 or 2) the kernels' software prefetches target on this CPU (prefetch_level.h).
+int64_t prefetch_level() { return static_cast<int64_t>(fp8serve_prefetch::level()); }
 
 // Each source file registers its own ops in the `fp8serve` namespace, so
 // kernels can be added without a shared binding file.
@@ -897,5 +897,5 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("paged_attention_decode_fused", &paged_attention_decode_fused);
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
-  m.def("paged_attention_prefetch_level", &paged_attention_prefetch_level);
+  m.def("prefetch_level", &prefetch_level);
 }
