@@ -457,6 +457,11 @@ inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+// Scores with q held in registers: head size 64 and up to 4 query heads per kv
+// head (16 zmm for q, leaving room for the tile's K vectors).
+constexpr int64_t kQRegHeadSize = 64;
+constexpr int kMaxQInRegisters = 4;
+
 inline __m256 fold_halves(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
@@ -469,18 +474,40 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
   alignas(32) float s[G][kTileTokens];
   const fp8serve_prefetch::Level level = fp8serve_prefetch::level();
 
-  for (int64_t t = 0; t < n; ++t) {
-    if (t < next.n) prefetch_row_pair(next, t, level);
-    const uint8_t* row = krows[t] + head_off;
-    __m512 a[G];
-    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < head_size; d += 16) {
-      const __m512 x = load16_512<F>(row, d);
-      for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_size + d), x, a[g]);
+  if (G <= kMaxQInRegisters && head_size == kQRegHeadSize) {
+    // q stays in registers across the tile (G * 4 zmm): otherwise each token
+    // reloads G * head_size floats, more loads than the FMAs that use them.
+    __m512 qv[G][kQRegHeadSize / 16];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kQRegHeadSize / 16; ++c) qv[g][c] = _mm512_loadu_ps(q + g * head_size + 16 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      if (t < next.n) prefetch_row_pair(next, t, level);
+      const uint8_t* row = krows[t] + head_off;
+      __m512 x[kQRegHeadSize / 16];
+      for (int c = 0; c < kQRegHeadSize / 16; ++c) x[c] = load16_512<F>(row, 16 * c);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], x[0]);
+        for (int c = 1; c < kQRegHeadSize / 16; ++c) a = _mm512_fmadd_ps(qv[g][c], x[c], a);
+        partial[g][t & 7] = fold_halves(a);
+      }
+      if ((t & 7) == 7 || t == n - 1) {
+        for (int g = 0; g < G; ++g) _mm256_store_ps(&s[g][t & ~int64_t{7}], transpose_sum8(partial[g]));
+      }
     }
-    for (int g = 0; g < G; ++g) partial[g][t & 7] = fold_halves(a[g]);
-    if ((t & 7) == 7 || t == n - 1) {
-      for (int g = 0; g < G; ++g) _mm256_store_ps(&s[g][t & ~int64_t{7}], transpose_sum8(partial[g]));
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      if (t < next.n) prefetch_row_pair(next, t, level);
+      const uint8_t* row = krows[t] + head_off;
+      __m512 a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_size; d += 16) {
+        const __m512 x = load16_512<F>(row, d);
+        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_size + d), x, a[g]);
+      }
+      for (int g = 0; g < G; ++g) partial[g][t & 7] = fold_halves(a[g]);
+      if ((t & 7) == 7 || t == n - 1) {
+        for (int g = 0; g < G; ++g) _mm256_store_ps(&s[g][t & ~int64_t{7}], transpose_sum8(partial[g]));
+      }
     }
   }
 
