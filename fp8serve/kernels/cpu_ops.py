@@ -275,6 +275,13 @@ def _has_bf16_dot() -> bool:
 
 
 @functools.cache
+def _is_amd() -> bool:
+    from fp8serve.utils.platform import cpu_vendor
+
+    return cpu_vendor() == "AuthenticAMD"
+
+
+@functools.cache
 def _has_amx() -> bool:
     from fp8serve.kernels import amx_linear_ops  # it imports this module
 
@@ -296,18 +303,23 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     a CPU without AMX (AMD Zen 4, where torch's bf16 GEMM read 9-11 GB/s at
     these rows) the dot products ran 1.30-1.36x as fast as F.linear at
     M = 12-16, so CPUs without AMX take bf16 x bf16 up to 16 rows (with AMX,
-    amx_linear serves 8-64 rows before this is asked)."""
+    amx_linear serves 8-64 rows before this is asked). On that AMD machine,
+    with the L2 prefetch of stop 20, dense_gemv still beat F.linear at
+    M = 24 / 32: 1.46 / 1.26x (bf16 x bf16) and 1.44 / 1.30x (float32)
+    (benchmarks/results/dense_gemv_2026-11-30_stop20_zen4.md), so AMD CPUs
+    take up to 32 rows (all the kernel takes) with float32 weights and with
+    bf16 x bf16 dot products."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.dim() != 2 or not weight.is_contiguous():
         return False
     m = x.shape[0]
     if weight.dtype == torch.bfloat16:
         if x.dtype == torch.bfloat16 and _has_bf16_dot():
-            max_rows = 12 if _has_amx() else 16
+            max_rows = 12 if _has_amx() else 32 if _is_amd() else 16
         else:
             max_rows = 8
         ok = 1 <= m <= max_rows and x.dtype in (torch.bfloat16, torch.float32)
     elif weight.dtype == torch.float32:
-        ok = 1 <= m <= 16 and x.dtype == torch.float32
+        ok = 1 <= m <= (32 if _is_amd() else 16) and x.dtype == torch.float32
     else:
         return False
     return ok and load_cpu_ops() is not None
@@ -319,7 +331,7 @@ DENSE_GEMV_WALKS = {"auto": 0, "interleaved": 1, "sequential": 2}
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                path: str = "best", walk: str = "auto") -> torch.Tensor:
-    """x @ weight.T (+ bias) for M <= 16 rows, float32 or bf16 weights,
+    """x @ weight.T (+ bias) for M <= 32 rows, float32 or bf16 weights,
     accumulated in float32 and returned in x's dtype. path="fma" keeps the
     float32-FMA loop where the build would use AVX512-BF16 dot products
     (bf16 x and weights), for tests and benchmarks. walk: "auto" (sequential

@@ -75,6 +75,18 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("AuthenticAMD", "GenuineIntel", ...), "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _matmul_gflops(dtype: torch.dtype) -> float:
     # The shape of one SmolLM2 MLP projection over a 256-token prefill.
     x = torch.randn(256, 576).to(dtype)

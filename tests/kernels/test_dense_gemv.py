@@ -12,7 +12,7 @@ from fp8serve.kernels import cpu_ops
 pytestmark = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="C++ CPU kernels unavailable")
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 16])  # 11, 16: two activation tiles
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 16, 17, 27, 32])  # 11, 16: two activation tiles; 17-32: three or four
 @pytest.mark.parametrize("k", [576, 96, 37, 8])  # vector bodies (multiples of 32 take bf16 dots), tails
 @pytest.mark.parametrize("w_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
@@ -82,8 +82,8 @@ def test_strided_x_rows_and_limits(seed):
     wide = torch.randn(3, 100, generator=g)
     x = wide[:, 10:74]  # rows not contiguous in memory
     torch.testing.assert_close(cpu_ops.dense_gemv(x, w), F.linear(x.contiguous(), w), rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="at most 16"):
-        cpu_ops.dense_gemv(torch.randn(17, 64), w)
+    with pytest.raises(RuntimeError, match="at most 32"):
+        cpu_ops.dense_gemv(torch.randn(33, 64), w)
     with pytest.raises(RuntimeError, match="columns"):
         cpu_ops.dense_gemv(torch.randn(1, 63), w)
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -93,28 +93,32 @@ def test_strided_x_rows_and_limits(seed):
 
 
 def test_applies_only_where_measured_faster():
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    amd = "AuthenticAMD" in cpuinfo
     bf = torch.empty(16, 8, dtype=torch.bfloat16)
     f32 = torch.empty(16, 8)
     # Where it was measured faster (benchmarks/results/dense_gemv_2026-11-30.md):
-    # bf16 weights up to 8 rows, float32 weights up to 16 (all the kernel takes).
+    # bf16 weights up to 8 rows; float32 weights up to 16, or 32 on AMD (dense_gemv_2026-11-30_stop20_zen4.md).
+    f32_rows = 32 if amd else 16
     for m in (1, 2, 4, 8):
         assert cpu_ops.dense_gemv_applies(torch.empty(m, 8, dtype=torch.bfloat16), bf)
-    for m in (1, 2, 4, 8, 12, 16):
+    for m in (1, 2, 4, 8, 12, 16, f32_rows):
         assert cpu_ops.dense_gemv_applies(torch.empty(m, 8), f32)
     # bf16 x bf16 where the build has AVX512-BF16 dot products: up to 12 rows with AMX (torch's GEMM
-    # uses it), 16 without; else 8.
+    # uses it), else 32 on AMD and 16 elsewhere; without the dot products 8.
     from fp8serve.kernels import amx_linear_ops
 
     if cpu_ops.load_cpu_ops().dense_gemv_has_bf16_dot():
-        bf16_rows = 12 if amx_linear_ops.is_available() else 16
+        bf16_rows = 12 if amx_linear_ops.is_available() else 32 if amd else 16
     else:
         bf16_rows = 8
     assert cpu_ops.dense_gemv_applies(torch.empty(bf16_rows, 8, dtype=torch.bfloat16), bf)
-    if bf16_rows < 16:
-        assert not cpu_ops.dense_gemv_applies(torch.empty(bf16_rows + 1, 8, dtype=torch.bfloat16), bf)
-    assert not cpu_ops.dense_gemv_applies(torch.empty(17, 8, dtype=torch.bfloat16), bf)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(bf16_rows + 1, 8, dtype=torch.bfloat16), bf)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(33, 8, dtype=torch.bfloat16), bf)
     assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8), bf)  # float32 x: the FMA loop, up to 8
-    assert not cpu_ops.dense_gemv_applies(torch.empty(17, 8), f32)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(f32_rows + 1, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(0, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(4, 8), f32.t().contiguous().t())  # non-contiguous weight
     assert not cpu_ops.dense_gemv_applies(torch.empty(1, 8, dtype=torch.float16), torch.empty(16, 8, dtype=torch.float16))

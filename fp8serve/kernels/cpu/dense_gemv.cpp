@@ -63,7 +63,7 @@ using fp8serve_walk::kSequential;
 
 using namespace fp8serve_cvt;
 
-constexpr int64_t kMaxRows = 16;      // activation rows per call
+constexpr int64_t kMaxRows = 32;      // activation rows per call
 constexpr int64_t kTileRows = 8;      // activation rows per register tile
 // Weight rows per pass over the activation tiles: their bytes (64 * K * 2 or
 // 4) stay in L2 while each tile of 8 activation rows re-reads them, so the
@@ -253,7 +253,7 @@ void rows_any(int64_t mt, bool seq, float* out, const float* x, const char* w, i
 
 }  // namespace
 
-// x: [M, K] float32 or bf16 (rows contiguous), M <= 16; w: [N, K] contiguous,
+// x: [M, K] float32 or bf16 (rows contiguous), M <= 32; w: [N, K] contiguous,
 // float32 or bf16; bias: [N] or none. Returns [M, N] in x's dtype.
 // allow_bf16_dot: false keeps the float32-FMA loop (tests, benchmarks).
 // walk: a Walk (kAutoWalk picks by CPU vendor and M; the others force one,
