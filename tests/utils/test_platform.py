@@ -26,3 +26,20 @@ def test_avx512_bf16_alone_is_decided_by_timing(monkeypatch):
     assert platform.fastest_cpu_compute_dtype.__wrapped__() == torch.bfloat16
     timings[torch.bfloat16] = 110.0  # not clearly faster: keep float32
     assert platform.fastest_cpu_compute_dtype.__wrapped__() == torch.float32
+
+
+def test_cpu_vendor_reads_proc_cpuinfo():
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    lines = [ln for ln in info.read_text().splitlines() if ln.startswith("vendor_id")] if info.exists() else []
+    expected = lines[0].split(":", 1)[1].strip() if lines else ""
+    assert platform.cpu_vendor() == expected
+
+
+def test_cpu_vendor_is_empty_without_cpuinfo(monkeypatch):
+    def no_file(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(platform, "open", no_file, raising=False)
+    assert platform.cpu_vendor() == ""
