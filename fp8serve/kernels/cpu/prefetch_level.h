@@ -3,7 +3,8 @@
 // into L1 (_MM_HINT_T0). On AMD Zen 4 (a 2-vCPU guest, stop 20), prefetching
 // into L2 instead (_MM_HINT_T1) let more misses overlap:
 //   - paged decode attention, cold: 1.4-1.9x as fast over float32 caches,
-//     1.2-1.9x over bf16 ones, 1.06-1.3x over FP8; hot calls within 3%;
+//     1.2-1.9x over bf16 ones, 1.06-1.3x over FP8; hot calls on caches that
+//     fit in L3 within 3%, larger float32 ones 2.7-2.8x;
 //   - dense_gemv's interleaved walk (3-16 activation rows), the default
 //     model's 120 decode linears: 1.17-1.44x (float32), 1.27-1.66x (bf16).
 // fp8_gemm keeps L1: its loops are bound by the FP8 decode, and L2 measured
