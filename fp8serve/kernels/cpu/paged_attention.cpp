@@ -460,9 +460,10 @@ inline __m512 exp512(__m512 x) {
 // Scores with q held in registers: head size 64 and up to 4 query heads per kv
 // head (16 zmm for q, leaving room for the tile's K vectors), FP8 caches only.
 // Measured on the Zen 4 guest (alternating builds): FP8 tiles, bound by their
-// arithmetic, ran 1.12-1.23x as fast; float32 and bf16 caches larger than L3,
-// bound by memory, ran 0.69-0.75x (float32) and 0.85x (bf16 64 x 2048, cold)
-// as fast, as if the faster demand loads starved the L2 prefetches.
+// arithmetic, ran 1.05-1.23x as fast, hot and cold. Float32 and bf16 caches
+// larger than L3, bound by memory, ran 0.69-0.75x (float32) and 0.85x (bf16
+// 64 x 2048, cold) as fast, as if the faster demand loads starved the L2
+// prefetches (not verified).
 constexpr int64_t kQRegHeadSize = 64;
 constexpr int kMaxQInRegisters = 4;
 template <int64_t F>
