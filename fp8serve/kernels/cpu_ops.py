@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from fp8serve.utils.platform import is_amd_cpu
+
 logger = logging.getLogger(__name__)
 
 _SRC_DIR = Path(__file__).resolve().parent / "cpu"
@@ -275,13 +277,6 @@ def _has_bf16_dot() -> bool:
 
 
 @functools.cache
-def _is_amd() -> bool:
-    from fp8serve.utils.platform import cpu_vendor
-
-    return cpu_vendor() == "AuthenticAMD"
-
-
-@functools.cache
 def _has_amx() -> bool:
     from fp8serve.kernels import amx_linear_ops  # it imports this module
 
@@ -314,12 +309,12 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     m = x.shape[0]
     if weight.dtype == torch.bfloat16:
         if x.dtype == torch.bfloat16 and _has_bf16_dot():
-            max_rows = 12 if _has_amx() else 32 if _is_amd() else 16
+            max_rows = 12 if _has_amx() else 32 if is_amd_cpu() else 16
         else:
             max_rows = 8
         ok = 1 <= m <= max_rows and x.dtype in (torch.bfloat16, torch.float32)
     elif weight.dtype == torch.float32:
-        ok = 1 <= m <= (32 if _is_amd() else 16) and x.dtype == torch.float32
+        ok = 1 <= m <= (32 if is_amd_cpu() else 16) and x.dtype == torch.float32
     else:
         return False
     return ok and load_cpu_ops() is not None

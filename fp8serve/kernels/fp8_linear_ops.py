@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from fp8serve.kernels import amx_linear_ops
+from fp8serve.kernels import amx_linear_ops, onednn_linear
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
@@ -144,7 +144,7 @@ def _dequantize_and_matmul(ops, x, weight, weight_scale, bias) -> torch.Tensor:
         ops.fp8_dequantize(buf, weight, weight_scale)
         if on_amx:
             return amx_linear_ops.amx_linear(x, buf, bias)
-        out = torch.mm(x, buf.t())
+        out = onednn_linear.linear(x, buf)
     else:
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         for n0 in range(0, n, rows):
@@ -154,7 +154,7 @@ def _dequantize_and_matmul(ops, x, weight, weight_scale, bias) -> torch.Tensor:
             if on_amx:
                 out[:, n0:n1] = amx_linear_ops.amx_linear(x, w, None if bias is None else bias[n0:n1])
             else:
-                out[:, n0:n1] = torch.mm(x, w.t())  # contiguous row pieces, not a transpose
+                out[:, n0:n1] = onednn_linear.linear(x, w)  # contiguous row pieces, not a transpose
         if on_amx:
             return out
     if bias is not None:

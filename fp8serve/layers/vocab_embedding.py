@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8serve.kernels import amx_linear_ops, cpu_ops
+from fp8serve.kernels import amx_linear_ops, cpu_ops, onednn_linear
 
 # Vocabulary rows upcast per F.linear call when the head's weight is narrower
 # than the activations (8192 x 4096 float32 = 128 MiB at most, 18 MiB for SmolLM2).
@@ -51,7 +51,7 @@ class LMHead(nn.Module):
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
         if self.weight.dtype == hidden_states.dtype:
-            return F.linear(hidden_states, self.weight).float()
+            return onednn_linear.linear(hidden_states, self.weight).float()
         # A narrower stored weight: upcast a slice of the vocabulary at a time
         # (exact), never the whole table.
         return torch.cat([F.linear(hidden_states, self.weight[i:i + _UPCAST_ROWS].to(hidden_states.dtype)).float()

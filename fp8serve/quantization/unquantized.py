@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fp8serve.kernels import amx_linear_ops, cpu_ops
+from fp8serve.kernels import amx_linear_ops, cpu_ops, onednn_linear
 from fp8serve.quantization.base import LinearMethod, set_weight_loader
 from fp8serve.quantization.loaders import load_output_shard
 
@@ -21,4 +20,4 @@ class UnquantizedLinearMethod(LinearMethod):
             return amx_linear_ops.amx_linear(x, layer.weight, bias)  # decode at batch 8-64, bf16 on AMX
         if cpu_ops.dense_gemv_applies(x, layer.weight):
             return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at batch 1: memory-bound GEMV
-        return F.linear(x, layer.weight, bias)
+        return onednn_linear.linear(x, layer.weight, bias)  # F.linear, or oneDNN where that is faster

@@ -87,6 +87,12 @@ def cpu_vendor() -> str:
     return ""
 
 
+@functools.cache
+def is_amd_cpu() -> bool:
+    """Whether this is an AMD CPU: some kernel choices were measured on AMD only (read once per process)."""
+    return cpu_vendor() == "AuthenticAMD"
+
+
 def _matmul_gflops(dtype: torch.dtype) -> float:
     # The shape of one SmolLM2 MLP projection over a 256-token prefill.
     x = torch.randn(256, 576).to(dtype)

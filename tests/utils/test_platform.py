@@ -43,3 +43,7 @@ def test_cpu_vendor_is_empty_without_cpuinfo(monkeypatch):
 
     monkeypatch.setattr(platform, "open", no_file, raising=False)
     assert platform.cpu_vendor() == ""
+
+
+def test_is_amd_cpu_follows_the_vendor():
+    assert platform.is_amd_cpu() == (platform.cpu_vendor() == "AuthenticAMD")

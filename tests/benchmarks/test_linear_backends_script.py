@@ -1,0 +1,42 @@
+"""benchmarks/linear_backends.py: every GEMM of a cell timed side by side, bad arguments rejected."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from benchmark_scripts import loaded_script
+
+
+def _rows(out: str, first: str) -> list[list[str]]:
+    return [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in out.splitlines()
+            if ln.startswith("| ") and not ln.startswith(first)]
+
+
+def test_tables(ops, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["linear_backends.py", "--rows", "40", "--decode-rows", "16,40", "--rounds", "1",
+                                      "--layers", "1", "--min-time", "0.001"])
+    with loaded_script("linear_backends.py") as script:
+        script.main()
+    out = capsys.readouterr().out
+    hot = [r for r in _rows(out, "| M |") if "->" in r[1]]
+    assert {(r[0], r[1].split()[0]) for r in hot} == {("40", n) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    assert len(hot) == 8  # float32 and bf16
+    assert all(float(r[2]) > 0 for r in hot)
+    cold = [r for r in _rows(out, "| M |") if "->" not in r[1]]
+    assert [r[0] for r in cold] == ["16", "40", "16", "40"]
+    assert all(float(r[1]) > 0 for r in cold)
+    assert all(r[3] != "-" for r in cold if r[0] == "16") and all(r[3] == "-" for r in cold if r[0] == "40")  # dense_gemv <= 32 rows
+    assert "- F.linear:" in out
+
+
+@pytest.mark.parametrize("bad, message", [(["--rounds", "0"], "--rounds must be >= 1, got 0"),
+                                          (["--rows", "4,x"], "expected comma-separated integers"),
+                                          (["--decode-rows", "0"], "expected integers >= 1"),
+                                          (["--min-time", "0"], "--min-time must be > 0")])
+def test_rejects_bad_arguments(bad, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["linear_backends.py", *bad])
+    with loaded_script("linear_backends.py") as script, pytest.raises(SystemExit):
+        script.main()
+    assert message in capsys.readouterr().err
