@@ -16,7 +16,7 @@ alternating in ABBA rounds, next to a plain read (`Tensor.sum`) of as many
 bytes in the same rounds; medians of --rounds.
 
 --baseline-rev REV builds dense_gemv.cpp as of git revision REV beside this
-tree's and times both on the 120 decode linears at M = 1-16, float32 and bf16
+tree's and times both on the 120 decode linears at M = 1-32, float32 and bf16
 weights, in ABBA rounds (medians of --rounds).
 """
 
@@ -39,6 +39,7 @@ from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) of SmolLM2-135M's projections
 LAYERS = 30
 LM_HEAD = (576, 49152)  # (K, N) of the tied lm_head
+BASELINE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)  # M of --baseline-rev: every tile shape up to kMaxRows
 
 
 def packed_weights(dt: torch.dtype, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -110,7 +111,7 @@ def versus_revision(rev: str, rounds: int, layers: int) -> None:
     for dt in (torch.float32, torch.bfloat16):
         ws = packed_weights(dt, shapes)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
-        for m in (1, 2, 4, 8, 12, 16):
+        for m in BASELINE_ROWS:
             xs = {k: torch.randn(m, k).to(dt) for k, _ in shapes}
 
             def run(op, xs=xs, ws=ws):

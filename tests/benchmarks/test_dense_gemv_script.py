@@ -36,7 +36,7 @@ def test_baseline_rev_table(ops, monkeypatch, capsys):
         script.main()
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and not ln.startswith("| weights")]
     cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
-    assert {(c[0], c[1]) for c in cells} == {(d, str(m)) for d in ("float32", "bfloat16") for m in (1, 2, 4, 8, 12, 16)}
+    assert {(c[0], c[1]) for c in cells} == {(d, str(m)) for d in ("float32", "bfloat16") for m in (1, 2, 4, 8, 12, 16, 24, 32)}
     assert all(float(c[2]) > 0 and float(c[4]) > 0 and c[6].endswith("x") for c in cells)
 
 
