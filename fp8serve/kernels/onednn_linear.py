@@ -4,11 +4,11 @@ the CPUs where that was measured faster: a thin wrapper over
 CPU linears) and where it runs.
 
 Why: torch 2.13's `F.linear` runs float32 through MKL's sgemm. On an AMD EPYC
-Zen 4 (2 vCPUs, AVX-512) MKL reached 166-198 GFLOP/s on the default model's
-prefill shapes at 512 rows (the 576 -> 3072 gate_up the slowest) and 107-157
-at 24-256 rows; oneDNN ran the same calls at 197-215 and 130-209, 1.04-1.53x
+Zen 4 (2 vCPUs, AVX-512) MKL reached 181-203 GFLOP/s on the default model's
+prefill shapes at 512 rows (the 576 -> 3072 gate_up the slowest) and 126-194
+at 24-256 rows; oneDNN ran the same calls at 209-217 and 134-214: 1.02-1.29x
 (bf16 already goes to oneDNN through F.linear: no change there). On the 120
-decode linears read from memory it ran 1.20-1.39x F.linear at 16-64 rows, and
+decode linears read from memory it ran 1.18-1.33x F.linear at 16-64 rows, and
 dense_gemv stays faster up to its 32 rows. Numbers and command:
 benchmarks/results/linear_backends_2026-11-30_zen4.md.
 
