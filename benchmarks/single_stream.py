@@ -233,7 +233,8 @@ def matmul_variants() -> dict:
     return out
 
 
-def measure_matmul(arch: Arch, m: int, dtype: torch.dtype, min_time: float, repeats: int) -> dict[str, dict[str, float]]:
+def measure_matmul(arch: Arch, m: int, dtype: torch.dtype, min_time: float,
+                   repeats: int) -> dict[str, dict[str, float]]:
     """GFLOP/s of each hot GEMM of `matmul_variants` per projection shape ([m, K] x [N, K]^T)."""
     g = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, float]] = {v: {} for v in matmul_variants()}
@@ -275,7 +276,8 @@ def measure_machine(arch: Arch, prompt_len: int, dtypes: list[torch.dtype], args
     # Per dtype and shape, the best GEMM: what the peak is taken over.
     mm = {d: {name: max(v[name] for v in per.values()) for name in next(iter(per.values()))}
           for d, per in by_gemm.items()}
-    return {"bandwidth": bw, "matmul_gflops": mm, "matmul_gflops_by_gemm": by_gemm, "seconds": time.perf_counter() - t}
+    return {"bandwidth": bw, "matmul_gflops": mm, "matmul_gflops_by_gemm": by_gemm,
+            "seconds": time.perf_counter() - t}
 
 
 # --------------------------------------------------------------------------- results
@@ -566,9 +568,8 @@ def format_machine(measurements: list[tuple[str, dict]], prompt_len: int, arch: 
     lines = []
     for label, m in measurements:
         bw = m["bandwidth"]
-        by_gemm = m.get("matmul_gflops_by_gemm") or {d: {"F.linear": shapes} for d, shapes in m["matmul_gflops"].items()}
         mm = "; ".join(f"{d} {v}: " + ", ".join(f"{k} {x:.0f}" for k, x in shapes.items())
-                       for d, per in by_gemm.items() for v, shapes in per.items())
+                       for d, per in m["matmul_gflops_by_gemm"].items() for v, shapes in per.items())
         lines.append(f"- measured at {label}: read: sum {bw['sum_gb_s']:.1f} GB/s, gemv {bw['gemv_gb_s']:.1f} GB/s; copy (read+write) "
                      f"{bw['copy_gb_s']:.1f} GB/s; matmul GFLOP/s at M={prompt_len}: {mm}")
     shapes = ", ".join(f"{k} {kk}→{n}" for k, (kk, n) in linear_shapes(arch).items())
@@ -641,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (median)")
     p.add_argument("--decode-warmup", type=int, default=4, help="untimed decode steps first")
     p.add_argument("--kv-cache-memory", default="256MiB")
-    p.add_argument("--min-time", type=float, default=0.3, help="seconds of timing per shape, dtype and GEMM (F.linear, oneDNN)")
+    p.add_argument("--min-time", type=float, default=0.3,
+                   help="seconds of timing per shape, dtype and GEMM (F.linear, oneDNN)")
     p.add_argument("--mm-repeats", type=int, default=5, help="timed loops per matmul shape (best of)")
     p.add_argument("--bw-mib", type=int, default=1024, help="bandwidth buffer (MiB of float32)")
     p.add_argument("--bw-repeats", type=int, default=5)
