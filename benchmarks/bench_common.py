@@ -70,7 +70,9 @@ def machine_info() -> dict:
     except Exception:  # noqa: BLE001 - reported, not fatal
         kernels = False
     flags = cpu_flags()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
+        "gpu": gpu,
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
         "flags": {f: f in flags for f in REPORTED_FLAGS},
@@ -88,8 +90,9 @@ def describe_machine(info: dict) -> list[str]:
     """The results files' machine and software lines."""
     flags = " ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["flags"].items())
     tf = f" | transformers {info['transformers']}" if info.get("transformers") else ""
+    gpu = f" | GPU: {info['gpu']}" if info.get("gpu") else ""
     return [
-        f"machine: {info['cpu_model']} | {info['cpu_count']} CPUs | {info['mem_gib']} GiB | flags: {flags}",
+        f"machine: {info['cpu_model']} | {info['cpu_count']} CPUs | {info['mem_gib']} GiB{gpu} | flags: {flags}",
         f"software: torch {info['torch']}{tf} | python {info['python']} | torch threads {info['torch_threads']} | "
         f"fp8serve C++ kernels {'yes' if info['cpu_kernels'] else 'no'} | loadavg at start {info['loadavg_at_start']}",
     ]

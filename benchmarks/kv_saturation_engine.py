@@ -147,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the engine's --device)")
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        p.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
     for name in ("rounds", "num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -166,14 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {command_line(None if argv is None else list(argv))}")
     for line in describe_machine(info):
         print(line)
-    print(f"model: {model}, --dtype {args.dtype}, --kv-cache-memory {args.kv_cache_memory}, --max-model-len "
-          f"{args.max_model_len}; {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
+    print(f"model: {model}, --device {args.device}, --dtype {args.dtype}, --kv-cache-memory {args.kv_cache_memory}, "
+          f"--max-model-len {args.max_model_len}; {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
           f"all added at once; {args.rounds} interleaved rounds")
 
     engines = {}
     for kv in kvs:
         llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory,
-                  max_model_len=args.max_model_len, device="cpu", seed=args.seed)
+                  max_model_len=args.max_model_len, device=args.device, seed=args.seed)
         e = llm.llm_engine
         spec = e.model_runner.kv_cache_spec
         print(f"- {kv}: {spec.kv_cache_dtype} cache, {e.block_manager.num_blocks} blocks of {spec.block_size} tokens")

@@ -170,6 +170,11 @@ class Fp8LinearMethod(LinearMethod):
         else:
             x_scale = (x2.abs().max().float() / FP8_E4M3.max_finite).clamp(min=1e-12)
         xq = (x2.float() / x_scale).clamp(-FP8_E4M3.max_finite, FP8_E4M3.max_finite).to(torch.float8_e4m3fn)
+        # cuBLAS takes a fused bias only for 16-bit outputs ("Bias is not
+        # supported when out_dtype is set to Float32"): add it after.
+        fused_bias = bias if x.dtype != torch.float32 else None
         out = torch._scaled_mm(xq, layer.weight, scale_a=x_scale.reshape(()).float(),
-                               scale_b=layer.weight_scale.float(), out_dtype=x.dtype, bias=bias)
+                               scale_b=layer.weight_scale.float(), out_dtype=x.dtype, bias=fused_bias)
+        if bias is not None and fused_bias is None:
+            out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])

@@ -74,7 +74,8 @@ class PagedSequences:
         self.keys: list[list[torch.Tensor]] = [[] for _ in total_lens]
         self.values: list[list[torch.Tensor]] = [[] for _ in total_lens]
 
-    def metadata(self, seq_ids: list[int], q_lens: list[int]) -> tuple[AttentionMetadata, list[list[int]]]:
+    def metadata(self, seq_ids: list[int], q_lens: list[int],
+                 device: torch.device | str = "cpu") -> tuple[AttentionMetadata, list[list[int]]]:
         """Metadata for a step adding q_lens[i] tokens to sequence seq_ids[i]; and
         the absolute positions of each sequence's new tokens."""
         slots, positions = [], []
@@ -90,10 +91,10 @@ class PagedSequences:
         for n in q_lens:
             starts.append(starts[-1] + n)
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            block_tables=torch.tensor(tables),
-            seq_lens=torch.tensor(seq_lens),
-            query_start_loc=torch.tensor(starts),
+            slot_mapping=torch.tensor(slots, device=device),
+            block_tables=torch.tensor(tables, device=device),
+            seq_lens=torch.tensor(seq_lens, device=device),
+            query_start_loc=torch.tensor(starts, device=device),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
             num_seqs=len(seq_ids),
@@ -103,13 +104,14 @@ class PagedSequences:
         return md, positions
 
 
-def run_and_compare(backend_cls, kv_cache_dtype, num_kv_heads, group, head_size, k_scale, v_scale, k_std, v_std, seed):
+def run_and_compare(backend_cls, kv_cache_dtype, num_kv_heads, group, head_size, k_scale, v_scale, k_std, v_std, seed,
+                    device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
     softmax_scale = head_size**-0.5
     spec = KVCacheSpec(kv_cache_dtype, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
     backend = backend_cls(spec, torch.float32)
-    cache = backend.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
+    cache = backend.allocate_kv_cache(NUM_BLOCKS, torch.device(device))
     seqs = PagedSequences([n + NUM_DECODE_STEPS for n in PROMPT_LENS], gen)
 
     first_chunk = [math.ceil(n / 2) for n in PROMPT_LENS]
@@ -120,20 +122,22 @@ def run_and_compare(backend_cls, kv_cache_dtype, num_kv_heads, group, head_size,
 
     worst_vs_qdq, worst_vs_exact = 0.0, 0.0
     for seq_ids, q_lens in steps:
-        md, positions = seqs.metadata(seq_ids, q_lens)
+        md, positions = seqs.metadata(seq_ids, q_lens, device)
         backend.build_metadata(md)
         n = md.num_tokens
         q = torch.randn(n, num_heads, head_size, generator=gen)
         k = torch.randn(n, num_kv_heads, head_size, generator=gen) * k_std
         v = torch.randn(n, num_kv_heads, head_size, generator=gen) * v_std
-        out = backend.forward(q, k, v, cache, md, softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
-        assert out.shape == (n, num_heads, head_size) and out.dtype == torch.float32
+        out = backend.forward(q.to(device), k.to(device), v.to(device), cache, md, softmax_scale=softmax_scale,
+                              k_scale=k_scale, v_scale=v_scale)
+        assert out.shape == (n, num_heads, head_size) and out.dtype == torch.float32 and out.device == cache.device
+        out = out.cpu()
         assert torch.isfinite(out).all()
 
         # What was written: the codes at each new slot decode to x / scale.
         dtype, _ = TORCH_FP8[kv_cache_dtype]
-        stored_k = cache[0].view(-1, num_kv_heads, head_size)[md.slot_mapping].view(dtype).double()
-        stored_v = cache[1].view(-1, num_kv_heads, head_size)[md.slot_mapping].view(dtype).double()
+        stored_k = cache[0].view(-1, num_kv_heads, head_size)[md.slot_mapping].view(dtype).cpu().double()
+        stored_v = cache[1].view(-1, num_kv_heads, head_size)[md.slot_mapping].view(dtype).cpu().double()
         assert torch.equal(stored_k * k_scale, reference_qdq(k, k_scale, kv_cache_dtype))
         assert torch.equal(stored_v * v_scale, reference_qdq(v, v_scale, kv_cache_dtype))
 
@@ -174,6 +178,23 @@ def test_fp8_attention_matches_float64_reference(kv_cache_dtype, k_scale, v_scal
     # float32 arithmetic against float64, relative to the values' scale.
     assert worst_vs_qdq < 2e-5, worst_vs_qdq
     # The reference is sensitive: FP8 rounding moves the output by far more.
+    assert worst_vs_exact > 50 * max(worst_vs_qdq, 1e-7), (worst_vs_exact, worst_vs_qdq)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("kv_cache_dtype, k_scale, v_scale", [("fp8_e4m3", 0.01, 0.02), ("fp8_e5m2", 0.3, 3.0)])
+def test_fp8_attention_on_cuda_matches_float64_reference(kv_cache_dtype, k_scale, v_scale, group, head_size):
+    """The reference backend is the engine's attention on CUDA: the same
+    contract (codes written, values read back) on the GPU."""
+    worst_vs_qdq, worst_vs_exact = run_and_compare(
+        TorchSDPABackend, kv_cache_dtype, num_kv_heads=2, group=group, head_size=head_size,
+        k_scale=k_scale, v_scale=v_scale, k_std=2.0, v_std=3.0, seed=head_size * 10 + group, device="cuda",
+    )
+    print(f"cuda {kv_cache_dtype} group={group} head_size={head_size}: max |engine - qdq reference| / v_std = "
+          f"{worst_vs_qdq:.2e}, vs unquantized = {worst_vs_exact:.2e}")
+    assert worst_vs_qdq < 2e-5, worst_vs_qdq
     assert worst_vs_exact > 50 * max(worst_vs_qdq, 1e-7), (worst_vs_exact, worst_vs_qdq)
 
 

@@ -213,3 +213,48 @@ def test_log_line_reports_tokens_and_concurrency(base_checkpoints, caplog):
     # max_model_len 256 = 16 blocks per request
     m = re.search(r"maximum concurrency for 256 tokens per request: ([0-9.]+)x", line)
     assert m and float(m.group(1)) == pytest.approx(n / 16, abs=0.005)
+
+
+def _prompt_and_decode_logprobs(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens, and the logprob of every prompt token (from position 1)
+    and of every chosen token, as one float64 vector."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    values = [pos[t].logprob for pos, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    values += [pos[t].logprob for pos, t in zip(comp.logprobs, comp.token_ids)]
+    return comp.token_ids, torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_kv_cache_on_cuda_matches_cpu(family_checkpoints, arch):
+    """A 16-bit checkpoint whose kv_cache_scheme carries per-layer scales,
+    served with an FP8 cache on the GPU (torch_sdpa backend) and on the CPU
+    (the engine's CPU backend): same scales in every layer, FP8 cache tensors
+    on the device with twice the blocks of a bfloat16 cache, and the same
+    logprobs up to float32 arithmetic, while the FP8 cache visibly moves them
+    away from the float32-cache run (so the comparison can tell)."""
+    d = family_checkpoints[arch, "output_scale"]
+    num_layers = 3 if arch == "llama" else 2
+    prompt = [int(t) for t in torch.randint(3, 500, (37,), generator=torch.Generator().manual_seed(7))]
+    runs = {}
+    for device, kv in (("cuda", "fp8"), ("cpu", "fp8"), ("cuda", "auto")):
+        llm = build(d, kv, device=device)
+        runner = llm.llm_engine.model_runner
+        if kv == "fp8":
+            assert_scales(llm, expected_scales("output_scale", num_layers))
+            assert all(c.device.type == device and c.element_size() == 1 for c in runner.kv_caches)
+        runs[device, kv] = _prompt_and_decode_logprobs(llm, prompt, 12)
+        runs[device, kv, "blocks"] = runner.num_blocks
+        del llm
+    assert runs["cuda", "fp8", "blocks"] == runs["cpu", "fp8", "blocks"] == 4 * runs["cuda", "auto", "blocks"]
+    (ids_gpu, lp_gpu), (ids_cpu, lp_cpu), (_, lp_auto) = runs["cuda", "fp8"], runs["cpu", "fp8"], runs["cuda", "auto"]
+    n = min(len(lp_gpu), len(lp_cpu), len(lp_auto))
+    gpu_vs_cpu = float((lp_gpu[:n] - lp_cpu[:n]).abs().max())
+    fp8_vs_float32 = float((lp_gpu[:n] - lp_auto[:n]).abs().max())
+    print(f"{arch}: max |logprob| difference, fp8 cache cuda vs cpu {gpu_vs_cpu:.2e}; "
+          f"fp8 vs float32 cache on cuda {fp8_vs_float32:.2e}")
+    assert ids_gpu == ids_cpu
+    assert gpu_vs_cpu < 1e-3
+    assert fp8_vs_float32 > 10 * gpu_vs_cpu

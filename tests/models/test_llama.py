@@ -62,7 +62,7 @@ class LogitsRecorder:
                 for row, seq in enumerate(seqs):
                     assert seq.num_tokens not in self.steps[seq.request_id], "a position was sampled twice"
                     self.steps[seq.request_id][seq.num_tokens] = Step(
-                        logits[row].detach().clone(), is_prefill, len(seqs), seq.num_preemptions)
+                        logits[row].detach().to("cpu", copy=True), is_prefill, len(seqs), seq.num_preemptions)
             return logits
 
         def execute(seqs, is_prefill, eos_token_id):
@@ -178,6 +178,21 @@ def test_logits_match_transformers_at_every_step(tmp_path, name):
     assert max(s.batch_size for s in all_steps if not s.is_prefill) >= 3
     late = recorder.steps[outputs[3].request_id][PROMPT_LENGTHS[3]]
     assert late.is_prefill and late.batch_size == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["gqa_4q_2kv", "tied_embeddings", "llama3_rope"])
+def test_logits_match_transformers_on_cuda(tmp_path, name):
+    """The whole engine on a GPU (torch_sdpa backend, float32 KV cache on the
+    device) against transformers in float64 on the CPU, every step."""
+    model_dir = tmp_path / name
+    CHECKPOINTS[name](model_dir)
+    llm, outputs, recorder = run_recorded(model_dir, _prompts(), MAX_TOKENS, max_num_seqs=3, device="cuda")
+    runner = llm.llm_engine.model_runner
+    assert runner.device.type == "cuda"
+    assert all(c.device.type == "cuda" for c in runner.kv_caches)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == list(MAX_TOKENS)
+    assert_matches_hf(model_dir, outputs, recorder)
 
 
 def test_tied_checkpoint_has_no_lm_head_tensor(tmp_path):

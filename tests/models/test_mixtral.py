@@ -38,7 +38,7 @@ def record_logits(llm: LLM) -> dict[str, dict[int, torch.Tensor]]:
             assert logits.shape[0] == len(seqs)
             for row, seq in enumerate(seqs):
                 assert seq.num_tokens not in rows[seq.request_id], "a position was sampled twice"
-                rows[seq.request_id][seq.num_tokens] = logits[row].detach().clone()
+                rows[seq.request_id][seq.num_tokens] = logits[row].detach().to("cpu", copy=True)
         return logits
 
     def execute(seqs, is_prefill, eos_token_id):
@@ -92,6 +92,20 @@ def test_logits_match_transformers_at_every_step(tmp_path, mixtral_dir, kv_heads
     outputs = llm.generate(_prompts(lengths, seed=2), params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == list(max_tokens)
     assert_matches_hf(model_dir, outputs, rows)
+
+
+@pytest.mark.cuda
+def test_logits_match_transformers_on_cuda(mixtral_dir):
+    """The MoE layers and the rest of the engine on a GPU against transformers
+    in float64 on the CPU, every step."""
+    lengths, max_tokens = (3, 16, 21), (12, 6, 9)
+    llm = LLM(str(mixtral_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, max_num_seqs=2, device="cuda")
+    assert llm.llm_engine.model_runner.device.type == "cuda"
+    rows = record_logits(llm)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate(_prompts(lengths, seed=2), params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == list(max_tokens)
+    assert_matches_hf(mixtral_dir, outputs, rows)
 
 
 def test_top_k_matters_in_the_reference(tmp_path, mixtral_dir):
