@@ -335,11 +335,12 @@ class DecodeCaptures:
         # parameters and buffers, and the KV caches. Anything else is a
         # per-step tensor the inputs do not cover.
         # Views of them (folded at capture: see _is_constant_view) share their storage.
+        # oneDNN's packed weights are opaque (no storage to compare): known by identity alone.
         state = list(self.model.parameters()) + list(self.model.buffers()) + [a.kv_cache for a in self.attn_layers]
         owned = {id(t) for t in state}
-        owned_storage = {t.untyped_storage().data_ptr() for t in state}
+        owned_storage = {t.untyped_storage().data_ptr() for t in state if not t.is_mkldnn}
         foreign = [t for t in recorded.tensor_constants
-                   if id(t) not in owned and t.untyped_storage().data_ptr() not in owned_storage]
+                   if id(t) not in owned and (t.is_mkldnn or t.untyped_storage().data_ptr() not in owned_storage)]
         if foreign:
             return f"{len(foreign)} tensors of the forward are neither inputs nor model state (e.g. {tuple(foreign[0].shape)})"
         again = recorded.replay(*inputs)

@@ -13,16 +13,35 @@ dense_gemv stays faster up to its 32 rows. Numbers and command:
 benchmarks/results/linear_backends_2026-11-30_zen4.md.
 
 Intel CPUs keep F.linear: not measured there.
+
+bf16 weights packed once. For plain bf16 weights oneDNN reorders the
+weight into its blocked layout on every call; `torch.ops.mkldnn.
+_reorder_linear_weight` does that once (what torch's compiler does when it
+freezes a model). On the same Zen 4 machine (no AMX) the packed weights ran
+the default model's shapes 1.04-1.15x as fast at 512 rows, 1.16-1.57x at 64,
+up to 2x at 1-16, with bit-identical results; the offline workload (64 x
+512 -> 128) ran 1.08-1.13x as fast end to end (stop 22's closing note).
+The packed copy is opaque (only oneDNN reads it) while dense_gemv reads the
+plain weight at 1-32 rows, so packing costs a second copy of every bf16
+linear weight: `pack_bf16_weights` makes it only where that copy fits in a
+quarter of the memory available, on AMD CPUs without AMX (with AMX,
+amx_linear serves the decode batches; Intel is not measured).
+FP8SERVE_ONEDNN_PACKED_WEIGHTS=0 turns it off.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from fp8serve.utils.platform import is_amd_cpu
+from fp8serve.utils.platform import available_memory_bytes, is_amd_cpu
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -56,9 +75,85 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, or oneDNN where `applies` says it is faster: the GEMM for
-    calls that no decode kernel (dense_gemv, amx_linear, fp8_linear) took."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, or oneDNN where `applies` says it is faster, or oneDNN on
+    `packed` (the layer's weight as `pack_weight` made it) for bf16 inputs:
+    the GEMM for calls that no decode kernel (dense_gemv, amx_linear,
+    fp8_linear) took."""
+    if packed is not None and x.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if applies(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+# ------------------------------------------------------------------ packed bf16 weights
+PACKED_WEIGHTS_ENV = "FP8SERVE_ONEDNN_PACKED_WEIGHTS"
+
+
+@functools.cache
+def packing_available() -> bool:
+    """Whether this torch packs bf16 linear weights for oneDNN, and the packed
+    weight gives F.linear's result."""
+    if not is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 32, generator=g).bfloat16()
+        w = torch.randn(48, 32, generator=g).bfloat16()
+        out = torch.ops.mkldnn._linear_pointwise(x, pack_weight(w), None, "none", [], "")
+        return bool(torch.allclose(out.float(), F.linear(x, w).float(), rtol=2**-7, atol=1e-3))
+    except RuntimeError:
+        return False
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] bf16 in oneDNN's blocked layout: an opaque tensor only
+    `linear(..., packed=)` reads. The batch-size hint hardly matters (the same
+    times at hints 1-512 for these shapes); 64 is a decode batch."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"pack_weight takes a 2-D bf16 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
+                         f"on {weight.device}")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+
+
+def _packing_wanted() -> bool:
+    value = os.environ.get(PACKED_WEIGHTS_ENV, "auto").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value != "auto":
+        raise ValueError(f"{PACKED_WEIGHTS_ENV}={value!r}: expected auto, 1 or 0")
+    from fp8serve.kernels import amx_linear_ops
+
+    return is_amd_cpu() and not amx_linear_ops.is_available()
+
+
+def pack_bf16_weights(model: nn.Module) -> int:
+    """Give every bf16 linear of `model` (layers with a `weight_packed`
+    slot: plain linear layers and the LM head) a packed copy of its weight,
+    where this CPU wants it and the copies fit in a quarter of the available
+    memory. Returns the bytes packed (0 when nothing was)."""
+    layers = [m for m in model.modules()
+              if hasattr(m, "weight_packed") and isinstance(getattr(m, "weight", None), torch.Tensor)
+              and m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2 and m.weight.device.type == "cpu"]
+    if not layers or not _packing_wanted() or not packing_available():
+        return 0
+    # A tied LM head shares its embedding's weight: count each weight once.
+    weights = {id(m.weight): m.weight for m in layers}
+    total = sum(w.nbytes for w in weights.values())
+    budget = available_memory_bytes() // 4
+    if total > budget:
+        logger.info("oneDNN: bf16 weights not packed: a packed copy needs %.0f MiB, over a quarter of the memory "
+                    "available (%.0f MiB)", total / 2**20, budget / 2**20)
+        return 0
+    packed: dict[int, torch.Tensor] = {}
+    for m in layers:
+        if id(m.weight) not in packed:
+            packed[id(m.weight)] = pack_weight(m.weight)
+        m.weight_packed = packed[id(m.weight)]
+    logger.info("oneDNN: packed %d bf16 weights once (%.0f MiB, a second copy: dense_gemv reads the plain one)",
+                len(packed), total / 2**20)
+    return total

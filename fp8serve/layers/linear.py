@@ -36,6 +36,10 @@ class MergedLinear(nn.Module):
             quant_config.get_linear_method(prefix) if quant_config is not None else UnquantizedLinearMethod()
         )
         self.quant_method.create_weights(self, input_size, self.output_sizes, params_dtype)
+        # oneDNN's packed copy of a bf16 weight, where the engine makes one
+        # (onednn_linear.pack_bf16_weights); a buffer so that recorded decode
+        # forwards know it as model state.
+        self.register_buffer("weight_packed", None, persistent=False)
         if bias:
             b = nn.Parameter(torch.zeros(self.output_size, dtype=params_dtype), requires_grad=False)
             self.register_parameter("bias", set_weight_loader(b, load_output_shard(self)))

@@ -42,6 +42,8 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=weight_dtype or dtype),
                                        requires_grad=False)
+        # oneDNN's packed copy of a bf16 weight (see MergedLinear).
+        self.register_buffer("weight_packed", None, persistent=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the compute dtype: sampling and logprobs
@@ -51,7 +53,7 @@ class LMHead(nn.Module):
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
         if self.weight.dtype == hidden_states.dtype:
-            return onednn_linear.linear(hidden_states, self.weight).float()
+            return onednn_linear.linear(hidden_states, self.weight, packed=self.weight_packed).float()
         # A narrower stored weight: upcast a slice of the vocabulary at a time
         # (exact), never the whole table.
         return torch.cat([F.linear(hidden_states, self.weight[i:i + _UPCAST_ROWS].to(hidden_states.dtype)).float()

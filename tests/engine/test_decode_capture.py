@@ -88,6 +88,36 @@ def test_replays_at_amx_batch_sizes_equal_eager(ops, llama_dir, seed, monkeypatc
     assert any(b >= 8 for b in engine.model_runner.decode_captures.scripted_batch_sizes), f"seed={seed}"
 
 
+def test_replays_with_packed_bf16_weights_equal_eager(ops, llama_dir, seed, monkeypatch):
+    """bf16 linears on oneDNN's packed weights (opaque tensors, no storage):
+    the recorded decode knows them as model state and replays exactly what
+    the eager model gives. Every decode linear is sent there (no dense_gemv,
+    no AMX), as at the batches above 32 where the engine does so."""
+    from fp8serve.kernels import amx_linear_ops, cpu_ops, onednn_linear
+
+    if not onednn_linear.packing_available():
+        pytest.skip("this torch cannot pack bf16 weights for oneDNN")
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
+    monkeypatch.setattr(cpu_ops, "dense_gemv_applies", lambda x, w: False)
+    monkeypatch.setattr(amx_linear_ops, "applies", lambda x, w: False)
+    packed_calls = []
+    real = onednn_linear.linear
+    monkeypatch.setattr(onednn_linear, "linear",
+                        lambda x, w, b=None, packed=None: packed_calls.append(packed is not None) or real(x, w, b, packed))
+    requests = random_requests(seed, 6)
+    eager = run(make_engine(llama_dir, enforce_eager=True, dtype="bfloat16"), requests)
+    engine = make_engine(llama_dir, enforce_eager=False, dtype="bfloat16")
+    from fp8serve.layers.linear import MergedLinear
+
+    linears = [m for m in engine.model_runner.model.modules() if isinstance(m, MergedLinear)]
+    assert linears and all(m.weight_packed is not None for m in linears)
+    assert run(engine, requests) == eager, f"seed={seed}"
+    assert packed_calls and all(packed_calls), f"seed={seed}"
+    captures = engine.model_runner.decode_captures
+    assert len(captures.recorded_batch_sizes) >= 2 and captures.num_replays >= 8, f"seed={seed}"
+    assert captures.scripted_batch_sizes == captures.recorded_batch_sizes, f"seed={seed}"
+
+
 def test_enforce_eager_records_nothing(llama_dir, seed):
     engine = make_engine(llama_dir, enforce_eager=True)
     run(engine, random_requests(seed, 3))

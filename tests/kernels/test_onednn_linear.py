@@ -104,3 +104,112 @@ def test_linear_layer_uses_it_for_many_float32_rows(monkeypatch, seed):
     assert calls == [torch.Size([64, 64])]
     ref = x.double() @ layer.weight.double().t()
     assert _float32_sum_error(out, x, layer.weight, None, ref) <= 1.0, f"seed={seed}"
+
+
+# ------------------------------------------------------------------ packed bf16 weights
+needs_packing = pytest.mark.skipif(not onednn_linear.packing_available(),
+                                   reason="this torch cannot pack bf16 weights for oneDNN")
+
+
+@needs_packing
+@pytest.mark.parametrize("shape", [(1,), (16,), (65,), (3, 41)])  # leading dims of x
+@pytest.mark.parametrize("k,n", [(576, 960), (37, 167), (1536, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_bf16_matches_float64_and_f_linear(seed, shape, k, n, with_bias):
+    """bf16 inputs, float32 sums, a bf16 result: within one bf16 rounding of
+    the result (2^-8 relative) plus the float32 sum bound of the exact
+    products of bf16 inputs; and as close to F.linear (same inputs)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    packed = onednn_linear.pack_weight(w)
+    assert packed.is_mkldnn and packed.shape == w.shape
+    out = onednn_linear.linear(x, w, bias, packed=packed)
+    assert out.shape == (*shape, n) and out.dtype == torch.bfloat16
+    ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    scale = x.double().abs() @ w.double().abs().t() + (bias.double().abs() if with_bias else 0)
+    bound = 2.0**-8 * ref.abs() + (k + 2) * 2.0**-24 * scale + 2.0**-133
+    assert bool(((out.double() - ref).abs() <= bound).all()), f"seed={seed}"
+    plain = F.linear(x, w, bias)
+    assert bool(((out.double() - plain.double()).abs() <= 2 * bound).all()), f"seed={seed}"
+
+
+@needs_packing
+def test_packed_weight_is_used_only_for_bf16_inputs(seed):
+    """A float32 call on a layer holding a packed bf16 copy takes the plain path."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(24, 40, generator=g).bfloat16()
+    x = torch.randn(3, 40, generator=g)
+    with pytest.raises(RuntimeError):  # F.linear refuses float32 x bf16, as without the packed copy
+        onednn_linear.linear(x, w, packed=onednn_linear.pack_weight(w))
+
+
+def test_pack_weight_rejects_bad_input():
+    with pytest.raises(ValueError, match="2-D bf16 CPU weight, got torch.float32"):
+        onednn_linear.pack_weight(torch.ones(3, 8))
+    with pytest.raises(ValueError, match=r"got torch.bfloat16 \(8,\)"):
+        onednn_linear.pack_weight(torch.ones(8, dtype=torch.bfloat16))
+
+
+def _tiny_bf16_model():
+    from fp8serve.layers.linear import MergedLinear
+    from fp8serve.layers.vocab_embedding import LMHead, VocabEmbedding
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = VocabEmbedding(50, 32, torch.bfloat16)
+            self.qkv = MergedLinear(32, [32, 16, 16], params_dtype=torch.bfloat16)
+            self.f32 = MergedLinear(32, [8], params_dtype=torch.float32)
+            self.head = LMHead(50, 32, torch.bfloat16, tied_to=self.embed)
+
+    model = Tiny()
+    for p in model.parameters():
+        p.data.normal_()
+    return model
+
+
+@needs_packing
+@pytest.mark.parametrize("setting, packs", [("1", True), ("0", False), ("off", False)])
+def test_pack_bf16_weights_follows_the_environment(monkeypatch, setting, packs):
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, setting)
+    model = _tiny_bf16_model()
+    packed = onednn_linear.pack_bf16_weights(model)
+    if not packs:
+        assert packed == 0 and model.qkv.weight_packed is None and model.head.weight_packed is None
+        return
+    # bf16 layers only; the tied head and its embedding counted once.
+    assert packed == model.qkv.weight.nbytes + model.embed.weight.nbytes
+    assert model.qkv.weight_packed.is_mkldnn and model.f32.weight_packed is None
+    assert model.head.weight_packed.is_mkldnn and model.head.weight is model.embed.weight
+    x = torch.randn(40, 32).bfloat16()
+    torch.testing.assert_close(model.qkv(x).float(), F.linear(x, model.qkv.weight).float(), rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(model.head(x), F.linear(x, model.embed.weight).float(), rtol=2**-7, atol=1e-2)
+
+
+def test_pack_bf16_weights_auto_is_amd_without_amx(monkeypatch):
+    from fp8serve.kernels import amx_linear_ops
+
+    monkeypatch.delenv(onednn_linear.PACKED_WEIGHTS_ENV, raising=False)
+    for amd, amx, wanted in ((True, False, True), (True, True, False), (False, False, False)):
+        monkeypatch.setattr(onednn_linear, "is_amd_cpu", lambda amd=amd: amd)
+        monkeypatch.setattr(amx_linear_ops, "is_available", lambda amx=amx: amx)
+        assert onednn_linear._packing_wanted() is wanted, (amd, amx)
+
+
+def test_pack_bf16_weights_bad_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "sometimes")
+    with pytest.raises(ValueError, match="FP8SERVE_ONEDNN_PACKED_WEIGHTS='sometimes': expected auto, 1 or 0"):
+        onednn_linear.pack_bf16_weights(_tiny_bf16_model())
+
+
+@needs_packing
+def test_pack_bf16_weights_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
+    model = _tiny_bf16_model()
+    monkeypatch.setattr(onednn_linear, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
+    with caplog.at_level("INFO", logger="fp8serve.kernels.onednn_linear"):
+        assert onednn_linear.pack_bf16_weights(model) == 0
+    assert model.qkv.weight_packed is None
+    assert "not packed: a packed copy needs" in caplog.text
