@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The GEMMs a float32 or bf16 linear layer can run on CPU, side by side on the
 default model's projection shapes: torch's `F.linear` (MKL sgemm for float32,
-oneDNN for bf16), oneDNN's pointwise linear (`fp8serve.kernels.onednn_linear`)
-and, at up to 32 rows, our dense_gemv.
+oneDNN for bf16), oneDNN's pointwise linear (`fp8serve.kernels.onednn_linear`),
+for bf16 the same on weights packed once ("oneDNN packed", as the engine keeps
+them on AMD CPUs without AMX) and, at up to 32 rows, our dense_gemv.
 
 1. Hot: each shape (K -> N of qkv_proj, o_proj, gate_up_proj, down_proj) at
    --rows activation rows, the same weight every call (prefill: arithmetic
@@ -40,10 +41,30 @@ DTYPES = (torch.float32, torch.bfloat16)
 GEMV_MAX_ROWS = 32
 
 
-def variants(m: int) -> dict:
+_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _packed(w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of bf16 `w`, made once per weight (before timing: see `prepack`)."""
+    hit = _PACKED.get(id(w))
+    if hit is None or hit[0] is not w:
+        hit = _PACKED[id(w)] = (w, onednn_linear.pack_weight(w))
+    return hit[1]
+
+
+def prepack(ws) -> None:
+    if onednn_linear.packing_available():
+        for w in ws:
+            if w.dtype == torch.bfloat16:
+                _packed(w)
+
+
+def variants(m: int, dtype: torch.dtype = torch.float32) -> dict:
     out = {"F.linear": lambda x, w: F.linear(x, w)}
     if onednn_linear.is_available():
         out["oneDNN"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    if dtype == torch.bfloat16 and onednn_linear.packing_available():
+        out["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, _packed(w), None, "none", [], "")
     if m <= GEMV_MAX_ROWS and cpu_ops.load_cpu_ops() is not None:
         out["dense_gemv"] = lambda x, w: cpu_ops.dense_gemv(x, w)
     return out
@@ -62,7 +83,7 @@ def hot(rows: list[int], rounds: int, min_time: float) -> None:
     print("## Hot: one shape, same weight every call (GFLOP/s; ratio = variant / F.linear)\n")
     for dt in DTYPES:
         print(f"### {str(dt).removeprefix('torch.')}\n")
-        names = list(variants(max(rows)))
+        names = list(variants(max(rows), dt))
         print("| M | shape | " + " | ".join(f"{v} GFLOP/s" for v in names) + " | oneDNN / F.linear |")
         print("|---|---|" + "---|" * (len(names) + 1))
         g = torch.Generator().manual_seed(0)
@@ -70,7 +91,8 @@ def hot(rows: list[int], rounds: int, min_time: float) -> None:
             for name, (k, n) in zip(NAMES, SHAPES):
                 x = torch.randn(m, k, generator=g).to(dt)
                 w = (torch.randn(n, k, generator=g) * 0.05).to(dt)
-                fns = variants(m)
+                fns = variants(m, dt)
+                prepack([w])
                 t0 = time.perf_counter()
                 fns["F.linear"](x, w)
                 calls = max(1, int(min_time / max(time.perf_counter() - t0, 1e-6)))
@@ -87,10 +109,12 @@ def cold(rows: list[int], rounds: int, layers: int) -> None:
     shapes = [s for _ in range(layers) for s in SHAPES]
     for dt in DTYPES:
         ws = packed_weights(dt, shapes)
-        names = list(variants(1))
+        prepack(ws)
+        names = list(variants(1, dt))
         print(f"### {str(dt).removeprefix('torch.')} ({sum(w.nbytes for w in ws) / 1e6:.0f} MB of weights)\n")
-        print("| M | " + " | ".join(f"{v} ms" for v in names) + " | oneDNN / F.linear | dense_gemv / oneDNN |")
-        print("|---|" + "---|" * (len(names) + 2))
+        print("| M | " + " | ".join(f"{v} ms" for v in names)
+              + " | oneDNN / F.linear | dense_gemv / oneDNN | dense_gemv / oneDNN packed |")
+        print("|---|" + "---|" * (len(names) + 3))
         for m in rows:
             xs = {k: torch.randn(m, k).to(dt) for k, _ in shapes}
 
@@ -100,11 +124,13 @@ def cold(rows: list[int], rounds: int, layers: int) -> None:
                     f(xs[w.shape[1]], w)
                 return time.perf_counter() - t
 
-            med = alternate({v: lambda f=f: run(f) for v, f in variants(m).items()}, rounds)
+            med = alternate({v: lambda f=f: run(f) for v, f in variants(m, dt).items()}, rounds)
             r1 = f"{med['F.linear'] / med['oneDNN']:.2f}x" if "oneDNN" in med else "-"
             r2 = f"{med['oneDNN'] / med['dense_gemv']:.2f}x" if "oneDNN" in med and "dense_gemv" in med else "-"
+            r3 = (f"{med['oneDNN packed'] / med['dense_gemv']:.2f}x"
+                  if "oneDNN packed" in med and "dense_gemv" in med else "-")
             print(f"| {m} | " + " | ".join(f"{med[v] * 1e3:.1f}" if v in med else "-" for v in names)
-                  + f" | {r1} | {r2} |", flush=True)
+                  + f" | {r1} | {r2} | {r3} |", flush=True)
         print()
 
 

@@ -18,11 +18,14 @@ bf16 weights packed once. For plain bf16 weights oneDNN reorders the
 weight into its blocked layout on every call; `torch.ops.mkldnn.
 _reorder_linear_weight` does that once (what torch's compiler does when it
 freezes a model). On the same Zen 4 machine (no AMX) the packed weights ran
-the default model's shapes 1.04-1.15x as fast at 512 rows, 1.16-1.57x at 64,
-up to 2x at 1-16, with bit-identical results; the offline workload (64 x
-512 -> 128) ran 1.08-1.13x as fast end to end (stop 22's closing note).
+the default model's shapes 1.13-1.38x as fast as F.linear at 16 rows,
+1.18-1.27x at 64 and 1.01-1.03x at 512 (hot), and its 120 decode linears
+read from memory 1.35-1.6x at 8-64 rows
+(benchmarks/results/linear_backends_2026-12-01_zen4.md); the offline
+workload (64 x 512 -> 128) ran 1.01-1.15x as fast end to end
+(benchmarks/results/offline_throughput_2026-12-01_zen4.md).
 The packed copy is opaque (only oneDNN reads it) while dense_gemv reads the
-plain weight at 1-32 rows, so packing costs a second copy of every bf16
+plain weight at 1-24 rows (faster there), so packing costs a second copy of every bf16
 linear weight: `pack_bf16_weights` makes it only where that copy fits in a
 quarter of the memory available, on AMD CPUs without AMX (with AMX,
 amx_linear serves the decode batches; Intel is not measured).
@@ -90,6 +93,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # ------------------------------------------------------------------ packed bf16 weights
 PACKED_WEIGHTS_ENV = "FP8SERVE_ONEDNN_PACKED_WEIGHTS"
+# From this many rows a packed bf16 weight beats dense_gemv's bf16 dot
+# products: the 120 decode linears read from memory on the Zen 4 guest took
+# 25.7 / 24.6 ms packed vs 28.0 / 27.5 ms in dense_gemv at 32 rows, and
+# 20.9 / 21.4 vs 19.9 / 20.9 at 24 (two runs of benchmarks/linear_backends.py,
+# benchmarks/results/linear_backends_2026-12-01_zen4.md).
+PACKED_OVER_GEMV_MIN_ROWS = 25
+
+
+def prefers_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether a linear call should take the packed weight even where
+    dense_gemv would take it: bf16 rows of at least PACKED_OVER_GEMV_MIN_ROWS."""
+    return (packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] >= PACKED_OVER_GEMV_MIN_ROWS)
 
 
 @functools.cache

@@ -213,3 +213,25 @@ def test_pack_bf16_weights_skips_when_the_copy_does_not_fit(monkeypatch, caplog)
         assert onednn_linear.pack_bf16_weights(model) == 0
     assert model.qkv.weight_packed is None
     assert "not packed: a packed copy needs" in caplog.text
+
+
+@needs_packing
+def test_packed_weight_takes_bf16_calls_from_dense_gemv_at_25_rows(monkeypatch, ops):
+    """Below PACKED_OVER_GEMV_MIN_ROWS bf16 rows dense_gemv keeps the call
+    (where it applies); from there the packed weight takes it."""
+    from fp8serve.kernels import cpu_ops
+
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
+    monkeypatch.setattr(cpu_ops, "dense_gemv_applies", lambda x, w: True)
+    model = _tiny_bf16_model()
+    onednn_linear.pack_bf16_weights(model)
+    gemv_rows = []
+    real = cpu_ops.dense_gemv
+    monkeypatch.setattr(cpu_ops, "dense_gemv", lambda x, w, b=None: gemv_rows.append(x.shape[0]) or real(x, w, b))
+    n = onednn_linear.PACKED_OVER_GEMV_MIN_ROWS
+    for m in (1, n - 1, n, 40):
+        x = torch.randn(m, 32).bfloat16()
+        torch.testing.assert_close(model.qkv(x).float(), F.linear(x, model.qkv.weight).float(), rtol=2**-7, atol=1e-2)
+    assert gemv_rows == [1, n - 1]
+    assert not onednn_linear.prefers_packed(torch.randn(40, 32), model.qkv.weight_packed)  # float32 rows
+    assert not onednn_linear.prefers_packed(torch.randn(40, 32).bfloat16(), None)
