@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8serve.errors import ConfigError
 from fp8serve.utils.platform import available_memory_bytes, is_amd_cpu
 
 logger = logging.getLogger(__name__)
@@ -141,17 +142,21 @@ def _packing_wanted() -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     if value != "auto":
-        raise ValueError(f"{PACKED_WEIGHTS_ENV}={value!r}: expected auto, 1 or 0")
+        raise ConfigError(f"environment variable {PACKED_WEIGHTS_ENV}={value!r}: expected auto, 1 or 0")
     from fp8serve.kernels import amx_linear_ops
 
     return is_amd_cpu() and not amx_linear_ops.is_available()
 
 
-def pack_bf16_weights(model: nn.Module) -> int:
+def pack_bf16_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
     """Give every bf16 linear of `model` (layers with a `weight_packed`
     slot: plain linear layers and the LM head) a packed copy of its weight,
     where this CPU wants it and the copies fit in a quarter of the available
-    memory. Returns the bytes packed (0 when nothing was)."""
+    memory. Only under bf16 compute: float32 activations never read a packed
+    bf16 weight (a float32 model may keep a checkpoint's bf16 LM head).
+    Returns the bytes packed (0 when nothing was)."""
+    if compute_dtype != torch.bfloat16:
+        return 0
     layers = [m for m in model.modules()
               if hasattr(m, "weight_packed") and isinstance(getattr(m, "weight", None), torch.Tensor)
               and m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2 and m.weight.device.type == "cpu"]

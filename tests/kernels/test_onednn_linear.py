@@ -175,7 +175,7 @@ def _tiny_bf16_model():
 def test_pack_bf16_weights_follows_the_environment(monkeypatch, setting, packs):
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, setting)
     model = _tiny_bf16_model()
-    packed = onednn_linear.pack_bf16_weights(model)
+    packed = onednn_linear.pack_bf16_weights(model, torch.bfloat16)
     if not packs:
         assert packed == 0 and model.qkv.weight_packed is None and model.head.weight_packed is None
         return
@@ -186,6 +186,16 @@ def test_pack_bf16_weights_follows_the_environment(monkeypatch, setting, packs):
     x = torch.randn(40, 32).bfloat16()
     torch.testing.assert_close(model.qkv(x).float(), F.linear(x, model.qkv.weight).float(), rtol=2**-7, atol=1e-2)
     torch.testing.assert_close(model.head(x), F.linear(x, model.embed.weight).float(), rtol=2**-7, atol=1e-2)
+
+
+@needs_packing
+def test_float32_compute_packs_nothing(monkeypatch):
+    """A float32 model keeps a bf16 LM head (FP8 checkpoints): its float32
+    activations never read a packed copy, so none is made."""
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
+    model = _tiny_bf16_model()
+    assert onednn_linear.pack_bf16_weights(model, torch.float32) == 0
+    assert model.qkv.weight_packed is None and model.head.weight_packed is None
 
 
 def test_pack_bf16_weights_auto_is_amd_without_amx(monkeypatch):
@@ -200,8 +210,10 @@ def test_pack_bf16_weights_auto_is_amd_without_amx(monkeypatch):
 
 def test_pack_bf16_weights_bad_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "sometimes")
-    with pytest.raises(ValueError, match="FP8SERVE_ONEDNN_PACKED_WEIGHTS='sometimes': expected auto, 1 or 0"):
-        onednn_linear.pack_bf16_weights(_tiny_bf16_model())
+    from fp8serve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="FP8SERVE_ONEDNN_PACKED_WEIGHTS='sometimes': expected auto, 1 or 0"):
+        onednn_linear.pack_bf16_weights(_tiny_bf16_model(), torch.bfloat16)
 
 
 @needs_packing
@@ -210,7 +222,7 @@ def test_pack_bf16_weights_skips_when_the_copy_does_not_fit(monkeypatch, caplog)
     model = _tiny_bf16_model()
     monkeypatch.setattr(onednn_linear, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
     with caplog.at_level("INFO", logger="fp8serve.kernels.onednn_linear"):
-        assert onednn_linear.pack_bf16_weights(model) == 0
+        assert onednn_linear.pack_bf16_weights(model, torch.bfloat16) == 0
     assert model.qkv.weight_packed is None
     assert "not packed: a packed copy needs" in caplog.text
 
@@ -224,7 +236,7 @@ def test_packed_weight_takes_bf16_calls_from_dense_gemv_at_25_rows(monkeypatch, 
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
     monkeypatch.setattr(cpu_ops, "dense_gemv_applies", lambda x, w: True)
     model = _tiny_bf16_model()
-    onednn_linear.pack_bf16_weights(model)
+    onednn_linear.pack_bf16_weights(model, torch.bfloat16)
     gemv_rows = []
     real = cpu_ops.dense_gemv
     monkeypatch.setattr(cpu_ops, "dense_gemv", lambda x, w, b=None: gemv_rows.append(x.shape[0]) or real(x, w, b))
