@@ -2,8 +2,8 @@
 """The GEMMs a float32 or bf16 linear layer can run on CPU, side by side on the
 default model's projection shapes: torch's `F.linear` (MKL sgemm for float32,
 oneDNN for bf16), oneDNN's pointwise linear (`fp8serve.kernels.onednn_linear`),
-for bf16 the same on weights packed once ("oneDNN packed", as the engine keeps
-them on AMD CPUs without AMX) and, at up to 32 rows, our dense_gemv.
+the same on weights packed once ("oneDNN packed", as the engine keeps them on
+AMD CPUs without AMX) and, at up to 32 rows, our dense_gemv.
 
 1. Hot: each shape (K -> N of qkv_proj, o_proj, gate_up_proj, down_proj) at
    --rows activation rows, the same weight every call (prefill: arithmetic
@@ -45,7 +45,7 @@ _PACKED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _packed(w: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy of bf16 `w`, made once per weight (before timing: see `prepack`)."""
+    """oneDNN's packed copy of `w`, made once per weight (before timing: see `prepack`)."""
     hit = _PACKED.get(id(w))
     if hit is None or hit[0] is not w:
         hit = _PACKED[id(w)] = (w, onednn_linear.pack_weight(w))
@@ -53,17 +53,16 @@ def _packed(w: torch.Tensor) -> torch.Tensor:
 
 
 def prepack(ws) -> None:
-    if onednn_linear.packing_available():
-        for w in ws:
-            if w.dtype == torch.bfloat16:
-                _packed(w)
+    for w in ws:
+        if onednn_linear.packing_available(w.dtype):
+            _packed(w)
 
 
 def variants(m: int, dtype: torch.dtype = torch.float32) -> dict:
     out = {"F.linear": lambda x, w: F.linear(x, w)}
     if onednn_linear.is_available():
         out["oneDNN"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    if dtype == torch.bfloat16 and onednn_linear.packing_available():
+    if onednn_linear.packing_available(dtype):
         out["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, _packed(w), None, "none", [], "")
     if m <= GEMV_MAX_ROWS and cpu_ops.load_cpu_ops() is not None:
         out["dense_gemv"] = lambda x, w: cpu_ops.dense_gemv(x, w)

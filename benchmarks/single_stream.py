@@ -224,12 +224,15 @@ def llama_cpp_verdict(tok_s: float | None, measured_llama_tok_s: float | None) -
 def matmul_variants() -> dict:
     """The GEMMs the peak is taken over: torch's F.linear and, where this torch has it, oneDNN's
     pointwise linear (what the engine runs for float32 on AMD CPUs, faster there than F.linear's
-    MKL sgemm). Taking the best of both keeps the peak the fastest matmul on this machine."""
+    MKL sgemm), on the plain weight and on the weight packed once (what the engine keeps on AMD
+    CPUs without AMX; the packing is outside the timing). Taking the best keeps the peak the fastest
+    matmul on this machine."""
     from fp8serve.kernels import onednn_linear
 
     out = {"F.linear": lambda x, w: F.linear(x, w)}
     if onednn_linear.is_available():
         out["oneDNN"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        out["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return out
 
 
@@ -242,9 +245,17 @@ def measure_matmul(arch: Arch, m: int, dtype: torch.dtype, min_time: float,
         x = torch.randn(m, k, generator=g).to(dtype)
         w = (torch.randn(n, k, generator=g) * 0.02).to(dtype)
         for v, fn in matmul_variants().items():
-            s = best_time(lambda fn=fn: fn(x, w), min_time, repeats)
+            if v == "oneDNN packed":
+                from fp8serve.kernels import onednn_linear
+
+                if not onednn_linear.packing_available(dtype):
+                    continue
+                wv = onednn_linear.pack_weight(w)  # once, outside the timing
+            else:
+                wv = w
+            s = best_time(lambda fn=fn, wv=wv: fn(x, wv), min_time, repeats)
             out[v][name] = 2.0 * m * n * k / s / 1e9
-    return out
+    return {v: shapes for v, shapes in out.items() if shapes}
 
 
 def measure_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:

@@ -80,7 +80,7 @@ class ModelRunner:
         self.model.eval()
         if self.device.type == "cpu":
             pack_parameters_on_huge_pages(self.model)  # decode reads every weight once per step
-            onednn_linear.pack_bf16_weights(self.model, self.dtype)  # where it pays and fits: see onednn_linear.py
+            onednn_linear.pack_weights(self.model, self.dtype)  # where it pays and fits: see onednn_linear.py
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         logger.info(
             "Loaded %s (%s, %s weights) in %.1f s",

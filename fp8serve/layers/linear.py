@@ -36,8 +36,8 @@ class MergedLinear(nn.Module):
             quant_config.get_linear_method(prefix) if quant_config is not None else UnquantizedLinearMethod()
         )
         self.quant_method.create_weights(self, input_size, self.output_sizes, params_dtype)
-        # oneDNN's packed copy of a bf16 weight, where the engine makes one
-        # (onednn_linear.pack_bf16_weights); a buffer so that recorded decode
+        # oneDNN's packed copy of the weight, where the engine makes one
+        # (onednn_linear.pack_weights); a buffer so that recorded decode
         # forwards know it as model state.
         self.register_buffer("weight_packed", None, persistent=False)
         if bias:

@@ -42,7 +42,7 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=weight_dtype or dtype),
                                        requires_grad=False)
-        # oneDNN's packed copy of a bf16 weight (see MergedLinear).
+        # oneDNN's packed copy of the weight (see MergedLinear).
         self.register_buffer("weight_packed", None, persistent=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if amx_linear_ops.applies(x, layer.weight):
             return amx_linear_ops.amx_linear(x, layer.weight, bias)  # decode at batch 8-64, bf16 on AMX
-        if cpu_ops.dense_gemv_applies(x, layer.weight) and not onednn_linear.prefers_packed(x, layer.weight_packed):
+        if cpu_ops.dense_gemv_applies(x, layer.weight):
             return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at batch 1: memory-bound GEMV
         # F.linear, or oneDNN where that is faster (on the packed bf16 weight where there is one).
         return onednn_linear.linear(x, layer.weight, bias, packed=layer.weight_packed)

@@ -35,11 +35,13 @@ def test_tables(ops, monkeypatch, capsys):
         cols = [c.strip() for c in header.strip("|").split("|")]
         g = cols.index("dense_gemv ms")
         assert rows[0][g] != "-" and rows[1][g] == "-"
-    # bf16 also times oneDNN on packed weights where this torch can pack them.
+    # Also oneDNN on packed weights where this torch can pack them.
+    import torch
+
     from fp8serve.kernels import onednn_linear
 
-    assert ("oneDNN packed ms" in headers[1]) == onednn_linear.packing_available()
-    assert "oneDNN packed ms" not in headers[0]
+    assert ("oneDNN packed ms" in headers[0]) == onednn_linear.packing_available(torch.float32)
+    assert ("oneDNN packed ms" in headers[1]) == onednn_linear.packing_available(torch.bfloat16)
     assert "- F.linear:" in out
 
 

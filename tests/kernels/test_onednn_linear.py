@@ -135,8 +135,26 @@ def test_packed_bf16_matches_float64_and_f_linear(seed, shape, k, n, with_bias):
     assert bool(((out.double() - plain.double()).abs() <= 2 * bound).all()), f"seed={seed}"
 
 
+@pytest.mark.skipif(not onednn_linear.packing_available(torch.float32),
+                    reason="this torch cannot pack float32 weights for oneDNN")
+@pytest.mark.parametrize("shape", [(1,), (65,), (3, 41)])
+@pytest.mark.parametrize("k,n", [(576, 960), (37, 167)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_float32_matches_float64(seed, shape, k, n, with_bias):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.1
+    bias = torch.randn(n, generator=g) if with_bias else None
+    packed = onednn_linear.pack_weight(w)
+    assert packed.is_mkldnn and packed.dtype == torch.float32
+    out = onednn_linear.linear(x, w, bias, packed=packed)
+    assert out.shape == (*shape, n) and out.dtype == torch.float32
+    ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    assert _float32_sum_error(out, x, w, bias, ref) <= 1.0, f"seed={seed}"
+
+
 @needs_packing
-def test_packed_weight_is_used_only_for_bf16_inputs(seed):
+def test_packed_weight_is_used_only_for_inputs_of_its_dtype(seed):
     """A float32 call on a layer holding a packed bf16 copy takes the plain path."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(24, 40, generator=g).bfloat16()
@@ -146,8 +164,8 @@ def test_packed_weight_is_used_only_for_bf16_inputs(seed):
 
 
 def test_pack_weight_rejects_bad_input():
-    with pytest.raises(ValueError, match="2-D bf16 CPU weight, got torch.float32"):
-        onednn_linear.pack_weight(torch.ones(3, 8))
+    with pytest.raises(ValueError, match="2-D bf16 or float32 CPU weight, got torch.float16"):
+        onednn_linear.pack_weight(torch.ones(3, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"got torch.bfloat16 \(8,\)"):
         onednn_linear.pack_weight(torch.ones(8, dtype=torch.bfloat16))
 
@@ -172,10 +190,10 @@ def _tiny_bf16_model():
 
 @needs_packing
 @pytest.mark.parametrize("setting, packs", [("1", True), ("0", False), ("off", False)])
-def test_pack_bf16_weights_follows_the_environment(monkeypatch, setting, packs):
+def test_pack_weights_follows_the_environment(monkeypatch, setting, packs):
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, setting)
     model = _tiny_bf16_model()
-    packed = onednn_linear.pack_bf16_weights(model, torch.bfloat16)
+    packed = onednn_linear.pack_weights(model, torch.bfloat16)
     if not packs:
         assert packed == 0 and model.qkv.weight_packed is None and model.head.weight_packed is None
         return
@@ -189,16 +207,25 @@ def test_pack_bf16_weights_follows_the_environment(monkeypatch, setting, packs):
 
 
 @needs_packing
-def test_float32_compute_packs_nothing(monkeypatch):
-    """A float32 model keeps a bf16 LM head (FP8 checkpoints): its float32
-    activations never read a packed copy, so none is made."""
+def test_float32_compute_packs_only_float32_weights(monkeypatch):
+    """A float32 model may keep a bf16 LM head (FP8 checkpoints): its float32
+    activations never read a packed bf16 copy, so none is made; float32
+    weights are packed and used."""
+    if not onednn_linear.packing_available(torch.float32):
+        pytest.skip("this torch cannot pack float32 weights for oneDNN")
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
     model = _tiny_bf16_model()
-    assert onednn_linear.pack_bf16_weights(model, torch.float32) == 0
+    assert onednn_linear.pack_weights(model, torch.float32) == model.f32.weight.nbytes
     assert model.qkv.weight_packed is None and model.head.weight_packed is None
+    assert model.f32.weight_packed.is_mkldnn and model.f32.weight_packed.dtype == torch.float32
+    x = torch.randn(40, 32)
+    out = model.f32(x)
+    ref = x.double() @ model.f32.weight.double().t()
+    assert _float32_sum_error(out, x, model.f32.weight, None, ref) <= 1.0
+    assert onednn_linear.pack_weights(_tiny_bf16_model(), torch.float16) == 0  # not a packable dtype
 
 
-def test_pack_bf16_weights_auto_is_amd_without_amx(monkeypatch):
+def test_pack_weights_auto_is_amd_without_amx(monkeypatch):
     from fp8serve.kernels import amx_linear_ops
 
     monkeypatch.delenv(onednn_linear.PACKED_WEIGHTS_ENV, raising=False)
@@ -208,42 +235,20 @@ def test_pack_bf16_weights_auto_is_amd_without_amx(monkeypatch):
         assert onednn_linear._packing_wanted() is wanted, (amd, amx)
 
 
-def test_pack_bf16_weights_bad_setting_is_a_clear_error(monkeypatch):
+def test_pack_weights_bad_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "sometimes")
     from fp8serve.errors import ConfigError
 
     with pytest.raises(ConfigError, match="FP8SERVE_ONEDNN_PACKED_WEIGHTS='sometimes': expected auto, 1 or 0"):
-        onednn_linear.pack_bf16_weights(_tiny_bf16_model(), torch.bfloat16)
+        onednn_linear.pack_weights(_tiny_bf16_model(), torch.bfloat16)
 
 
 @needs_packing
-def test_pack_bf16_weights_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
+def test_pack_weights_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
     model = _tiny_bf16_model()
     monkeypatch.setattr(onednn_linear, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
     with caplog.at_level("INFO", logger="fp8serve.kernels.onednn_linear"):
-        assert onednn_linear.pack_bf16_weights(model, torch.bfloat16) == 0
+        assert onednn_linear.pack_weights(model, torch.bfloat16) == 0
     assert model.qkv.weight_packed is None
     assert "not packed: a packed copy needs" in caplog.text
-
-
-@needs_packing
-def test_packed_weight_takes_bf16_calls_from_dense_gemv_at_25_rows(monkeypatch, ops):
-    """Below PACKED_OVER_GEMV_MIN_ROWS bf16 rows dense_gemv keeps the call
-    (where it applies); from there the packed weight takes it."""
-    from fp8serve.kernels import cpu_ops
-
-    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
-    monkeypatch.setattr(cpu_ops, "dense_gemv_applies", lambda x, w: True)
-    model = _tiny_bf16_model()
-    onednn_linear.pack_bf16_weights(model, torch.bfloat16)
-    gemv_rows = []
-    real = cpu_ops.dense_gemv
-    monkeypatch.setattr(cpu_ops, "dense_gemv", lambda x, w, b=None: gemv_rows.append(x.shape[0]) or real(x, w, b))
-    n = onednn_linear.PACKED_OVER_GEMV_MIN_ROWS
-    for m in (1, n - 1, n, 40):
-        x = torch.randn(m, 32).bfloat16()
-        torch.testing.assert_close(model.qkv(x).float(), F.linear(x, model.qkv.weight).float(), rtol=2**-7, atol=1e-2)
-    assert gemv_rows == [1, n - 1]
-    assert not onednn_linear.prefers_packed(torch.randn(40, 32), model.qkv.weight_packed)  # float32 rows
-    assert not onednn_linear.prefers_packed(torch.randn(40, 32).bfloat16(), None)
