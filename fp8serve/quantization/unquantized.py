@@ -20,5 +20,5 @@ class UnquantizedLinearMethod(LinearMethod):
             return amx_linear_ops.amx_linear(x, layer.weight, bias)  # decode at batch 8-64, bf16 on AMX
         if cpu_ops.dense_gemv_applies(x, layer.weight):
             return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at batch 1: memory-bound GEMV
-        # F.linear, or oneDNN where that is faster (on the packed bf16 weight where there is one).
+        # F.linear, or oneDNN where that is faster (on the packed weight where the layer has one).
         return onednn_linear.linear(x, layer.weight, bias, packed=layer.weight_packed)

@@ -106,7 +106,7 @@ def test_linear_layer_uses_it_for_many_float32_rows(monkeypatch, seed):
     assert _float32_sum_error(out, x, layer.weight, None, ref) <= 1.0, f"seed={seed}"
 
 
-# ------------------------------------------------------------------ packed bf16 weights
+# ------------------------------------------------------------------ packed weights
 needs_packing = pytest.mark.skipif(not onednn_linear.packing_available(),
                                    reason="this torch cannot pack bf16 weights for oneDNN")
 
