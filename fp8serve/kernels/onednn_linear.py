@@ -19,8 +19,8 @@ blocked layout on every call; `torch.ops.mkldnn._reorder_linear_weight` does
 that once (what torch's compiler does when it freezes a model). On the same
 Zen 4 machine (no AMX) packed bf16 weights ran the default model's shapes
 1.13-1.38x as fast as F.linear at 16 rows, 1.18-1.27x at 64 and 1.01-1.03x
-at 512 (hot), and its 120 decode linears read from memory 1.35-1.6x at 8-64
-rows; packed float32 weights ran 1.04-1.08x plain oneDNN at 512 rows (hot)
+at 512 (hot), and its 120 decode linears read from memory 1.3-1.7x at 8-64
+rows (one cell of three runs 1.07x); packed float32 weights ran 1.04-1.08x plain oneDNN at 512 rows (hot)
 and 1.19-1.37x at 16-64 rows (cold)
 (benchmarks/results/linear_backends_2026-12-01_zen4.md); the bf16 offline
 workload (64 x 512 -> 128) ran 1.01-1.15x as fast end to end
