@@ -8,8 +8,10 @@ call of
   - SDPA as the reference backend calls it (GQA, is_causal, q a strided view
     of a fused qkv row, sequences padded to one length),
   - the kernel's best path (`prefill_attention`, packed varlen: for bf16 on
-    AMX CPUs the AMX kernel, cpu/prefill_attention_amx.cpp), and on an
-    AVX-512 build also the vector kernel's AVX2 tiles (what AVX2-only CPUs run),
+    AMX CPUs the AMX kernel, cpu/prefill_attention_amx.cpp; on AVX512-BF16
+    CPUs without AMX its bf16 dot products), and on an AVX-512 build also the
+    vector kernel's AVX2 tiles (what AVX2-only CPUs run) and, where "best"
+    runs bf16 dot products, its float32 AVX-512 tiles,
 with GFLOP/s counting the causal half (4 * heads * head_size * len^2 / 2 per
 sequence, as benchmarks/single_stream.py counts prefill attention) and that
 rate as a fraction of the best F.linear GFLOP/s of the same dtype measured in
@@ -39,6 +41,7 @@ from bench_common import best_time, command_line, describe_machine, machine_info
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 from fp8serve.kernels.prefill_attention_ops import (MIN_MEAN_PROMPT_TOKENS, MIN_MEAN_PROMPT_TOKENS_AMX,
                                                     MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR, amx_available, applies,
+                                                    bf16_dot_available,
                                                     prefill_attention)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if ops is None:
         sys.exit("the C++ CPU kernels are unavailable on this machine (see the warning above)")
     paths = ["best"] + (["avx2"] if ops.has_avx512() and ops.has_avx2() and args.head_size % 32 == 0 else [])
+    # Where "best" runs bf16 through vdpbf16ps, also the float32 AVX-512 tiles it replaced.
+    if bf16_dot_available() and not amx_available() and "bfloat16" in args.dtypes and args.head_size % 64 == 0:
+        paths.append("avx512")
 
     lines: list[str] = []
 

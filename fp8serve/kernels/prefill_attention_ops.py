@@ -37,7 +37,7 @@ import torch
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 
 # Paths of the float32/16-bit vector kernel ("amx" is the separate bf16 AMX kernel).
-_PATHS = {"best": 0, "avx2": 1, "avx512": 2, "scalar": 3}
+_PATHS = {"best": 0, "avx2": 1, "avx512": 2, "scalar": 3, "bf16dot": 4}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Below these mean prompt lengths per sequence SDPA is as fast or faster.
 MIN_MEAN_PROMPT_TOKENS = 64  # float32, the vector kernel
@@ -48,6 +48,15 @@ MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR = 8  # bf16 without AMX, the vector kernel (s
 def is_available() -> bool:
     ops = load_cpu_ops()
     return ops is not None and hasattr(ops, "prefill_attention")
+
+
+@functools.cache
+def bf16_dot_available() -> bool:
+    """Whether the vector kernel was built with its bf16 dot-product path
+    (AVX512-BF16), which "best" takes for bf16 inputs where AMX does not."""
+    ops = load_cpu_ops()
+    return (ops is not None and hasattr(ops, "prefill_attention_has_bf16_dot")
+            and bool(ops.prefill_attention_has_bf16_dot()))
 
 
 @functools.cache
@@ -98,12 +107,14 @@ def prefill_attention(
     scale: float,
     out_scale: float = 1.0,
     *,
-    path: str = "best",  # "amx", "avx512", "avx2" or "scalar": force one kernel / set of tiles (tests, benchmarks)
+    path: str = "best",  # "amx", "bf16dot", "avx512", "avx2" or "scalar": force one kernel / set of tiles
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size], query's dtype
     """softmax(scale * q k^T + causal mask) v * out_scale per sequence.
     FP8 scales fold in: scale = softmax_scale * k_scale, out_scale = v_scale.
-    "best" takes the AMX kernel for bf16 where it is available (head_size a
-    multiple of 32), the vector kernel otherwise."""
+    "best" takes, for bf16, the AMX kernel where it is available (head_size a
+    multiple of 32), else the vector kernel's bf16 dot products where it was
+    built with them (head_size a multiple of 64; P rounded to bf16 as with
+    AMX); float32 and float16 run the vector kernel in float32."""
     ops = load_cpu_ops()
     if ops is None or not hasattr(ops, "prefill_attention"):
         raise RuntimeError("C++ CPU kernels are not available")

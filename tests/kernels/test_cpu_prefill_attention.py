@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8serve.kernels.prefill_attention_ops import amx_available, prefill_attention, prefill_attention_ref
+from fp8serve.kernels.prefill_attention_ops import (
+    amx_available,
+    bf16_dot_available,
+    prefill_attention,
+    prefill_attention_ref,
+)
 
 
 def _paths(ops, head_size):
@@ -54,10 +59,11 @@ def test_16_bit_inputs_are_read_and_written_in_their_dtype(ops, seed, dtype):
     g = torch.Generator().manual_seed(seed)
     q, k, v, cu = _inputs(g, [70, 5, 200], 6, 2, 64, dtype)
     want = prefill_attention_ref(q, k, v, cu, 0.125)
-    # The vector kernel's paths ("best" means the AMX kernel for bf16 where there is one:
-    # tests/kernels/test_prefill_attention_amx.py, which rounds P to bf16 as well).
-    amx = dtype == torch.bfloat16 and amx_available()
-    for path in [p for p in _paths(ops, 64) if not (amx and p == "best")]:
+    # The vector kernel's float32 paths ("best" means, for bf16, the AMX kernel or the bf16
+    # dot products where there are: tests/kernels/test_prefill_attention_amx.py and the bf16
+    # dot-product tests below, which round P to bf16).
+    bf16_p = dtype == torch.bfloat16 and (amx_available() or bf16_dot_available())
+    for path in [p for p in _paths(ops, 64) if not (bf16_p and p == "best")]:
         out = prefill_attention(q, k, v, cu, 0.125, path=path)
         assert out.dtype == dtype and out.shape == q.shape
         # Float32 maths over the 16-bit inputs; only the output rounding differs.
@@ -152,3 +158,80 @@ def test_engine_uses_it_where_it_was_measured_faster(ops):
         assert applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR * 4, 4, head_size=80)
         assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR * 4 - 1, 4)
     assert not applies(torch.float16, 1 << 20, 1)
+
+
+# ------------------------------------------------------- bf16 dot products (AVX512-BF16 builds)
+needs_bf16_dot = pytest.mark.skipif(not bf16_dot_available(), reason="built without AVX512-BF16")
+
+
+def _sdpa_bf16(q, k, v, cu, scale, out_scale):
+    """torch's SDPA per sequence on the bf16 inputs, output rounded to bf16."""
+    import torch.nn.functional as F
+
+    out = torch.empty_like(q)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a < b:
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                               v[a:b].transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True)
+            out[a:b] = (o.transpose(0, 1).float() * out_scale).bfloat16()
+    return out
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+def test_bf16_dot_matches_reference_as_well_as_torch_sdpa(ops, seed, head_size, num_heads, num_kv_heads):
+    """bf16 Q/K/V, float32 scores and sums, P rounded to bf16 before P V and
+    a bf16 output: within 2^-7 of the largest reference output, the bound
+    the AMX kernel (which rounds P the same way) meets."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [37, 1, 0, 300, 32, 129, 16]
+    q, k, v, cu = _inputs(g, lens, num_heads, num_kv_heads, head_size, torch.bfloat16)
+    scale, out_scale = head_size**-0.5 * 0.7, 1.3
+    want = prefill_attention_ref(q, k, v, cu, scale, out_scale)
+    out = prefill_attention(q, k, v, cu, scale, out_scale, path="bf16dot")
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    top = want.abs().max().item()
+    err = (out.double() - want).abs().max().item() / top
+    sdpa_err = (_sdpa_bf16(q, k, v, cu, scale, out_scale).double() - want).abs().max().item() / top
+    print(f"bf16dot {num_heads}/{num_kv_heads} x {head_size}: {err:.2e} of the top output (torch SDPA {sdpa_err:.2e})")
+    assert err <= 2**-7, f"seed={seed}: {err:.2e} (torch SDPA: {sdpa_err:.2e})"
+    # The float32 path on the same inputs, to show the check sees P's rounding but little else.
+    f32_err = (prefill_attention(q, k, v, cu, scale, out_scale, path="scalar").double() - want).abs().max().item() / top
+    assert f32_err <= 2**-8, f"seed={seed}: {f32_err:.2e}"
+
+
+@needs_bf16_dot
+def test_bf16_dot_is_what_best_runs_for_bf16_without_amx(ops, seed):
+    if amx_available():
+        pytest.skip("with AMX, 'best' runs the AMX kernel for bf16")
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, cu = _inputs(g, [70, 5, 200], 9, 3, 64, torch.bfloat16)
+    assert torch.equal(prefill_attention(q, k, v, cu, 0.125), prefill_attention(q, k, v, cu, 0.125, path="bf16dot"))
+    # Head sizes it does not take run a float32 path (at 32: the AVX2 tiles).
+    q, k, v, cu = _inputs(g, [40, 9], 4, 2, 32, torch.bfloat16)
+    assert torch.equal(prefill_attention(q, k, v, cu, 0.2), prefill_attention(q, k, v, cu, 0.2, path="avx2"))
+
+
+@needs_bf16_dot
+def test_bf16_dot_token_only_sees_its_own_prefix(ops, seed):
+    """Changing a later token's K/V leaves every earlier token's output as it was."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, cu = _inputs(g, [150], 9, 3, 64, torch.bfloat16)
+    out = prefill_attention(q, k, v, cu, 0.125, path="bf16dot")
+    k2, v2 = k.clone(), v.clone()
+    k2[100:] += 3.0
+    v2[100:] -= 5.0
+    out2 = prefill_attention(q, k2, v2, cu, 0.125, path="bf16dot")
+    assert torch.equal(out[:100], out2[:100]) and not torch.equal(out[100:], out2[100:])
+
+
+@needs_bf16_dot
+def test_bf16_dot_path_rejects_what_it_cannot_run(ops):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, cu = _inputs(g, [20], 4, 2, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="bf16 dot-product path needs"):
+        prefill_attention(q, k, v, cu, 0.125, path="bf16dot")
+    q, k, v, cu = _inputs(g, [20], 4, 2, 32, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head_size % 64 == 0"):
+        prefill_attention(q, k, v, cu, 0.125, path="bf16dot")

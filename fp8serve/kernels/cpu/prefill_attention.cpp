@@ -27,6 +27,11 @@
 //      (rows x head dims). Key blocks past the item's last token are never
 //      computed: the work is the causal half, not the full square.
 //
+// For bf16 inputs on AVX512-BF16 builds (CPUs without AMX: with AMX the
+// engine runs prefill_attention_amx.cpp) "best" is run_bf16_dot: the same
+// schedule with vdpbf16ps and P rounded to bf16, 1.55-1.67x the float32 tiles
+// on a Zen 4 guest (benchmarks/results/prefill_attention_2026-12-01_zen4.md).
+//
 // The same template runs 16 lanes (AVX-512), 8 lanes (AVX2+FMA) and 1 lane
 // (scalar; also what tests use to keep that path correct), so the schedule
 // and the masking are shared; only the tile sizes differ. Results differ
@@ -440,9 +445,226 @@ void run(const Problem& p) {
   });
 }
 
-constexpr int64_t kBestPath = 0, kAvx2Path = 1, kAvx512Path = 2, kScalarPath = 3;
+#if defined(FP8SERVE_VEC16) && defined(__AVX512BF16__)
+#define FP8SERVE_BF16_DOT 1
+// ------------------------------------------------------- bf16 dot products
+// For bf16 inputs on CPUs with AVX512-BF16 (and no AMX, where
+// prefill_attention_amx.cpp runs): the same schedule with vdpbf16ps, which
+// multiplies pairs of bf16 and adds both products into a float32 lane: 32
+// multiply-adds per instruction against an FMA's 16. Q, K and V keep their
+// bf16 values (exact); P is rounded to bf16 before P V, as GPU flash kernels
+// and the AMX kernel do; scores, softmax and accumulators stay float32.
+// Layouts, pairs being two consecutive bf16 in one 32-bit word:
+//   K: [head_size / 2][keys] pairs (k[key][2d], k[key][2d + 1]): a score tile
+//      lane is one key, and a word of a K row already is that pair;
+//   V: [keys / 2][head_size] pairs (v[2j][d], v[2j + 1][d]): an output lane is
+//      one head dim, the pair runs over two keys;
+//   Q and P: rows of pairs, broadcast one word at a time.
+struct Bf16Dot {
+  static constexpr int W = 16, kQkRows = 8, kQkVecs = 2, kPvRows = 6, kPvVecs = 4;
+};
 
-int64_t pick_path(int64_t path, int64_t head_size) {
+template <int RT>
+void qk_rows_bf16(const uint32_t* q, int64_t hp, const uint32_t* kt, int64_t ldk, int64_t nkeys, float scale,
+                  float* s, int64_t lds) {
+  constexpr int NV = Bf16Dot::kQkVecs, KT = NV * Bf16Dot::W;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < nkeys; j += KT) {
+    __m512 acc[RT][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+      for (int n = 0; n < NV; ++n) acc[r][n] = _mm512_setzero_ps();
+    const uint32_t* kp = kt + j;
+    for (int64_t d = 0; d < hp; ++d, kp += ldk) {
+      __m512i kv[NV];
+      for (int n = 0; n < NV; ++n) kv[n] = _mm512_loadu_si512(kp + n * Bf16Dot::W);
+#pragma GCC unroll 8
+      for (int r = 0; r < RT; ++r) {
+        const __m512i b = _mm512_set1_epi32(static_cast<int>(q[r * hp + d]));
+        for (int n = 0; n < NV; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], (__m512bh)kv[n], (__m512bh)b);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int n = 0; n < NV; ++n) _mm512_storeu_ps(s + r * lds + j + n * Bf16Dot::W, _mm512_mul_ps(acc[r][n], sv));
+  }
+}
+
+template <int RT>
+void qk_tail_bf16(int rt, const uint32_t* q, int64_t hp, const uint32_t* kt, int64_t ldk, int64_t nkeys, float scale,
+                  float* s, int64_t lds) {
+  if constexpr (RT > 0) {
+    if (rt == RT) return qk_rows_bf16<RT>(q, hp, kt, ldk, nkeys, scale, s, lds);
+    qk_tail_bf16<RT - 1>(rt, q, hp, kt, ldk, nkeys, scale, s, lds);
+  }
+}
+
+// o[r] = o[r] * alpha[r] + P[r] . V over nkeys (even) keys; p: rows of
+// nkeys / 2 pairs at stride ldp words; v2: [nkeys / 2][hs] pairs.
+template <int RT>
+void pv_rows_bf16(const uint32_t* p, int64_t ldp, const uint32_t* v2, int64_t hs, int64_t nkeys, const float* alpha,
+                  float* o) {
+  constexpr int NV = Bf16Dot::kPvVecs, DT = NV * Bf16Dot::W;
+  for (int64_t c = 0; c < hs; c += DT) {
+    __m512 acc[RT][NV];
+    for (int r = 0; r < RT; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (int n = 0; n < NV; ++n) acc[r][n] = _mm512_mul_ps(_mm512_loadu_ps(o + r * hs + c + n * Bf16Dot::W), a);
+    }
+    const uint32_t* vp = v2 + c;
+    for (int64_t j = 0; j < nkeys / 2; ++j, vp += hs) {
+      __m512i vv[NV];
+      for (int n = 0; n < NV; ++n) vv[n] = _mm512_loadu_si512(vp + n * Bf16Dot::W);
+#pragma GCC unroll 8
+      for (int r = 0; r < RT; ++r) {
+        const __m512i b = _mm512_set1_epi32(static_cast<int>(p[r * ldp + j]));
+        for (int n = 0; n < NV; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], (__m512bh)vv[n], (__m512bh)b);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int n = 0; n < NV; ++n) _mm512_storeu_ps(o + r * hs + c + n * Bf16Dot::W, acc[r][n]);
+  }
+}
+
+template <int RT>
+void pv_tail_bf16(int rt, const uint32_t* p, int64_t ldp, const uint32_t* v2, int64_t hs, int64_t nkeys,
+                  const float* alpha, float* o) {
+  if constexpr (RT > 0) {
+    if (rt == RT) return pv_rows_bf16<RT>(p, ldp, v2, hs, nkeys, alpha, o);
+    pv_tail_bf16<RT - 1>(rt, p, ldp, v2, hs, nkeys, alpha, o);
+  }
+}
+
+// bf16 inputs only (DT 1); head_size a multiple of 64.
+void run_bf16_dot(const Problem& p) {
+  const int64_t hs = p.head_size, hp = hs / 2, g = p.group, nkv = p.num_kv_heads;
+  constexpr int64_t key_tile = Bf16Dot::kQkVecs * Bf16Dot::W;
+  static_assert(kKeyBlock % key_tile == 0, "key blocks must be whole key tiles");
+  std::vector<int64_t> pad_off(p.num_seqs + 1, 0);
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t len = p.cu[s + 1] - p.cu[s];
+    pad_off[s + 1] = pad_off[s] + (len + key_tile - 1) / key_tile * key_tile;
+  }
+  // Per-thread buffers that only grow, as in run(): K pairs with rows padded
+  // by kRowPad words (see there), V pairs.
+  thread_local std::vector<uint32_t> kt_buf, v_buf;
+  const size_t kt_need = (pad_off[p.num_seqs] + kRowPad * p.num_seqs) * nkv * hp,
+               v_need = pad_off[p.num_seqs] * nkv * hp;
+  if (kt_buf.size() < kt_need) kt_buf.resize(kt_need);
+  if (v_buf.size() < v_need) v_buf.resize(v_need);
+  uint32_t* const kt_base = kt_buf.data();
+  uint32_t* const v_base = v_buf.data();
+  auto kt_of = [&](int64_t s, int64_t h) {
+    return kt_base + ((pad_off[s] + kRowPad * s) * nkv + h * (pad_off[s + 1] - pad_off[s] + kRowPad)) * hp;
+  };
+  auto v_of = [&](int64_t s, int64_t h) { return v_base + (pad_off[s] * nkv + h * (pad_off[s + 1] - pad_off[s])) * hp; };
+
+  at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / nkv, h = i % nkv, base = p.cu[s], len = p.cu[s + 1] - base;
+      const int64_t lpad = pad_off[s + 1] - pad_off[s], ldk = lpad + kRowPad;
+      uint32_t* kt = kt_of(s, h);
+      uint16_t* v2 = reinterpret_cast<uint16_t*>(v_of(s, h));  // [lpad / 2][hs][2] halves
+      for (int64_t t = 0; t < len; ++t) {
+        const uint32_t* kr = static_cast<const uint32_t*>(row_ptr<1>(p.k, (base + t) * p.k_ld + h * hs));
+        for (int64_t d = 0; d < hp; ++d) kt[d * ldk + t] = kr[d];
+        const uint16_t* vr = static_cast<const uint16_t*>(row_ptr<1>(p.v, (base + t) * p.v_ld + h * hs));
+        uint16_t* dst = v2 + (t / 2) * hs * 2 + (t % 2);
+        for (int64_t d = 0; d < hs; ++d) dst[2 * d] = vr[d];
+      }
+      for (int64_t d = 0; d < hp; ++d) std::fill(kt + d * ldk + len, kt + d * ldk + lpad, 0u);
+      // Padded keys: zero V (their P is 0 too; 0 * 0 keeps the sums exact).
+      for (int64_t t = len; t < lpad; ++t) {
+        uint16_t* dst = v2 + (t / 2) * hs * 2 + (t % 2);
+        for (int64_t d = 0; d < hs; ++d) dst[2 * d] = 0;
+      }
+    }
+  });
+
+  std::vector<Item> items;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t len = p.cu[s + 1] - p.cu[s];
+    for (int64_t t0 = 0; t0 < len; t0 += kQueryTokens)
+      for (int64_t h = 0; h < nkv; ++h) items.push_back({s, h, t0, (t0 + kQueryTokens) * kQueryTokens});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  using V = Avx512;  // softmax on float32 scores, as in run()
+  const int64_t max_rows = kQueryTokens * g, ldp = kKeyBlock / 2;
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<uint32_t> qs(max_rows * hp), pb(max_rows * ldp);
+    std::vector<float> o(max_rows * hs), sc(max_rows * kKeyBlock), m(max_rows), alpha(max_rows);
+    std::vector<V::T> lsum(max_rows);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const Item& it = items[i];
+      const int64_t base = p.cu[it.seq], len = p.cu[it.seq + 1] - base;
+      const int64_t ldk = pad_off[it.seq + 1] - pad_off[it.seq] + kRowPad;
+      const int64_t n = std::min(kQueryTokens, len - it.t0), rows = n * g;
+      for (int64_t ti = 0; ti < n; ++ti)
+        for (int64_t j = 0; j < g; ++j) {
+          const void* qr = row_ptr<1>(p.q, (base + it.t0 + ti) * p.q_ld + (it.kv_head * g + j) * hs);
+          std::memcpy(qs.data() + (ti * g + j) * hp, qr, hs * 2);
+        }
+      std::fill(o.begin(), o.begin() + rows * hs, 0.f);
+      std::fill(m.begin(), m.begin() + rows, kNegInf);
+      std::fill(lsum.begin(), lsum.begin() + rows, V::zero());
+      const uint32_t* kt = kt_of(it.seq, it.kv_head);
+      const uint32_t* v2 = v_of(it.seq, it.kv_head);
+      const int64_t kend = it.t0 + n;
+      for (int64_t k0 = 0; k0 < kend; k0 += kKeyBlock) {
+        const int64_t kw = std::min(kKeyBlock, kend - k0);
+        const int64_t kwp = (kw + key_tile - 1) / key_tile * key_tile;
+        int64_t r = 0;
+        for (; r + Bf16Dot::kQkRows <= rows; r += Bf16Dot::kQkRows)
+          qk_rows_bf16<Bf16Dot::kQkRows>(qs.data() + r * hp, hp, kt + k0, ldk, kwp, p.scale, sc.data() + r * kKeyBlock,
+                                         kKeyBlock);
+        if (r < rows)
+          qk_tail_bf16<Bf16Dot::kQkRows - 1>(static_cast<int>(rows - r), qs.data() + r * hp, hp, kt + k0, ldk, kwp,
+                                             p.scale, sc.data() + r * kKeyBlock, kKeyBlock);
+        for (r = 0; r < rows; ++r) {
+          const int64_t pos = it.t0 + r / g;
+          const int64_t nvalid = std::min(pos + 1 - k0, kw);
+          float* srow = sc.data() + r * kKeyBlock;
+          alpha[r] = softmax_row<V>(srow, nvalid, kwp, m[r], lsum[r]);
+          // P to bf16 pairs: 32 floats -> 32 bf16 (16 words) per step; kwp is a multiple of 32.
+          uint32_t* prow = pb.data() + r * ldp;
+          for (int64_t j = 0; j < kwp; j += 32) {
+            const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(srow + j + 16), _mm512_loadu_ps(srow + j));
+            _mm512_storeu_si512(prow + j / 2, (__m512i)b);
+          }
+        }
+        r = 0;
+        for (; r + Bf16Dot::kPvRows <= rows; r += Bf16Dot::kPvRows)
+          pv_rows_bf16<Bf16Dot::kPvRows>(pb.data() + r * ldp, ldp, v2 + k0 / 2 * hs, hs, kwp, alpha.data() + r,
+                                         o.data() + r * hs);
+        if (r < rows)
+          pv_tail_bf16<Bf16Dot::kPvRows - 1>(static_cast<int>(rows - r), pb.data() + r * ldp, ldp, v2 + k0 / 2 * hs,
+                                             hs, kwp, alpha.data() + r, o.data() + r * hs);
+      }
+      for (int64_t ti = 0; ti < n; ++ti)
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = ti * g + j;
+          const float f = p.out_scale / V::hsum(lsum[r]);
+          const int64_t dst = ((base + it.t0 + ti) * p.num_heads + it.kv_head * g + j) * hs;
+          row_from_f32<1>(o.data() + r * hs, static_cast<char*>(p.out) + dst * 2, hs, f);
+        }
+    }
+  });
+}
+#endif
+
+constexpr int64_t kBestPath = 0, kAvx2Path = 1, kAvx512Path = 2, kScalarPath = 3, kBf16DotPath = 4;
+
+int64_t pick_path(int64_t path, int64_t head_size, int dtype) {
+  const bool bf16_ok =
+#ifdef FP8SERVE_BF16_DOT
+      dtype == 1 && head_size % (Bf16Dot::kPvVecs * Bf16Dot::W) == 0;
+#else
+      (static_cast<void>(dtype), false);
+#endif
   const bool avx512_ok =
 #ifdef FP8SERVE_VEC16
       head_size % (Avx512::kPvVecs * Avx512::W) == 0;
@@ -455,16 +677,24 @@ int64_t pick_path(int64_t path, int64_t head_size) {
 #else
       false;
 #endif
-  if (path == kBestPath) return avx512_ok ? kAvx512Path : avx2_ok ? kAvx2Path : kScalarPath;
+  if (path == kBestPath) return bf16_ok ? kBf16DotPath : avx512_ok ? kAvx512Path : avx2_ok ? kAvx2Path : kScalarPath;
+  TORCH_CHECK(path != kBf16DotPath || bf16_ok,
+              "prefill_attention: the bf16 dot-product path needs an AVX512-BF16 build, bf16 inputs and head_size % 64 == 0");
   TORCH_CHECK(path != kAvx512Path || avx512_ok, "prefill_attention: the AVX-512 path needs an AVX-512 build and head_size % 64 == 0");
   TORCH_CHECK(path != kAvx2Path || avx2_ok, "prefill_attention: the AVX2 path needs an AVX2/FMA/F16C build and head_size % 32 == 0");
-  TORCH_CHECK(path == kScalarPath || path == kAvx2Path || path == kAvx512Path, "prefill_attention: unknown path ", path);
+  TORCH_CHECK(path == kScalarPath || path == kAvx2Path || path == kAvx512Path || path == kBf16DotPath,
+              "prefill_attention: unknown path ", path);
   return path;
 }
 
 template <int DT>
 void run_path(const Problem& p, int64_t path) {
   switch (path) {
+#ifdef FP8SERVE_BF16_DOT
+    case kBf16DotPath:
+      if constexpr (DT == 1) return run_bf16_dot(p);
+      [[fallthrough]];  // pick_path gives this path bf16 inputs only
+#endif
 #ifdef FP8SERVE_VEC16
     case kAvx512Path: return run<Avx512, DT>(p);
 #endif
@@ -479,7 +709,7 @@ void run_path(const Problem& p, int64_t path) {
 
 // softmax(scale * q k^T + causal mask) v * out_scale for each sequence of a
 // packed varlen batch; returns [num_tokens, num_heads, head_size] in q's dtype.
-// path: 0 best, 1 AVX2, 2 AVX-512, 3 scalar.
+// path: 0 best, 1 AVX2, 2 AVX-512, 3 scalar, 4 bf16 dot products (bf16 inputs, AVX512-BF16 builds).
 at::Tensor prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens, double scale,
                              double out_scale, int64_t path) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "prefill_attention: query/key/value must be 3-D");
@@ -505,13 +735,23 @@ at::Tensor prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value,
             query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0), value.stride(0),
             out.data_ptr(), dt == at::kFloat ? 0 : dt == at::kBFloat16 ? 1 : 2};
   if (num_tokens == 0) return out;
-  const int64_t chosen = pick_path(path, hs);
+  const int64_t chosen = pick_path(path, hs, p.dtype);
   if (p.dtype == 0) run_path<0>(p, chosen);
   else if (p.dtype == 1) run_path<1>(p, chosen);
   else run_path<2>(p, chosen);
   return out;
 }
 
+// Whether this build has the bf16 dot-product path (AVX512-BF16 at build time).
+bool prefill_attention_has_bf16_dot() {
+#ifdef FP8SERVE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("prefill_attention", &prefill_attention);
+  m.def("prefill_attention_has_bf16_dot", &prefill_attention_has_bf16_dot);
 }
