@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 
@@ -150,4 +151,19 @@ def prefill_attention_ref(query, key, value, cu_seqlens, scale, out_scale=1.0) -
         causal = torch.ones(b - a, b - a, dtype=torch.bool).tril()
         p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         out[a:b] = (p @ v).transpose(0, 1) * out_scale
+    return out
+
+
+def prefill_attention_sdpa(query, key, value, cu_seqlens, scale, out_scale=1.0) -> torch.Tensor:
+    """torch's SDPA per sequence on the inputs' dtype, the result times
+    out_scale rounded to that dtype: what the engine runs without the kernel,
+    the yardstick the kernels' error is compared with in tests."""
+    out = torch.empty_like(query)
+    cu = cu_seqlens.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        if a < b:
+            o = F.scaled_dot_product_attention(query[a:b].transpose(0, 1), key[a:b].transpose(0, 1),
+                                               value[a:b].transpose(0, 1), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            out[a:b] = (o.transpose(0, 1).float() * out_scale).to(query.dtype)
     return out

@@ -15,6 +15,7 @@ from fp8serve.kernels.prefill_attention_ops import (
     bf16_dot_available,
     prefill_attention,
     prefill_attention_ref,
+    prefill_attention_sdpa,
 )
 
 
@@ -164,19 +165,6 @@ def test_engine_uses_it_where_it_was_measured_faster(ops):
 needs_bf16_dot = pytest.mark.skipif(not bf16_dot_available(), reason="built without AVX512-BF16")
 
 
-def _sdpa_bf16(q, k, v, cu, scale, out_scale):
-    """torch's SDPA per sequence on the bf16 inputs, output rounded to bf16."""
-    import torch.nn.functional as F
-
-    out = torch.empty_like(q)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        if a < b:
-            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                               v[a:b].transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True)
-            out[a:b] = (o.transpose(0, 1).float() * out_scale).bfloat16()
-    return out
-
-
 @needs_bf16_dot
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
@@ -193,7 +181,7 @@ def test_bf16_dot_matches_reference_as_well_as_torch_sdpa(ops, seed, head_size, 
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     top = want.abs().max().item()
     err = (out.double() - want).abs().max().item() / top
-    sdpa_err = (_sdpa_bf16(q, k, v, cu, scale, out_scale).double() - want).abs().max().item() / top
+    sdpa_err = (prefill_attention_sdpa(q, k, v, cu, scale, out_scale).double() - want).abs().max().item() / top
     print(f"bf16dot {num_heads}/{num_kv_heads} x {head_size}: {err:.2e} of the top output (torch SDPA {sdpa_err:.2e})")
     assert err <= 2**-7, f"seed={seed}: {err:.2e} (torch SDPA: {sdpa_err:.2e})"
     # The float32 path on the same inputs, to show the check sees P's rounding but little else.

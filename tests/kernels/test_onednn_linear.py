@@ -29,12 +29,21 @@ def _float32_sum_error(out, x, w, bias, ref) -> float:
 @pytest.mark.parametrize("shape", [(1,), (33,), (129,), (3, 41)])  # leading dims of x
 @pytest.mark.parametrize("k,n", [(576, 960), (37, 167), (1536, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_float64(seed, shape, k, n, with_bias):
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_matches_float64(seed, shape, k, n, with_bias, packed):
+    """The plain weight, and the weight packed once (`pack_weight`)."""
+    if packed and not onednn_linear.packing_available(torch.float32):
+        pytest.skip("this torch cannot pack float32 weights for oneDNN")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, k, generator=g)
     w = torch.randn(n, k, generator=g) * 0.1
     bias = torch.randn(n, generator=g) if with_bias else None
-    out = onednn_linear.onednn_linear(x, w, bias)
+    if packed:
+        wp = onednn_linear.pack_weight(w)
+        assert wp.is_mkldnn and wp.dtype == torch.float32
+        out = onednn_linear.linear(x, w, bias, packed=wp)
+    else:
+        out = onednn_linear.onednn_linear(x, w, bias)
     assert out.shape == (*shape, n) and out.dtype == torch.float32
     ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
     assert _float32_sum_error(out, x, w, bias, ref) <= 1.0, f"seed={seed}"
@@ -133,24 +142,6 @@ def test_packed_bf16_matches_float64_and_f_linear(seed, shape, k, n, with_bias):
     assert bool(((out.double() - ref).abs() <= bound).all()), f"seed={seed}"
     plain = F.linear(x, w, bias)
     assert bool(((out.double() - plain.double()).abs() <= 2 * bound).all()), f"seed={seed}"
-
-
-@pytest.mark.skipif(not onednn_linear.packing_available(torch.float32),
-                    reason="this torch cannot pack float32 weights for oneDNN")
-@pytest.mark.parametrize("shape", [(1,), (65,), (3, 41)])
-@pytest.mark.parametrize("k,n", [(576, 960), (37, 167)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_float32_matches_float64(seed, shape, k, n, with_bias):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, k, generator=g)
-    w = torch.randn(n, k, generator=g) * 0.1
-    bias = torch.randn(n, generator=g) if with_bias else None
-    packed = onednn_linear.pack_weight(w)
-    assert packed.is_mkldnn and packed.dtype == torch.float32
-    out = onednn_linear.linear(x, w, bias, packed=packed)
-    assert out.shape == (*shape, n) and out.dtype == torch.float32
-    ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
-    assert _float32_sum_error(out, x, w, bias, ref) <= 1.0, f"seed={seed}"
 
 
 @needs_packing

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fp8serve.kernels import prefill_attention_ops
-from fp8serve.kernels.prefill_attention_ops import prefill_attention, prefill_attention_ref
+from fp8serve.kernels.prefill_attention_ops import prefill_attention, prefill_attention_ref, prefill_attention_sdpa
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +32,6 @@ def _inputs(g, lens, num_heads, num_kv_heads, head_size, magnitude=2.0):
     return q, k, v, cu
 
 
-def _sdpa(q, k, v, cu, scale, out_scale):
-    """torch's bf16 SDPA per sequence: what the engine runs without the kernel."""
-    out = torch.empty_like(q)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        if a < b:
-            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                               v[a:b].transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True)
-            out[a:b] = (o.transpose(0, 1).float() * out_scale).bfloat16()
-    return out
-
-
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
 def test_matches_reference_as_well_as_torch_sdpa(amx, seed, head_size, num_heads, num_kv_heads):
@@ -57,7 +45,7 @@ def test_matches_reference_as_well_as_torch_sdpa(amx, seed, head_size, num_heads
     assert torch.equal(out, prefill_attention(q, k, v, cu, scale, out_scale)), "'best' takes the AMX kernel for bf16"
     top = want.abs().max().item()
     err = (out.double() - want).abs().max().item() / top
-    sdpa_err = (_sdpa(q, k, v, cu, scale, out_scale).double() - want).abs().max().item() / top
+    sdpa_err = (prefill_attention_sdpa(q, k, v, cu, scale, out_scale).double() - want).abs().max().item() / top
     # Both round the output to bf16 (2^-9 relative at the top of the range);
     # the kernel also rounds P to bf16. Measured over 40 seeds (these lens, GQA
     # 9/3 at 64 and 8/1 at 128): at most 2.8 x 2^-9, median 0.9x and at most
@@ -75,7 +63,7 @@ def test_large_scores_stay_finite_and_accurate(amx, seed):
     assert torch.isfinite(out).all(), f"seed={seed}"
     top = want.abs().max().item()
     err = (out.double() - want).abs().max().item() / top
-    sdpa_err = (_sdpa(q, k, v, cu, 1.0, 1.0).double() - want).abs().max().item() / top
+    sdpa_err = (prefill_attention_sdpa(q, k, v, cu, 1.0, 1.0).double() - want).abs().max().item() / top
     # Over 40 seeds: at most 2.5 x 2^-9 (torch SDPA's error there is smaller,
     # the kernel's at most 2.4x it: few keys dominate, and P's bf16 rounding
     # is relative to them).

@@ -331,6 +331,30 @@ struct Item {
   int64_t cost;
 };
 
+// Start of each sequence's keys in the packed K/V buffers, lengths rounded
+// up to whole key tiles: [num_seqs + 1].
+std::vector<int64_t> padded_offsets(const Problem& p, int64_t key_tile) {
+  std::vector<int64_t> pad_off(p.num_seqs + 1, 0);
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t len = p.cu[s + 1] - p.cu[s];
+    pad_off[s + 1] = pad_off[s] + (len + key_tile - 1) / key_tile * key_tile;
+  }
+  return pad_off;
+}
+
+// Every (sequence, kv head, block of kQueryTokens tokens), costliest first
+// (a causal block's cost grows with its position).
+std::vector<Item> work_items(const Problem& p) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t len = p.cu[s + 1] - p.cu[s];
+    for (int64_t t0 = 0; t0 < len; t0 += kQueryTokens)
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({s, h, t0, (t0 + kQueryTokens) * kQueryTokens});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return items;
+}
+
 template <class V, int DT>
 void run(const Problem& p) {
   const int64_t hs = p.head_size, g = p.group, nkv = p.num_kv_heads;
@@ -338,11 +362,7 @@ void run(const Problem& p) {
   static_assert(kKeyBlock % key_tile == 0, "key blocks must be whole key tiles");
   // Packed K^T / V per (sequence, kv head), lengths padded to whole key
   // tiles (the last tile of a block reads up to there, never further).
-  std::vector<int64_t> pad_off(p.num_seqs + 1, 0);
-  for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t len = p.cu[s + 1] - p.cu[s];
-    pad_off[s + 1] = pad_off[s] + (len + key_tile - 1) / key_tile * key_tile;
-  }
+  const std::vector<int64_t> pad_off = padded_offsets(p, key_tile);
   // K^T rows are lpad + kRowPad floats apart, so that prompts of 512, 1024,
   // ... tokens do not put the head_size rows a score tile walks at a stride
   // of a multiple of 4 KiB (the same few L1 sets). A precaution: at 1 x 512
@@ -380,13 +400,7 @@ void run(const Problem& p) {
     }
   });
 
-  std::vector<Item> items;
-  for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t len = p.cu[s + 1] - p.cu[s];
-    for (int64_t t0 = 0; t0 < len; t0 += kQueryTokens)
-      for (int64_t h = 0; h < nkv; ++h) items.push_back({s, h, t0, (t0 + kQueryTokens) * kQueryTokens});
-  }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const std::vector<Item> items = work_items(p);
 
   const int64_t max_rows = kQueryTokens * g;
   std::atomic<int64_t> next{0};
@@ -540,11 +554,7 @@ void run_bf16_dot(const Problem& p) {
   const int64_t hs = p.head_size, hp = hs / 2, g = p.group, nkv = p.num_kv_heads;
   constexpr int64_t key_tile = Bf16Dot::kQkVecs * Bf16Dot::W;
   static_assert(kKeyBlock % key_tile == 0, "key blocks must be whole key tiles");
-  std::vector<int64_t> pad_off(p.num_seqs + 1, 0);
-  for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t len = p.cu[s + 1] - p.cu[s];
-    pad_off[s + 1] = pad_off[s] + (len + key_tile - 1) / key_tile * key_tile;
-  }
+  const std::vector<int64_t> pad_off = padded_offsets(p, key_tile);
   // Per-thread buffers that only grow, as in run(): K pairs with rows padded
   // by kRowPad words (see there), V pairs.
   thread_local std::vector<uint32_t> kt_buf, v_buf;
@@ -581,13 +591,7 @@ void run_bf16_dot(const Problem& p) {
     }
   });
 
-  std::vector<Item> items;
-  for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t len = p.cu[s + 1] - p.cu[s];
-    for (int64_t t0 = 0; t0 < len; t0 += kQueryTokens)
-      for (int64_t h = 0; h < nkv; ++h) items.push_back({s, h, t0, (t0 + kQueryTokens) * kQueryTokens});
-  }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const std::vector<Item> items = work_items(p);
 
   using V = Avx512;  // softmax on float32 scores, as in run()
   const int64_t max_rows = kQueryTokens * g, ldp = kKeyBlock / 2;
