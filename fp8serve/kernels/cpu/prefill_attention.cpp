@@ -355,6 +355,38 @@ std::vector<Item> work_items(const Problem& p) {
   return items;
 }
 
+// The packed K and V of one call, per (sequence, kv head): K as `width` rows
+// of lpad + kRowPad elements (lpad: the sequence's padded length), V as lpad
+// rows of `width`. K rows are kRowPad elements longer than the keys so that
+// prompts of 512, 1024, ... tokens do not put the rows a score tile walks at a
+// stride of a multiple of 4 KiB (the same few L1 sets); a precaution: at
+// 1 x 512 it measured within the noise (1.71 vs 1.77 ms). The buffers are
+// kept per calling thread and only grow: freed and re-allocated per call,
+// megabytes came back from the OS as fresh pages every call (page faults were
+// 15% of a 16 x 32-token call). Plain pointers, because inside the parallel
+// regions the thread_local would name the worker thread's own (empty) buffer.
+template <class E>
+struct PackedKV {
+  const int64_t* pad_off;
+  int64_t nkv, width;
+  E* kt_base;
+  E* v_base;
+  E* kt(int64_t s, int64_t h) const {
+    return kt_base + ((pad_off[s] + kRowPad * s) * nkv + h * (pad_off[s + 1] - pad_off[s] + kRowPad)) * width;
+  }
+  E* v(int64_t s, int64_t h) const { return v_base + (pad_off[s] * nkv + h * (pad_off[s + 1] - pad_off[s])) * width; }
+};
+
+template <class E>
+PackedKV<E> packed_kv(const Problem& p, const std::vector<int64_t>& pad_off, int64_t width) {
+  thread_local std::vector<E> kt_buf, v_buf;
+  const int64_t nkv = p.num_kv_heads, n = pad_off[p.num_seqs];
+  const size_t kt_need = (n + kRowPad * p.num_seqs) * nkv * width, v_need = n * nkv * width;
+  if (kt_buf.size() < kt_need) kt_buf.resize(kt_need);
+  if (v_buf.size() < v_need) v_buf.resize(v_need);
+  return {pad_off.data(), nkv, width, kt_buf.data(), v_buf.data()};
+}
+
 template <class V, int DT>
 void run(const Problem& p) {
   const int64_t hs = p.head_size, g = p.group, nkv = p.num_kv_heads;
@@ -363,26 +395,10 @@ void run(const Problem& p) {
   // Packed K^T / V per (sequence, kv head), lengths padded to whole key
   // tiles (the last tile of a block reads up to there, never further).
   const std::vector<int64_t> pad_off = padded_offsets(p, key_tile);
-  // K^T rows are lpad + kRowPad floats apart, so that prompts of 512, 1024,
-  // ... tokens do not put the head_size rows a score tile walks at a stride
-  // of a multiple of 4 KiB (the same few L1 sets). A precaution: at 1 x 512
-  // it measured within the noise (1.71 vs 1.77 ms). The buffers are kept per
-  // calling thread and only grow: freed and
-  // re-allocated per call, megabytes came back from the OS as fresh pages
-  // every call (page faults were 15% of a 16 x 32-token call). They hold
-  // 8 * num_kv_heads * head_size bytes per token of the longest batch seen.
-  thread_local std::vector<float> kt_buf, v_buf;
-  const size_t kt_need = (pad_off[p.num_seqs] + kRowPad * p.num_seqs) * nkv * hs, v_need = pad_off[p.num_seqs] * nkv * hs;
-  if (kt_buf.size() < kt_need) kt_buf.resize(kt_need);
-  if (v_buf.size() < v_need) v_buf.resize(v_need);
-  // Plain pointers: inside the parallel regions `kt_buf` would name the
-  // worker thread's own (empty) thread_local.
-  float* const kt_base = kt_buf.data();
-  float* const v_base = v_buf.data();
-  auto kt_of = [&](int64_t s, int64_t h) {
-    return kt_base + ((pad_off[s] + kRowPad * s) * nkv + h * (pad_off[s + 1] - pad_off[s] + kRowPad)) * hs;
-  };
-  auto v_of = [&](int64_t s, int64_t h) { return v_base + (pad_off[s] * nkv + h * (pad_off[s + 1] - pad_off[s])) * hs; };
+  // K^T: head_size rows of float32 keys; V: float32 rows.
+  const PackedKV<float> kv = packed_kv<float>(p, pad_off, hs);
+  auto kt_of = [&](int64_t s, int64_t h) { return kv.kt(s, h); };
+  auto v_of = [&](int64_t s, int64_t h) { return kv.v(s, h); };
 
   at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -555,19 +571,11 @@ void run_bf16_dot(const Problem& p) {
   constexpr int64_t key_tile = Bf16Dot::kQkVecs * Bf16Dot::W;
   static_assert(kKeyBlock % key_tile == 0, "key blocks must be whole key tiles");
   const std::vector<int64_t> pad_off = padded_offsets(p, key_tile);
-  // Per-thread buffers that only grow, as in run(): K pairs with rows padded
-  // by kRowPad words (see there), V pairs.
-  thread_local std::vector<uint32_t> kt_buf, v_buf;
-  const size_t kt_need = (pad_off[p.num_seqs] + kRowPad * p.num_seqs) * nkv * hp,
-               v_need = pad_off[p.num_seqs] * nkv * hp;
-  if (kt_buf.size() < kt_need) kt_buf.resize(kt_need);
-  if (v_buf.size() < v_need) v_buf.resize(v_need);
-  uint32_t* const kt_base = kt_buf.data();
-  uint32_t* const v_base = v_buf.data();
-  auto kt_of = [&](int64_t s, int64_t h) {
-    return kt_base + ((pad_off[s] + kRowPad * s) * nkv + h * (pad_off[s + 1] - pad_off[s] + kRowPad)) * hp;
-  };
-  auto v_of = [&](int64_t s, int64_t h) { return v_base + (pad_off[s] * nkv + h * (pad_off[s + 1] - pad_off[s])) * hp; };
+  // K: head_size / 2 rows of pairs; V: rows of head_size pairs per two keys
+  // (lpad / 2 of them: a width of head_size / 2 words per key).
+  const PackedKV<uint32_t> kv = packed_kv<uint32_t>(p, pad_off, hp);
+  auto kt_of = [&](int64_t s, int64_t h) { return kv.kt(s, h); };
+  auto v_of = [&](int64_t s, int64_t h) { return kv.v(s, h); };
 
   at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
