@@ -387,44 +387,27 @@ PackedKV<E> packed_kv(const Problem& p, const std::vector<int64_t>& pad_off, int
   return {pad_off.data(), nkv, width, kt_buf.data(), v_buf.data()};
 }
 
-template <class V, int DT>
-void run(const Problem& p) {
-  const int64_t hs = p.head_size, g = p.group, nkv = p.num_kv_heads;
-  constexpr int64_t key_tile = V::kQkVecs * V::W;
-  static_assert(kKeyBlock % key_tile == 0, "key blocks must be whole key tiles");
-  // Packed K^T / V per (sequence, kv head), lengths padded to whole key
-  // tiles (the last tile of a block reads up to there, never further).
-  const std::vector<int64_t> pad_off = padded_offsets(p, key_tile);
-  // K^T: head_size rows of float32 keys; V: float32 rows.
-  const PackedKV<float> kv = packed_kv<float>(p, pad_off, hs);
-  auto kt_of = [&](int64_t s, int64_t h) { return kv.kt(s, h); };
-  auto v_of = [&](int64_t s, int64_t h) { return kv.v(s, h); };
-
-  at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / nkv, h = i % nkv, base = p.cu[s], len = p.cu[s + 1] - base;
-      const int64_t lpad = pad_off[s + 1] - pad_off[s], ldk = lpad + kRowPad;
-      float* kt = kt_of(s, h);
-      float* vv = v_of(s, h);
-      for (int64_t t = 0; t < len; ++t) {
-        const void* kr = row_ptr<DT>(p.k, (base + t) * p.k_ld + h * hs);
-        for (int64_t d = 0; d < hs; ++d) kt[d * ldk + t] = fp8serve_cvt::load_as_f32<DT>(kr, d);
-        row_to_f32<DT>(row_ptr<DT>(p.v, (base + t) * p.v_ld + h * hs), vv + t * hs, hs, 1.f);
-      }
-      for (int64_t d = 0; d < hs; ++d) std::fill(kt + d * ldk + len, kt + d * ldk + lpad, 0.f);
-      std::fill(vv + len * hs, vv + lpad * hs, 0.f);
-    }
-  });
-
+// The attention itself, shared by both kernels: work items pulled by the
+// threads from an atomic counter; per key block the score tiles, the online
+// softmax per row and the P V tiles. `Tiles` says how a Q row is held, how a
+// block's scores and P V run over the packed K / V, and the lanes the softmax
+// uses (Tiles::V).
+template <class Tiles, int DT>
+void run_items(const Problem& p, const std::vector<int64_t>& pad_off, const PackedKV<typename Tiles::E>& kv) {
+  using V = typename Tiles::V;
+  using Q = typename Tiles::Q;
+  static_assert(kKeyBlock % Tiles::kKeyTile == 0, "key blocks must be whole key tiles");
+  const int64_t hs = p.head_size, g = p.group, qw = Tiles::q_words(hs);
   const std::vector<Item> items = work_items(p);
-
   const int64_t max_rows = kQueryTokens * g;
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qs(max_rows * hs), o(max_rows * hs), sc(max_rows * kKeyBlock), m(max_rows), alpha(max_rows);
+    std::vector<Q> qs(max_rows * qw);
+    std::vector<float> o(max_rows * hs), sc(max_rows * kKeyBlock), m(max_rows), alpha(max_rows);
     std::vector<typename V::T> lsum(max_rows);
+    typename Tiles::Scratch scratch(max_rows);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const Item& it = items[i];
       const int64_t base = p.cu[it.seq], len = p.cu[it.seq + 1] - base;
@@ -434,35 +417,25 @@ void run(const Problem& p) {
       for (int64_t ti = 0; ti < n; ++ti)
         for (int64_t j = 0; j < g; ++j) {
           const void* qr = row_ptr<DT>(p.q, (base + it.t0 + ti) * p.q_ld + (it.kv_head * g + j) * hs);
-          row_to_f32<DT>(qr, qs.data() + (ti * g + j) * hs, hs, p.scale);
+          Tiles::template load_q<DT>(qr, qs.data() + (ti * g + j) * qw, hs, p.scale);
         }
       std::fill(o.begin(), o.begin() + rows * hs, 0.f);
       std::fill(m.begin(), m.begin() + rows, kNegInf);
       std::fill(lsum.begin(), lsum.begin() + rows, V::zero());
-      const float* kt = kt_of(it.seq, it.kv_head);
-      const float* vv = v_of(it.seq, it.kv_head);
+      const typename Tiles::E* kt = kv.kt(it.seq, it.kv_head);
+      const typename Tiles::E* vv = kv.v(it.seq, it.kv_head);
       const int64_t kend = it.t0 + n;  // keys [0, kend): the last row's token sees them all
       for (int64_t k0 = 0; k0 < kend; k0 += kKeyBlock) {
         const int64_t kw = std::min(kKeyBlock, kend - k0);
-        const int64_t kwp = (kw + key_tile - 1) / key_tile * key_tile;  // within the padded length
-        int64_t r = 0;
-        for (; r + V::kQkRows <= rows; r += V::kQkRows)
-          qk_rows<V, V::kQkRows>(qs.data() + r * hs, kt + k0, ldk, hs, kwp, sc.data() + r * kKeyBlock, kKeyBlock);
-        if (r < rows)
-          qk_tail<V, V::kQkRows - 1>(static_cast<int>(rows - r), qs.data() + r * hs, kt + k0, ldk, hs, kwp,
-                                     sc.data() + r * kKeyBlock, kKeyBlock);
-        for (r = 0; r < rows; ++r) {
+        const int64_t kwp = (kw + Tiles::kKeyTile - 1) / Tiles::kKeyTile * Tiles::kKeyTile;  // within the padding
+        Tiles::qk(rows, qs.data(), qw, kt + k0, ldk, hs, kwp, p.scale, sc.data());
+        for (int64_t r = 0; r < rows; ++r) {
           const int64_t pos = it.t0 + r / g;  // the row's token position: it sees keys [0, pos]
           const int64_t nvalid = std::min(pos + 1 - k0, kw);
           alpha[r] = softmax_row<V>(sc.data() + r * kKeyBlock, nvalid, kwp, m[r], lsum[r]);
+          Tiles::p_row(scratch, r, sc.data() + r * kKeyBlock, kwp);
         }
-        r = 0;
-        for (; r + V::kPvRows <= rows; r += V::kPvRows)
-          pv_rows<V, V::kPvRows>(sc.data() + r * kKeyBlock, kKeyBlock, vv + k0 * hs, hs, kwp, alpha.data() + r,
-                                 o.data() + r * hs);
-        if (r < rows)
-          pv_tail<V, V::kPvRows - 1>(static_cast<int>(rows - r), sc.data() + r * kKeyBlock, kKeyBlock,
-                                     vv + k0 * hs, hs, kwp, alpha.data() + r, o.data() + r * hs);
+        Tiles::pv(rows, sc.data(), scratch, vv, k0, hs, kwp, alpha.data(), o.data());
       }
       for (int64_t ti = 0; ti < n; ++ti)
         for (int64_t j = 0; j < g; ++j) {
@@ -473,6 +446,69 @@ void run(const Problem& p) {
         }
     }
   });
+}
+
+// Float32 tiles over float32 K^T / V: q pre-scaled, P used as it is.
+template <class Lanes>
+struct Float32Tiles {
+  using V = Lanes;
+  using E = float;
+  using Q = float;
+  static constexpr int64_t kKeyTile = V::kQkVecs * V::W;
+  struct Scratch {
+    explicit Scratch(int64_t) {}
+  };
+  static int64_t q_words(int64_t hs) { return hs; }
+  template <int DT>
+  static void load_q(const void* qr, float* dst, int64_t hs, float scale) { row_to_f32<DT>(qr, dst, hs, scale); }
+  static void qk(int64_t rows, const float* qs, int64_t, const float* kt, int64_t ldk, int64_t hs, int64_t kwp, float,
+                 float* sc) {
+    int64_t r = 0;
+    for (; r + V::kQkRows <= rows; r += V::kQkRows)
+      qk_rows<V, V::kQkRows>(qs + r * hs, kt, ldk, hs, kwp, sc + r * kKeyBlock, kKeyBlock);
+    if (r < rows)
+      qk_tail<V, V::kQkRows - 1>(static_cast<int>(rows - r), qs + r * hs, kt, ldk, hs, kwp, sc + r * kKeyBlock,
+                                 kKeyBlock);
+  }
+  static void p_row(Scratch&, int64_t, const float*, int64_t) {}
+  static void pv(int64_t rows, const float* sc, const Scratch&, const float* vv, int64_t k0, int64_t hs, int64_t kwp,
+                 const float* alpha, float* o) {
+    int64_t r = 0;
+    for (; r + V::kPvRows <= rows; r += V::kPvRows)
+      pv_rows<V, V::kPvRows>(sc + r * kKeyBlock, kKeyBlock, vv + k0 * hs, hs, kwp, alpha + r, o + r * hs);
+    if (r < rows)
+      pv_tail<V, V::kPvRows - 1>(static_cast<int>(rows - r), sc + r * kKeyBlock, kKeyBlock, vv + k0 * hs, hs, kwp,
+                                 alpha + r, o + r * hs);
+  }
+};
+
+template <class V, int DT>
+void run(const Problem& p) {
+  using Tiles = Float32Tiles<V>;
+  const int64_t hs = p.head_size, nkv = p.num_kv_heads;
+  // Packed K^T / V per (sequence, kv head), lengths padded to whole key
+  // tiles (the last tile of a block reads up to there, never further).
+  const std::vector<int64_t> pad_off = padded_offsets(p, Tiles::kKeyTile);
+  // K^T: head_size rows of float32 keys; V: float32 rows.
+  const PackedKV<float> kv = packed_kv<float>(p, pad_off, hs);
+
+  at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / nkv, h = i % nkv, base = p.cu[s], len = p.cu[s + 1] - base;
+      const int64_t lpad = pad_off[s + 1] - pad_off[s], ldk = lpad + kRowPad;
+      float* kt = kv.kt(s, h);
+      float* vv = kv.v(s, h);
+      for (int64_t t = 0; t < len; ++t) {
+        const void* kr = row_ptr<DT>(p.k, (base + t) * p.k_ld + h * hs);
+        for (int64_t d = 0; d < hs; ++d) kt[d * ldk + t] = fp8serve_cvt::load_as_f32<DT>(kr, d);
+        row_to_f32<DT>(row_ptr<DT>(p.v, (base + t) * p.v_ld + h * hs), vv + t * hs, hs, 1.f);
+      }
+      for (int64_t d = 0; d < hs; ++d) std::fill(kt + d * ldk + len, kt + d * ldk + lpad, 0.f);
+      std::fill(vv + len * hs, vv + lpad * hs, 0.f);
+    }
+  });
+
+  run_items<Tiles, DT>(p, pad_off, kv);
 }
 
 #if defined(FP8SERVE_VEC16) && defined(__AVX512BF16__)
@@ -565,24 +601,68 @@ void pv_tail_bf16(int rt, const uint32_t* p, int64_t ldp, const uint32_t* v2, in
   }
 }
 
+// bf16 pairs over the packed K / V pairs: q kept as it is (the scale goes on
+// the scores), P rounded to bf16 pairs before P V.
+struct Bf16DotTiles {
+  using V = Avx512;  // softmax on float32 scores
+  using E = uint32_t;
+  using Q = uint32_t;
+  static constexpr int64_t kKeyTile = Bf16Dot::kQkVecs * Bf16Dot::W;
+  static constexpr int64_t kPairsPerRow = kKeyBlock / 2;
+  struct Scratch {
+    std::vector<uint32_t> p;  // [rows][kKeyBlock / 2] P pairs
+    explicit Scratch(int64_t max_rows) : p(max_rows * kPairsPerRow) {}
+  };
+  static int64_t q_words(int64_t hs) { return hs / 2; }
+  template <int DT>
+  static void load_q(const void* qr, uint32_t* dst, int64_t hs, float) {
+    static_assert(DT == 1, "bf16 inputs only");
+    std::memcpy(dst, qr, hs * 2);
+  }
+  static void qk(int64_t rows, const uint32_t* qs, int64_t qw, const uint32_t* kt, int64_t ldk, int64_t, int64_t kwp,
+                 float scale, float* sc) {
+    int64_t r = 0;
+    for (; r + Bf16Dot::kQkRows <= rows; r += Bf16Dot::kQkRows)
+      qk_rows_bf16<Bf16Dot::kQkRows>(qs + r * qw, qw, kt, ldk, kwp, scale, sc + r * kKeyBlock, kKeyBlock);
+    if (r < rows)
+      qk_tail_bf16<Bf16Dot::kQkRows - 1>(static_cast<int>(rows - r), qs + r * qw, qw, kt, ldk, kwp, scale,
+                                         sc + r * kKeyBlock, kKeyBlock);
+  }
+  // P to bf16 pairs: 32 floats -> 32 bf16 (16 words) per step; kwp is a multiple of 32.
+  static void p_row(Scratch& scratch, int64_t r, const float* srow, int64_t kwp) {
+    uint32_t* prow = scratch.p.data() + r * kPairsPerRow;
+    for (int64_t j = 0; j < kwp; j += 32) {
+      const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(srow + j + 16), _mm512_loadu_ps(srow + j));
+      _mm512_storeu_si512(prow + j / 2, (__m512i)b);
+    }
+  }
+  static void pv(int64_t rows, const float*, const Scratch& scratch, const uint32_t* v2, int64_t k0, int64_t hs,
+                 int64_t kwp, const float* alpha, float* o) {
+    const uint32_t* pb = scratch.p.data();
+    int64_t r = 0;
+    for (; r + Bf16Dot::kPvRows <= rows; r += Bf16Dot::kPvRows)
+      pv_rows_bf16<Bf16Dot::kPvRows>(pb + r * kPairsPerRow, kPairsPerRow, v2 + k0 / 2 * hs, hs, kwp, alpha + r,
+                                     o + r * hs);
+    if (r < rows)
+      pv_tail_bf16<Bf16Dot::kPvRows - 1>(static_cast<int>(rows - r), pb + r * kPairsPerRow, kPairsPerRow,
+                                         v2 + k0 / 2 * hs, hs, kwp, alpha + r, o + r * hs);
+  }
+};
+
 // bf16 inputs only (DT 1); head_size a multiple of 64.
 void run_bf16_dot(const Problem& p) {
-  const int64_t hs = p.head_size, hp = hs / 2, g = p.group, nkv = p.num_kv_heads;
-  constexpr int64_t key_tile = Bf16Dot::kQkVecs * Bf16Dot::W;
-  static_assert(kKeyBlock % key_tile == 0, "key blocks must be whole key tiles");
-  const std::vector<int64_t> pad_off = padded_offsets(p, key_tile);
+  const int64_t hs = p.head_size, hp = hs / 2, nkv = p.num_kv_heads;
+  const std::vector<int64_t> pad_off = padded_offsets(p, Bf16DotTiles::kKeyTile);
   // K: head_size / 2 rows of pairs; V: rows of head_size pairs per two keys
   // (lpad / 2 of them: a width of head_size / 2 words per key).
   const PackedKV<uint32_t> kv = packed_kv<uint32_t>(p, pad_off, hp);
-  auto kt_of = [&](int64_t s, int64_t h) { return kv.kt(s, h); };
-  auto v_of = [&](int64_t s, int64_t h) { return kv.v(s, h); };
 
   at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / nkv, h = i % nkv, base = p.cu[s], len = p.cu[s + 1] - base;
       const int64_t lpad = pad_off[s + 1] - pad_off[s], ldk = lpad + kRowPad;
-      uint32_t* kt = kt_of(s, h);
-      uint16_t* v2 = reinterpret_cast<uint16_t*>(v_of(s, h));  // [lpad / 2][hs][2] halves
+      uint32_t* kt = kv.kt(s, h);
+      uint16_t* v2 = reinterpret_cast<uint16_t*>(kv.v(s, h));  // [lpad / 2][hs][2] halves
       for (int64_t t = 0; t < len; ++t) {
         const uint32_t* kr = static_cast<const uint32_t*>(row_ptr<1>(p.k, (base + t) * p.k_ld + h * hs));
         for (int64_t d = 0; d < hp; ++d) kt[d * ldk + t] = kr[d];
@@ -599,72 +679,7 @@ void run_bf16_dot(const Problem& p) {
     }
   });
 
-  const std::vector<Item> items = work_items(p);
-
-  using V = Avx512;  // softmax on float32 scores, as in run()
-  const int64_t max_rows = kQueryTokens * g, ldp = kKeyBlock / 2;
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<uint32_t> qs(max_rows * hp), pb(max_rows * ldp);
-    std::vector<float> o(max_rows * hs), sc(max_rows * kKeyBlock), m(max_rows), alpha(max_rows);
-    std::vector<V::T> lsum(max_rows);
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-      const Item& it = items[i];
-      const int64_t base = p.cu[it.seq], len = p.cu[it.seq + 1] - base;
-      const int64_t ldk = pad_off[it.seq + 1] - pad_off[it.seq] + kRowPad;
-      const int64_t n = std::min(kQueryTokens, len - it.t0), rows = n * g;
-      for (int64_t ti = 0; ti < n; ++ti)
-        for (int64_t j = 0; j < g; ++j) {
-          const void* qr = row_ptr<1>(p.q, (base + it.t0 + ti) * p.q_ld + (it.kv_head * g + j) * hs);
-          std::memcpy(qs.data() + (ti * g + j) * hp, qr, hs * 2);
-        }
-      std::fill(o.begin(), o.begin() + rows * hs, 0.f);
-      std::fill(m.begin(), m.begin() + rows, kNegInf);
-      std::fill(lsum.begin(), lsum.begin() + rows, V::zero());
-      const uint32_t* kt = kt_of(it.seq, it.kv_head);
-      const uint32_t* v2 = v_of(it.seq, it.kv_head);
-      const int64_t kend = it.t0 + n;
-      for (int64_t k0 = 0; k0 < kend; k0 += kKeyBlock) {
-        const int64_t kw = std::min(kKeyBlock, kend - k0);
-        const int64_t kwp = (kw + key_tile - 1) / key_tile * key_tile;
-        int64_t r = 0;
-        for (; r + Bf16Dot::kQkRows <= rows; r += Bf16Dot::kQkRows)
-          qk_rows_bf16<Bf16Dot::kQkRows>(qs.data() + r * hp, hp, kt + k0, ldk, kwp, p.scale, sc.data() + r * kKeyBlock,
-                                         kKeyBlock);
-        if (r < rows)
-          qk_tail_bf16<Bf16Dot::kQkRows - 1>(static_cast<int>(rows - r), qs.data() + r * hp, hp, kt + k0, ldk, kwp,
-                                             p.scale, sc.data() + r * kKeyBlock, kKeyBlock);
-        for (r = 0; r < rows; ++r) {
-          const int64_t pos = it.t0 + r / g;
-          const int64_t nvalid = std::min(pos + 1 - k0, kw);
-          float* srow = sc.data() + r * kKeyBlock;
-          alpha[r] = softmax_row<V>(srow, nvalid, kwp, m[r], lsum[r]);
-          // P to bf16 pairs: 32 floats -> 32 bf16 (16 words) per step; kwp is a multiple of 32.
-          uint32_t* prow = pb.data() + r * ldp;
-          for (int64_t j = 0; j < kwp; j += 32) {
-            const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(srow + j + 16), _mm512_loadu_ps(srow + j));
-            _mm512_storeu_si512(prow + j / 2, (__m512i)b);
-          }
-        }
-        r = 0;
-        for (; r + Bf16Dot::kPvRows <= rows; r += Bf16Dot::kPvRows)
-          pv_rows_bf16<Bf16Dot::kPvRows>(pb.data() + r * ldp, ldp, v2 + k0 / 2 * hs, hs, kwp, alpha.data() + r,
-                                         o.data() + r * hs);
-        if (r < rows)
-          pv_tail_bf16<Bf16Dot::kPvRows - 1>(static_cast<int>(rows - r), pb.data() + r * ldp, ldp, v2 + k0 / 2 * hs,
-                                             hs, kwp, alpha.data() + r, o.data() + r * hs);
-      }
-      for (int64_t ti = 0; ti < n; ++ti)
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = ti * g + j;
-          const float f = p.out_scale / V::hsum(lsum[r]);
-          const int64_t dst = ((base + it.t0 + ti) * p.num_heads + it.kv_head * g + j) * hs;
-          row_from_f32<1>(o.data() + r * hs, static_cast<char*>(p.out) + dst * 2, hs, f);
-        }
-    }
-  });
+  run_items<Bf16DotTiles, 1>(p, pad_off, kv);
 }
 #endif
 
