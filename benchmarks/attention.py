@@ -58,7 +58,7 @@ from fp8serve.attention.backends.cpu_paged import CpuPagedBackend
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
 from fp8serve.attention.kv_cache_spec import KVCacheSpec
 from fp8serve.attention.metadata import AttentionMetadata
-from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, KV_FORMATS, load_cpu_ops
+from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, KV_FORMATS, decode_bf16_dot_available, load_cpu_ops
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BANDWIDTH_BUFFER_BYTES = 256 << 20
@@ -84,8 +84,9 @@ class DecodeCase:
         blocks_per_seq = math.ceil(context / bs)
         num_blocks = batch * blocks_per_seq
         self.spec = KVCacheSpec(kv_dtype, bs, hkv, hs, num_layers=1)
-        self.paged = CpuPagedBackend(self.spec, torch.float32)
-        self.reference = TorchSDPABackend(self.spec, torch.float32)
+        self.query_dtype = args.query_dtype
+        self.paged = CpuPagedBackend(self.spec, self.query_dtype)
+        self.reference = TorchSDPABackend(self.spec, self.query_dtype)
         self.kv_cache = self.paged.allocate_kv_cache(num_blocks, torch.device("cpu"))
         # Fill every usable block the way the engine does (quantize-on-write), in slices
         # to bound the float32 temporaries.
@@ -106,12 +107,12 @@ class DecodeCase:
             query_start_loc=torch.arange(batch + 1), max_query_len=1, max_seq_len=context,
             num_seqs=batch, num_tokens=batch, null_block_id=num_blocks,
         )
-        self.query = torch.randn(batch, args.num_heads, hs, generator=g)
-        self.key = torch.randn(batch, hkv, hs, generator=g) * (K_SCALE * 8)
-        self.value = torch.randn(batch, hkv, hs, generator=g) * (V_SCALE * 8)
+        self.query = torch.randn(batch, args.num_heads, hs, generator=g).to(self.query_dtype)
+        self.key = (torch.randn(batch, hkv, hs, generator=g) * (K_SCALE * 8)).to(self.query_dtype)
+        self.value = (torch.randn(batch, hkv, hs, generator=g) * (V_SCALE * 8)).to(self.query_dtype)
         self.softmax_scale = hs ** -0.5
         decode_mult = E4M3_DECODE_MULTIPLIER if kv_dtype == "fp8_e4m3" else 1.0
-        self.kernel_query = self.query * (self.softmax_scale * K_SCALE * decode_mult)
+        self.kernel_query = self.query.float() * (self.softmax_scale * K_SCALE * decode_mult)
         self.out_scale = V_SCALE * decode_mult
         self.bytes_read = 2 * batch * context * hkv * hs * self.spec.element_size
         self.kv_dtype = kv_dtype
@@ -120,7 +121,11 @@ class DecodeCase:
         # The op itself, as the engine's backend calls it: the Python wrapper's
         # argument checks cost ~10 us, a quarter of a batch-1 call, and the
         # baseline column calls its op directly too.
-        op = op or load_cpu_ops().paged_attention_decode
+        # A bf16 query: the tiles the engine's fused entry takes for it (the bf16
+        # dot-product tiles for FP8 caches, where built; "best" otherwise).
+        ops = load_cpu_ops()
+        bf16_op = ops.paged_attention_decode_bf16dot if decode_bf16_dot_available() else ops.paged_attention_decode
+        op = op or (bf16_op if self.query_dtype == torch.bfloat16 else ops.paged_attention_decode)
         out = torch.empty_like(self.kernel_query)
         op(out, self.kernel_query, self.kv_cache[0], self.kv_cache[1], self.block_tables, self.seq_lens,
            KV_FORMATS[self.kv_dtype], self.out_scale)
@@ -171,6 +176,10 @@ def main() -> None:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--query-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the model's compute dtype: bfloat16 times what a bf16 model runs (FP8 caches take the "
+                        "bf16 dot-product tiles where the CPU has AVX512-BF16), with the float32 tiles as "
+                        "the baseline column")
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-reference", action="store_true", help="do not time the TorchSDPABackend step")
@@ -186,6 +195,7 @@ def main() -> None:
                    help="markdown results file (default benchmarks/results/attention_<date>.md)")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args()
+    args.query_dtype = getattr(torch, args.query_dtype)
 
     if args.cold_flush_mib < 0:
         p.error(f"--cold-flush-mib must be >= 0, got {args.cold_flush_mib}")
@@ -205,6 +215,10 @@ def main() -> None:
         torch.ops.load_library(args.baseline_lib)
         baseline = getattr(torch.ops, args.baseline_namespace).paged_attention_decode
         base_label = "baseline"
+    elif args.query_dtype == torch.bfloat16:
+        # What a float32 query (model) runs on the same data: the speedup column
+        # is then that of the bf16 dot-product tiles.
+        baseline, base_label = load_cpu_ops().paged_attention_decode, "float32 tiles"
     elif load_cpu_ops().has_avx512() and not args.no_avx2_column:
         # The kernel runs its AVX-512 tiles here; time the AVX2 tiles too (what
         # AVX2-only CPUs run) so both show in one run.
@@ -224,7 +238,10 @@ def main() -> None:
     for line in describe_machine(machine_info()):
         emit(f"- {line}")
     emit(f"- shapes: {args.num_heads} heads, {args.num_kv_heads} kv heads, head size {args.head_size}, "
-         f"block size {args.block_size}; float32 query and compute")
+         f"block size {args.block_size}; "
+         + ("float32 query and compute" if args.query_dtype == torch.float32 else
+            "bf16 query (the kernel converts it to float32; FP8 caches take the bf16 dot-product tiles: "
+            + ("built" if decode_bf16_dot_available() else "NOT built here, so the float32 tiles") + ")"))
     # Bandwidth is measured before and after the attention cells; the
     # percentages use the best of the two (a shared CPU disturbs one or the
     # other; the better one is closer to the machine's limit).
@@ -272,6 +289,9 @@ def main() -> None:
          f"{args.cold_flush_mib} MiB buffer, on copies of the cell no recent call touched). "
          "GB/s: K+V bytes read / kernel time. "
          "Steps: one decode step of a backend (cache write of the new token included).")
+    if base_label == "float32 tiles":
+        emit("`float32 tiles ms` times `paged_attention_decode` (what a float32 query runs) on the same data; "
+             "speedup = float32 tiles / kernel.")
     if base_label == "AVX2 tiles":
         emit("The kernel runs its AVX-512 tiles on this CPU; `AVX2 tiles ms` times the AVX2 tiles "
              "(`paged_attention_decode_avx2`, what AVX2-only CPUs run) on the same data; "

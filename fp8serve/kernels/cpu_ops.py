@@ -112,7 +112,7 @@ def paged_attention_decode(
     kv_format: str,
     out_scale: float,
     *,
-    path: str = "best",  # "avx512", "avx2" or "scalar": force one set of tiles (tests, benchmarks)
+    path: str = "best",  # "avx512", "avx2", "scalar" or "bf16dot": force one set of tiles (tests, benchmarks)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_size] float32
     """softmax(q k^T) v * out_scale for one query token per sequence, reading
     K/V from the paged cache in its storage format. The query must already
@@ -144,7 +144,8 @@ def paged_attention_decode(
     if query.device.type != "cpu" or key_cache.device.type != "cpu":
         raise ValueError("paged_attention_decode is a CPU kernel")
     ops_by_path = {"best": ops.paged_attention_decode, "avx512": ops.paged_attention_decode_avx512,
-                   "avx2": ops.paged_attention_decode_avx2, "scalar": ops.paged_attention_decode_scalar}
+                   "avx2": ops.paged_attention_decode_avx2, "scalar": ops.paged_attention_decode_scalar,
+                   "bf16dot": ops.paged_attention_decode_bf16dot}
     if path not in ops_by_path:
         raise ValueError(f"unknown path {path!r}; expected one of {list(ops_by_path)}")
     op = ops_by_path[path]
@@ -153,6 +154,14 @@ def paged_attention_decode(
     op(out, q, key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(),
        KV_FORMATS[kv_format], float(out_scale))
     return out
+
+
+def decode_bf16_dot_available() -> bool:
+    """Whether the decode attention was built with its bf16 dot-product tiles
+    (AVX512-BF16): FP8 caches with a bf16 query take them (path "bf16dot")."""
+    ops = load_cpu_ops()
+    return (ops is not None and hasattr(ops, "paged_attention_has_bf16_dot")
+            and bool(ops.paged_attention_has_bf16_dot()))
 
 
 def paged_attention_decode_ref(query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale):

@@ -28,10 +28,11 @@ from fp8serve.kernels.cpu_ops import (
     E4M3_DECODE_MULTIPLIER,
     KV_FORMATS,
     KV_STORAGE_DTYPES,
+    decode_bf16_dot_available,
     paged_attention_decode,
     paged_attention_decode_ref,
 )
-from fp8serve.quantization.fp8 import fp8_format, quantize_fp8
+from fp8serve.quantization.fp8 import dequantize_fp8, fp8_format, quantize_fp8
 
 # Max |kernel - reference| / max |reference|, same stored codes: float32 sums
 # over head_size and up to a few hundred tokens (observed ~1e-6).
@@ -257,8 +258,11 @@ def test_fused_entry_scales_and_converts(ops, seed, kv_format, dtype):
     assert not query.is_contiguous()
     out = ops.paged_attention_decode_fused(query, case.key_cache, case.value_cache, case.block_tables,
                                            case.seq_lens, KV_FORMATS[kv_format], q_scale, case.out_scale)
+    # A bf16 query on an FP8 cache takes the bf16 dot-product tiles (where built).
+    path = "bf16dot" if dtype == torch.bfloat16 and kv_format.startswith("fp8") and decode_bf16_dot_available() \
+        else "best"
     expected = paged_attention_decode(query.float() * q_scale, case.key_cache, case.value_cache,
-                                      case.block_tables, case.seq_lens, kv_format, case.out_scale)
+                                      case.block_tables, case.seq_lens, kv_format, case.out_scale, path=path)
     assert out.dtype == dtype and out.shape == (n, h, d)
     if dtype == torch.float32:
         assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6), f"seed={seed}"
@@ -267,3 +271,140 @@ def test_fused_entry_scales_and_converts(ops, seed, kv_format, dtype):
     with pytest.raises(RuntimeError, match="heads must be contiguous"):
         ops.paged_attention_decode_fused(query.transpose(1, 2), case.key_cache, case.value_cache,
                                          case.block_tables, case.seq_lens, KV_FORMATS[kv_format], 1.0, 1.0)
+
+
+# ------------------------------------------------------------ bf16 dot-product tiles
+
+needs_bf16_dot = pytest.mark.skipif(not decode_bf16_dot_available(), reason="built without AVX512-BF16")
+FP8_FORMATS = ["fp8_e4m3", "fp8_e5m2"]
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significant bits, round to nearest even
+
+
+def fp8_decoded(case: Case, which: str) -> torch.Tensor:
+    """The cache's K or V codes as the kernel's contract reads them (float64)."""
+    codes = case.key_cache if which == "k" else case.value_cache
+    v = dequantize_fp8(codes, 1.0, fp8_format(case.kv_format), torch.float64)
+    return v / E4M3_DECODE_MULTIPLIER if case.kv_format == "fp8_e4m3" else v
+
+
+def bf16_dot_bounds(case: Case) -> tuple[float, float]:
+    """Bounds on max |bf16dot - reference| for the reference on the same codes
+    with the query rounded to bf16 first, and with the exact query.
+
+    Rounding the query (unit roundoff u = 2^-8) moves each score by at most
+    u * S, S = sum_d |q_d k_d|; rounding each softmax weight moves it by at
+    most a factor (1 + u), and the weights' sum is taken over the rounded
+    weights. With every log-weight moved by at most eta, the normalized weights
+    move by at most a factor e^(2 eta) each, so the output moves by at most
+    (e^(2 eta) - 1) * max |v| (times out_scale). Products of bf16 values are
+    exact in float32; float32 sums add the same-codes tolerance."""
+    q = case.kernel_query.double()
+    k = fp8_decoded(case, "k").abs()
+    num_kv_heads, head_size = k.shape[2], k.shape[3]
+    group = q.shape[1] // num_kv_heads
+    s_max = 0.0
+    for b, n in enumerate(case.seq_lens.tolist()):
+        pos = torch.arange(n)
+        slots = case.block_tables[b, pos // case.block_size] * case.block_size + pos % case.block_size
+        kb = k.reshape(-1, num_kv_heads, head_size)[slots].repeat_interleave(group, 1)  # [n, h, d]
+        s_max = max(s_max, torch.einsum("hd,nhd->hn", q[b].abs(), kb).max().item())
+    v_max = fp8_decoded(case, "v").abs().max().item() * case.out_scale
+    eta_p = BF16_UNIT_ROUNDOFF * 1.01  # the weight's rounding, with room for exp's float32 error
+    rounded_q = (math.exp(2 * eta_p) - 1) * v_max
+    exact_q = (math.exp(2 * (eta_p + BF16_UNIT_ROUNDOFF * s_max)) - 1) * v_max
+    return rounded_q, exact_q
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("kv_format", FP8_FORMATS)
+def test_bf16_dot_decodes_every_code_exactly(ops, kv_format):
+    """Every finite code through the tiles' FP8 -> bf16 decode (normals by their
+    exponent, subnormals by the table), against the float64 dequantization."""
+    fmt = fp8_format(kv_format)
+    codes = torch.arange(256, dtype=torch.uint8)
+    ref = dequantize_fp8(codes, 1.0, fmt, torch.float64)
+    finite = ref.isfinite()
+    codes, ref = codes[finite], ref[finite]
+    if kv_format == "fp8_e4m3":
+        ref = ref / E4M3_DECODE_MULTIPLIER
+    # Shuffled and more than 64 codes, so every lane position and the tail see every kind.
+    order = torch.randperm(len(codes), generator=torch.Generator().manual_seed(0))
+    out = ops.fp8_codes_to_bf16(codes[order].contiguous(), KV_FORMATS[kv_format])
+    assert out.dtype == torch.bfloat16
+    bad = (out.double() != ref[order]).nonzero().flatten()
+    assert len(bad) == 0, [(int(codes[order][i]), out[i].item(), ref[order][i].item()) for i in bad[:5]]
+    # Both zeros and every subnormal (7 or 3 mantissas, both signs) were among them:
+    # the smallest normal is 2^-14 in the tiles' scale for either format.
+    subnormals = ((ref != 0) & (ref.abs() < 2.0 ** -14)).sum().item()
+    assert (ref == 0).sum() == 2 and subnormals == (14 if kv_format == "fp8_e4m3" else 6)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("kv_format", FP8_FORMATS)
+def test_bf16_dot_within_its_rounding_of_the_reference(ops, seed, kv_format, head_size, group):
+    """The bf16 tiles against the float64 reference on the same codes: within
+    the bound of bf16_dot_bounds, with the query rounded to bf16 in the
+    reference (only the weights' rounding left) and with the exact query."""
+    case = Case(seed, kv_format, head_size, num_kv_heads=2, group=group, seq_lens=SEQ_LENS)
+    out = case.run("bf16dot").double()
+    ref = case.reference_same_codes().double()
+    ref_rounded_q = paged_attention_decode_ref(case.kernel_query.bfloat16().float(), case.key_cache,
+                                               case.value_cache, case.block_tables, case.seq_lens,
+                                               kv_format, case.out_scale).double()
+    bound_rounded_q, bound_exact_q = bf16_dot_bounds(case)
+    slack = TOL_SAME_CODES[kv_format] * ref.abs().max().item()
+    err_rounded_q = (out - ref_rounded_q).abs().max().item()
+    err_exact_q = (out - ref).abs().max().item()
+    assert err_rounded_q <= bound_rounded_q + slack, f"seed={seed}: {err_rounded_q:.2e} > {bound_rounded_q:.2e}"
+    assert err_exact_q <= bound_exact_q + slack, f"seed={seed}: {err_exact_q:.2e} > {bound_exact_q:.2e}"
+    # And far from the float32 tiles' agreement only by bf16's rounding: not by a broken lane.
+    assert err_rounded_q > 0
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("kv_format", FP8_FORMATS)
+def test_bf16_dot_single_token_returns_its_value_row(ops, seed, kv_format):
+    """With one token the weight is exactly 1: the output is the decoded V row
+    times out_scale, exactly (checks the V interleave and its un-permuting)."""
+    case = Case(seed, kv_format, 64, num_kv_heads=3, group=3, seq_lens=[1] * 5)
+    out = case.run("bf16dot")
+    slots = case.block_tables[:, 0] * case.block_size  # token 0 of each sequence's first block
+    v = fp8_decoded(case, "v").reshape(-1, 3, 64)[slots].repeat_interleave(3, 1)  # [5, 9, 64], exact in float32
+    expected = v.float() * torch.tensor(case.out_scale, dtype=torch.float32)  # the kernel's one rounding
+    assert torch.equal(out, expected), f"seed={seed}"
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_bf16_dot_context_splits_and_long_calls(ops, seed, num_threads):
+    """Split contexts (merged afterwards), tiles of 32 tokens ending inside a
+    block, and a call over 8192 tokens, on one thread and two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for seq_lens in ([1000], [3, 200, 17] * 6, [4100, 4093, 33]):
+            case = Case(seed, "fp8_e4m3", 64, num_kv_heads=3, group=3, seq_lens=seq_lens)
+            err = (case.run("bf16dot").double() - case.reference_same_codes().double()).abs().max().item()
+            bound = bf16_dot_bounds(case)[1] + TOL_SAME_CODES["fp8_e4m3"]
+            assert err <= bound, f"seed={seed} lens={seq_lens[:3]}..: {err:.2e} > {bound:.2e}"
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16_dot
+def test_bf16_dot_path_leaves_what_it_does_not_cover_to_the_float32_tiles(ops, seed):
+    """16/32-bit caches and head sizes other than 32, 64 and 128 run the float32
+    tiles on the "bf16dot" path: the same result as "best", bit for bit."""
+    for kv_format, head_size in (("bfloat16", 64), ("float32", 64), ("fp8_e4m3", 80), ("fp8_e5m2", 48)):
+        case = Case(seed, kv_format, head_size, num_kv_heads=2, group=3, seq_lens=[1, 37, 130])
+        assert torch.equal(case.run("bf16dot"), case.run("best")), f"{kv_format} head_size={head_size}"
+
+
+def test_bf16_dot_availability_follows_the_cpu(ops):
+    from fp8serve.utils.platform import cpu_flags
+
+    if os.environ.get("FP8SERVE_CPU_MARCH") or not ops.has_avx512():
+        pytest.skip("not a native AVX-512 build")
+    assert decode_bf16_dot_available() == ("avx512_bf16" in cpu_flags())

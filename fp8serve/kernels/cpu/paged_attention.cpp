@@ -61,6 +61,10 @@ namespace {
 enum KVFormat : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
 constexpr int64_t kTileTokens = 16;
+// The bf16 dot-product tiles take twice as many: their per-tile work (the
+// softmax's reductions, the query's conversion, the accumulators' loads and
+// stores) was ~30% of a call at 16 (e4m3, 16 x 512 tokens, hot).
+constexpr int64_t kBf16DotTileTokens = 32;
 // A context is split only into pieces of at least this many tokens: a split
 // costs one partial result (num_heads * (head_size + 2) floats) and its merge.
 constexpr int64_t kMinSplitTokens = 64;
@@ -573,6 +577,218 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 
 #endif  // FP8SERVE_AVX512
 
+// ------------------------------------------------------- bf16 dot-product path
+//
+// For FP8 caches and a bf16 query (a bf16 model: the query is bf16 already),
+// on CPUs with AVX512-BF16: the codes become bf16 instead of float32 and the
+// products are vdpbf16ps pairs (two multiply-adds per lane, float32 sums),
+// half the instructions of the float32 tiles for the same K/V. The FP8 tiles
+// above are bound by that arithmetic, not by their reads (benchmarks/results/
+// attention_2026-11-30_stop20_zen4.md: ~14 G K/V elements/s on 2 threads, hot
+// or cold).
+//
+// FP8 -> bf16 is exact (3 or 2 mantissa bits fit in 7) and keeps the scale
+// convention of the tiles above (e4m3 decodes to value * 2^-8, e5m2 to the
+// value). bf16 has float32's 8 exponent bits, so a normal code needs only its
+// exponent rebased: e4m3 magnitude << 4 lands its 4 exponent bits in the low
+// half of bf16's exponent field and OR 0x3800 adds 112 there (e + 112 < 128:
+// no carry); e5m2 << 5 needs a real add (e + 112 can carry). Subnormal codes
+// (exponent 0) have no implicit leading one; a 32-entry vpermw table gives
+// their values (they stay normal bf16: vdpbf16ps treats bf16 denormals as 0).
+// The query is rounded to bf16 (round to nearest even), as are the softmax
+// weights for V; the weights' sum l is taken over the rounded weights, so the
+// output stays a convex combination of V rows. V is read two tokens at a
+// time, their rows' bytes interleaved so each 32-bit lane holds the pair
+// (v[t][d], v[t+1][d]) that the pair (p[t], p[t+1]) multiplies; the
+// interleave (unpack within 128-bit lanes) permutes d, undone once per item
+// (unpermute_bf16_dot_acc).
+#if defined(FP8SERVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define FP8SERVE_BF16_DOT 1
+
+// bf16 bits of the subnormal codes by mantissa m, in the tiles' scale:
+// e4m3 m * 2^-9 * 2^-8, e5m2 m * 2^-16.
+alignas(64) constexpr uint16_t kE4M3SubnormalBf16[32] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
+alignas(64) constexpr uint16_t kE5M2SubnormalBf16[32] = {0, 0x3780, 0x3800, 0x3840};
+
+// 32 FP8 codes -> 32 bf16 (bits in 16-bit lanes, in order) for normal codes;
+// `sub` flags the subnormal lanes, which fix_subnormals completes.
+template <int64_t F>
+inline __m512i bf16_from_normal_codes(__m256i codes, __m512i& xs, __mmask32& sub) {
+  xs = _mm512_cvtepi8_epi16(codes);  // the sign copied into bits 8..15
+  if constexpr (F == kE4M3) {
+    sub = _mm512_testn_epi16_mask(xs, _mm512_set1_epi16(0x78));
+    // (xs << 4) & 0x87F0 | 0x3800: sign, then exponent 0b0111eeee, mantissa mmm.
+    return _mm512_ternarylogic_epi32(_mm512_slli_epi16(xs, 4), _mm512_set1_epi16(static_cast<short>(0x87F0)),
+                                     _mm512_set1_epi16(0x3800), 0xEA);
+  } else {
+    sub = _mm512_testn_epi16_mask(xs, _mm512_set1_epi16(0x7C));
+    return _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(xs, 5), _mm512_set1_epi16(static_cast<short>(0x8FE0))),
+                            _mm512_set1_epi16(0x3800));
+  }
+}
+
+// Subnormal lanes: the table entry (indexed by the low 5 bits, the mantissa
+// where the exponent is 0), then the sign back in bit 15.
+inline __m512i fix_subnormals(__m512i v, __m512i xs, __mmask32 sub, __m512i sub_table) {
+  v = _mm512_mask_permutexvar_epi16(v, sub, xs, sub_table);
+  return _mm512_ternarylogic_epi32(v, xs, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+}
+
+// Two vectors of 32 codes at once, one branch for both: subnormal codes are
+// rare once K/V are scaled to the format's range (calibrated scales).
+template <int64_t F>
+inline void bf16_from_codes2(__m256i c0, __m256i c1, __m512i sub_table, __m512i& v0, __m512i& v1) {
+  __m512i x0, x1;
+  __mmask32 s0, s1;
+  v0 = bf16_from_normal_codes<F>(c0, x0, s0);
+  v1 = bf16_from_normal_codes<F>(c1, x1, s1);
+  if (__builtin_expect((s0 | s1) != 0, 0)) {
+    v0 = fix_subnormals(v0, x0, s0, sub_table);
+    v1 = fix_subnormals(v1, x1, s1, sub_table);
+  }
+}
+
+template <int64_t F>
+inline __m512i bf16_from_codes(__m256i codes, __m512i sub_table) {
+  __m512i xs;
+  __mmask32 sub;
+  const __m512i v = bf16_from_normal_codes<F>(codes, xs, sub);
+  return sub ? fix_subnormals(v, xs, sub, sub_table) : v;
+}
+
+// The V accumulators keep d in the order the byte interleave leaves it: per
+// 32 lanes, d 0-7, 16-23, 8-15, 24-31. run_item puts them back in order once
+// per item (the rescale by alpha is elementwise, so the order does not matter
+// until then).
+inline void unpermute_bf16_dot_acc(float* acc, int64_t n) {
+  for (int64_t d = 0; d < n; d += 32) {
+    const __m256 a = _mm256_loadu_ps(acc + d + 8), b = _mm256_loadu_ps(acc + d + 16);
+    _mm256_storeu_ps(acc + d + 8, b);
+    _mm256_storeu_ps(acc + d + 16, a);
+  }
+}
+
+// One tile of n <= 32 tokens for G query heads sharing one kv head;
+// head_size = 32 * NC.
+template <int64_t F, int G, int NC>
+void tile_bf16_dot_nc(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
+                      const float* q, HeadState st, NextRows next) {
+  constexpr int64_t hs = 32 * NC;
+  const __m512i sub_table =
+      _mm512_load_si512(F == kE4M3 ? static_cast<const void*>(kE4M3SubnormalBf16) : kE5M2SubnormalBf16);
+  alignas(32) __m256 partial[G][8];
+  alignas(64) float s[G][kBf16DotTileTokens];
+  alignas(64) uint32_t pp[G][kBf16DotTileTokens / 2];  // bf16 weight pairs (p[2j], p[2j+1])
+  const fp8serve_prefetch::Level level = fp8serve_prefetch::level();
+
+  __m512i qv[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) {
+      const float* qg = q + g * hs + 32 * c;
+      qv[g][c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
+    }
+
+  for (int64_t t = 0; t < n; ++t) {
+    if (t < next.n) prefetch_row_pair(next, t, level);
+    const uint8_t* row = krows[t] + head_off;
+    __m512i kb[NC];
+    if constexpr (NC == 1) {
+      kb[0] = bf16_from_codes<F>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), sub_table);
+    } else {
+      for (int c = 0; c < NC; c += 2)
+        bf16_from_codes2<F>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c + 32)), sub_table,
+                            kb[c], kb[c + 1]);
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[g][0], (__m512bh)kb[0]);
+      for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)qv[g][c], (__m512bh)kb[c]);
+      partial[g][t & 7] = fold_halves(a);
+    }
+    if ((t & 7) == 7 || t == n - 1) {
+      for (int g = 0; g < G; ++g) _mm256_store_ps(&s[g][t & ~int64_t{7}], transpose_sum8(partial[g]));
+    }
+  }
+
+  const uint32_t bits = n >= 32 ? 0xFFFFFFFFu : (1u << n) - 1u;
+  const __mmask16 valid0 = static_cast<__mmask16>(bits), valid1 = static_cast<__mmask16>(bits >> 16);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int g = 0; g < G; ++g) {
+    const __m512 s0 = _mm512_mask_loadu_ps(neg_inf, valid0, s[g]);
+    const __m512 s1 = _mm512_mask_loadu_ps(neg_inf, valid1, s[g] + 16);
+    const float m_new = std::max(st.m[g], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+    if (m_new > st.m[g]) {
+      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile (m = -inf)
+      st.l[g] *= alpha;
+      if (alpha != 1.f) {
+        float* acc = st.acc + g * hs;
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t d = 0; d < hs; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(va, _mm512_loadu_ps(acc + d)));
+      }
+      st.m[g] = m_new;
+    }
+    const __m512 vm = _mm512_set1_ps(st.m[g]);
+    const __m512 p0 = _mm512_maskz_mov_ps(valid0, exp512(_mm512_sub_ps(s0, vm)));
+    const __m512 p1 = _mm512_maskz_mov_ps(valid1, exp512(_mm512_sub_ps(s1, vm)));
+    const __m256i b0 = (__m256i)_mm512_cvtneps_pbh(p0), b1 = (__m256i)_mm512_cvtneps_pbh(p1);  // past n: 0
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), b0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + 8), b1);
+    const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b0), 16));
+    const __m512 r1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b1), 16));
+    st.l[g] += _mm512_reduce_add_ps(_mm512_add_ps(r0, r1));
+  }
+
+  // Weighted V, CP chunks of 32 d per pass (2 accumulators per chunk and head).
+  constexpr int CP = (NC >= 4 && G <= 2) ? 4 : (NC >= 2 && G <= 5) ? 2 : 1;
+  const int64_t pairs = (n + 1) / 2;
+  for (int c0 = 0; c0 < NC; c0 += CP) {
+    __m512 acc[G][CP][2];
+    for (int g = 0; g < G; ++g)
+      for (int cc = 0; cc < CP; ++cc) {
+        const float* a = st.acc + g * hs + 32 * (c0 + cc);
+        acc[g][cc][0] = _mm512_loadu_ps(a);
+        acc[g][cc][1] = _mm512_loadu_ps(a + 16);
+      }
+    for (int64_t j = 0; j < pairs; ++j) {
+      const uint8_t* r0 = vrows[2 * j] + head_off;
+      const uint8_t* r1 = 2 * j + 1 < n ? vrows[2 * j + 1] + head_off : r0;  // its weight is 0
+      __m512i lo[CP], hi[CP];
+      for (int cc = 0; cc < CP; ++cc) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 32 * (c0 + cc)));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 32 * (c0 + cc)));
+        // lo: d 0-7 and 16-23 of the chunk; hi: d 8-15 and 24-31.
+        bf16_from_codes2<F>(_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b), sub_table, lo[cc], hi[cc]);
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g][j]));
+        for (int cc = 0; cc < CP; ++cc) {
+          acc[g][cc][0] = _mm512_dpbf16_ps(acc[g][cc][0], (__m512bh)lo[cc], w);
+          acc[g][cc][1] = _mm512_dpbf16_ps(acc[g][cc][1], (__m512bh)hi[cc], w);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int cc = 0; cc < CP; ++cc) {
+        float* a = st.acc + g * hs + 32 * (c0 + cc);
+        _mm512_storeu_ps(a, acc[g][cc][0]);
+        _mm512_storeu_ps(a + 16, acc[g][cc][1]);
+      }
+  }
+}
+
+// head_size 32, 64 or 128 (TileTable::pick checks).
+template <int64_t F, int G>
+void tile_bf16_dot(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
+                   int64_t head_size, const float* q, HeadState st, NextRows next) {
+  switch (head_size) {
+    case 32: tile_bf16_dot_nc<F, G, 1>(krows, vrows, n, head_off, q, st, next); break;
+    case 64: tile_bf16_dot_nc<F, G, 2>(krows, vrows, n, head_off, q, st, next); break;
+    default: tile_bf16_dot_nc<F, G, 4>(krows, vrows, n, head_off, q, st, next); break;
+  }
+}
+
+#endif  // FP8SERVE_BF16_DOT
+
 // ------------------------------------------------------------------- schedule
 
 using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, int64_t, int64_t, const float*,
@@ -581,12 +797,15 @@ using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, i
 // Which tiles run: the portable scalar code, the AVX2 tiles, the AVX-512
 // tiles (head_size % 16 == 0; tests), or the best for the call (AVX-512 where
 // built and the call is large enough, else AVX2).
-enum Path : int { kScalarPath = 0, kAvx2Path = 1, kBestPath = 2, kAvx512Path = 3 };
+enum Path : int { kScalarPath = 0, kAvx2Path = 1, kBestPath = 2, kAvx512Path = 3, kBf16DotPath = 4 };
+
+inline bool bf16_dot_head_size(int64_t head_size) { return head_size == 32 || head_size == 64 || head_size == 128; }
 
 template <int64_t F>
 struct TileTable {
   TileFn avx2[kMaxGroupSlice + 1] = {};    // [g] handles a slice of g query heads
   TileFn avx512[kMaxGroupSlice + 1] = {};  // same, head_size % 16 == 0 only
+  TileFn bf16dot[kMaxGroupSlice + 1] = {};  // same, FP8 formats and bf16_dot_head_size only
   TileTable() {
 #ifdef FP8SERVE_AVX2
     avx2[1] = tile_avx2<F, 1>;
@@ -608,11 +827,25 @@ struct TileTable {
     avx512[7] = tile_avx512<F, 7>;
     avx512[8] = tile_avx512<F, 8>;
 #endif
+#ifdef FP8SERVE_BF16_DOT
+    if constexpr (F == kE4M3 || F == kE5M2) {
+      bf16dot[1] = tile_bf16_dot<F, 1>;
+      bf16dot[2] = tile_bf16_dot<F, 2>;
+      bf16dot[3] = tile_bf16_dot<F, 3>;
+      bf16dot[4] = tile_bf16_dot<F, 4>;
+      bf16dot[5] = tile_bf16_dot<F, 5>;
+      bf16dot[6] = tile_bf16_dot<F, 6>;
+      bf16dot[7] = tile_bf16_dot<F, 7>;
+      bf16dot[8] = tile_bf16_dot<F, 8>;
+    }
+#endif
   }
   // nullptr: use the scalar tile.
   const TileFn* pick(int path, int64_t head_size) const {
     if (path == kScalarPath || avx2[1] == nullptr || head_size % 8 != 0) return nullptr;
-    if ((path == kBestPath || path == kAvx512Path) && avx512[1] != nullptr && head_size % 16 == 0) return avx512;
+    // The bf16 path where it applies; other formats and head sizes take "best".
+    if (path == kBf16DotPath && bf16dot[1] != nullptr && bf16_dot_head_size(head_size)) return bf16dot;
+    if ((path == kBestPath || path == kAvx512Path || path == kBf16DotPath) && avx512[1] != nullptr && head_size % 16 == 0) return avx512;
     return avx2;
   }
 };
@@ -651,9 +884,13 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
   std::fill(l, l + p.num_heads, 0.f);
   std::fill(acc, acc + p.num_heads * hs, 0.f);
 
-  const uint8_t *krows[2][kTileTokens], *vrows[2][kTileTokens];
+  int64_t tile_tokens = kTileTokens;
+#ifdef FP8SERVE_BF16_DOT
+  if (vector_path && tiles == table.bf16dot) tile_tokens = kBf16DotTileTokens;
+#endif
+  const uint8_t *krows[2][kBf16DotTileTokens], *vrows[2][kBf16DotTileTokens];
   int cur = 0;
-  int64_t n = std::min(kTileTokens, item.end - item.begin);
+  int64_t n = std::min(tile_tokens, item.end - item.begin);
   tile_rows(p, bt, item.begin, n, krows[cur], vrows[cur]);
   // Nothing prefetched the item's first tile: ask for all of it before its
   // first loads (whole slots, every kv head).
@@ -662,9 +899,9 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
     prefetch_rows(krows[cur], n, 0, p.slot_bytes, level);
     prefetch_rows(vrows[cur], n, 0, p.slot_bytes, level);
   }
-  for (int64_t t = item.begin; t < item.end; t += kTileTokens) {
-    const int64_t next_t = t + kTileTokens;
-    const int64_t next_n = std::min(kTileTokens, item.end - next_t);
+  for (int64_t t = item.begin; t < item.end; t += tile_tokens) {
+    const int64_t next_t = t + tile_tokens;
+    const int64_t next_n = std::min(tile_tokens, item.end - next_t);
     if (next_n > 0) tile_rows(p, bt, next_t, next_n, krows[cur ^ 1], vrows[cur ^ 1]);
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
       const int64_t head_off = h * p.row_bytes;
@@ -684,6 +921,9 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
     cur ^= 1;
     n = next_n;
   }
+#ifdef FP8SERVE_BF16_DOT
+  if (vector_path && tiles == table.bf16dot) unpermute_bf16_dot_acc(acc, p.num_heads * hs);
+#endif
 }
 
 template <int64_t F>
@@ -853,6 +1093,19 @@ void paged_attention_decode_avx512(at::Tensor out, at::Tensor query, at::Tensor 
 #endif
 }
 
+// Same contract, the bf16 dot-product tiles for FP8 caches with head size
+// 32, 64 or 128 (others take "best"); the query is rounded to bf16. Needs an
+// AVX512-BF16 build.
+void paged_attention_decode_bf16dot(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                    at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
+#ifdef FP8SERVE_BF16_DOT
+  paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
+                                  kBf16DotPath);
+#else
+  TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product tiles (AVX512-BF16)");
+#endif
+}
+
 // Same contract, always the portable scalar path (what non-AVX2 builds run).
 void paged_attention_decode_scalar(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                    at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
@@ -888,8 +1141,10 @@ at::Tensor paged_attention_decode_fused(at::Tensor query, at::Tensor key_cache, 
     else if (dt == at::kBFloat16) for (int64_t j = 0; j < row; ++j) dst[j] = fp8serve_cvt::load_as_f32<1>(r, j) * qs;
     else for (int64_t j = 0; j < row; ++j) dst[j] = fp8serve_cvt::load_as_f32<2>(r, j) * qs;
   }
+  // A bf16 query loses nothing more worth speaking of when its scaled copy is
+  // rounded to bf16 again: FP8 caches take the bf16 dot-product tiles then.
   paged_attention_decode_dispatch(outf, qf, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
-                                  kBestPath);
+                                  dt == at::kBFloat16 ? kBf16DotPath : kBestPath);
   if (dt == at::kFloat) return outf;
   at::Tensor out = at::empty({n, h, d}, query.options());
   const float* op = outf.data_ptr<float>();
@@ -918,6 +1173,50 @@ bool has_avx512() {
 #endif
 }
 
+// The bf16 dot-product tiles' decode of FP8 codes, on its own, so tests can
+// check every code: codes [n] uint8 -> [n] bf16 (e4m3 as value * 2^-8, e5m2
+// as the value, the tiles' convention).
+at::Tensor fp8_codes_to_bf16(at::Tensor codes, int64_t kv_format) {
+#ifdef FP8SERVE_BF16_DOT
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 1 && codes.is_contiguous(),
+              "codes must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(kv_format == kE4M3 || kv_format == kE5M2, "kv_format must be fp8_e4m3 or fp8_e5m2");
+  const int64_t n = codes.numel();
+  at::Tensor out = at::empty({n}, codes.options().dtype(at::kBFloat16));
+  const uint8_t* src = codes.data_ptr<uint8_t>();
+  auto* dst = static_cast<uint16_t*>(out.data_ptr());
+  const __m512i table = _mm512_load_si512(kv_format == kE4M3 ? static_cast<const void*>(kE4M3SubnormalBf16)
+                                                              : kE5M2SubnormalBf16);
+  for (int64_t i = 0; i < n; i += 64) {
+    alignas(64) uint8_t in[64] = {};
+    alignas(64) uint16_t res[64];
+    const int64_t m = std::min<int64_t>(64, n - i);
+    std::memcpy(in, src + i, m);
+    const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(in));
+    const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(in + 32));
+    __m512i v0, v1;
+    if (kv_format == kE4M3) bf16_from_codes2<kE4M3>(c0, c1, table, v0, v1);
+    else bf16_from_codes2<kE5M2>(c0, c1, table, v0, v1);
+    _mm512_store_si512(res, v0);
+    _mm512_store_si512(res + 32, v1);
+    std::memcpy(dst + i, res, m * sizeof(uint16_t));
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product tiles (AVX512-BF16)");
+  return codes;
+#endif
+}
+
+// Whether the decode attention has its bf16 dot-product tiles (AVX512-BF16).
+bool has_bf16_dot() {
+#ifdef FP8SERVE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The cache level (1 or 2) the kernels' software prefetches target on this CPU (prefetch_level.h).
 int64_t prefetch_level() { return static_cast<int64_t>(fp8serve_prefetch::level()); }
 
@@ -928,8 +1227,11 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("paged_attention_decode_avx2", &paged_attention_decode_avx2);
   m.def("paged_attention_decode_avx512", &paged_attention_decode_avx512);
   m.def("paged_attention_decode_scalar", &paged_attention_decode_scalar);
+  m.def("paged_attention_decode_bf16dot", &paged_attention_decode_bf16dot);
   m.def("paged_attention_decode_fused", &paged_attention_decode_fused);
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
+  m.def("paged_attention_has_bf16_dot", &has_bf16_dot);
+  m.def("fp8_codes_to_bf16", &fp8_codes_to_bf16);
   m.def("prefetch_level", &prefetch_level);
 }
