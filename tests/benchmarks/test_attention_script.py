@@ -46,3 +46,28 @@ def test_rejects_bad_cold_arguments(bad, message, monkeypatch, capsys):
     with loaded_script("attention.py") as script, pytest.raises(SystemExit):
         script.main()
     assert message in capsys.readouterr().err
+
+
+def test_bf16_query_times_the_bf16_tiles_against_the_float32_tiles(ops, monkeypatch, capsys):
+    """--query-dtype bfloat16: the engine's bf16-compute decode (a bf16 query;
+    FP8 caches on the bf16 dot-product tiles where built) with the float32
+    tiles as the baseline column."""
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--batch-sizes", "2", "--context-lens", "40",
+                                      "--kv-dtypes", "bfloat16,fp8_e4m3", "--min-time", "0.01", "--repeats", "1",
+                                      "--skip-reference", "--cold-flush-mib", "0", "--query-dtype", "bfloat16",
+                                      "--no-save"])
+    with loaded_script("attention.py") as script:
+        script.main()
+    out = capsys.readouterr().out
+    assert "bf16 query" in out
+    header = next(ln for ln in out.splitlines() if ln.startswith("| kv dtype | batch"))
+    assert "| float32 tiles ms | speedup |" in header
+    rows = [ln for ln in out.splitlines() if ln.startswith(("| bfloat16 | 2 | 40 |", "| fp8_e4m3 | 2 | 40 |"))]
+    assert len(rows) == 2 and all(float(r.split("|")[5]) > 0 and float(r.split("|")[9]) > 0 for r in rows)
+
+
+def test_rejects_an_unknown_query_dtype(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--query-dtype", "float16", "--no-save"])
+    with loaded_script("attention.py") as script, pytest.raises(SystemExit):
+        script.main()
+    assert "--query-dtype: invalid choice: 'float16'" in capsys.readouterr().err
