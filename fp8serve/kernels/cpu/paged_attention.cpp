@@ -647,12 +647,6 @@ inline __m512i bf16_from_codes(__m256i codes, __m512i sub_table) {
   return fix_subnormals(v, xs, sub, sub_table);
 }
 
-template <int64_t F>
-inline void bf16_from_codes2(__m256i c0, __m256i c1, __m512i sub_table, __m512i& v0, __m512i& v1) {
-  v0 = bf16_from_codes<F>(c0, sub_table);
-  v1 = bf16_from_codes<F>(c1, sub_table);
-}
-
 // The V accumulators keep d in the order the byte interleave leaves it: per
 // 32 lanes, d 0-7, 16-23, 8-15, 24-31. run_item puts them back in order once
 // per item (the rescale by alpha is elementwise, so the order does not matter
@@ -689,14 +683,8 @@ void tile_bf16_dot_nc(const uint8_t* const* krows, const uint8_t* const* vrows, 
     if (t < next.n) prefetch_row_pair(next, t, level);
     const uint8_t* row = krows[t] + head_off;
     __m512i kb[NC];
-    if constexpr (NC == 1) {
-      kb[0] = bf16_from_codes<F>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), sub_table);
-    } else {
-      for (int c = 0; c < NC; c += 2)
-        bf16_from_codes2<F>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c + 32)), sub_table,
-                            kb[c], kb[c + 1]);
-    }
+    for (int c = 0; c < NC; ++c)
+      kb[c] = bf16_from_codes<F>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)), sub_table);
     for (int g = 0; g < G; ++g) {
       __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[g][0], (__m512bh)kb[0]);
       for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)qv[g][c], (__m512bh)kb[c]);
@@ -753,8 +741,8 @@ void tile_bf16_dot_nc(const uint8_t* const* krows, const uint8_t* const* vrows, 
       for (int cc = 0; cc < CP; ++cc) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 32 * (c0 + cc)));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 32 * (c0 + cc)));
-        // lo: d 0-7 and 16-23 of the chunk; hi: d 8-15 and 24-31.
-        bf16_from_codes2<F>(_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b), sub_table, lo[cc], hi[cc]);
+        lo[cc] = bf16_from_codes<F>(_mm256_unpacklo_epi8(a, b), sub_table);  // d 0-7 and 16-23 of the chunk
+        hi[cc] = bf16_from_codes<F>(_mm256_unpackhi_epi8(a, b), sub_table);  // d 8-15 and 24-31
       }
       for (int g = 0; g < G; ++g) {
         const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g][j]));
@@ -1191,9 +1179,8 @@ at::Tensor fp8_codes_to_bf16(at::Tensor codes, int64_t kv_format) {
     std::memcpy(in, src + i, m);
     const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(in));
     const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(in + 32));
-    __m512i v0, v1;
-    if (kv_format == kE4M3) bf16_from_codes2<kE4M3>(c0, c1, table, v0, v1);
-    else bf16_from_codes2<kE5M2>(c0, c1, table, v0, v1);
+    const __m512i v0 = kv_format == kE4M3 ? bf16_from_codes<kE4M3>(c0, table) : bf16_from_codes<kE5M2>(c0, table);
+    const __m512i v1 = kv_format == kE4M3 ? bf16_from_codes<kE4M3>(c1, table) : bf16_from_codes<kE5M2>(c1, table);
     _mm512_store_si512(res, v0);
     _mm512_store_si512(res + 32, v1);
     std::memcpy(dst + i, res, m * sizeof(uint16_t));
