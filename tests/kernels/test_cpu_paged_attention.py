@@ -341,7 +341,7 @@ def test_bf16_dot_decodes_every_code_exactly(ops, kv_format):
 
 @needs_bf16_dot
 @pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("kv_format", FP8_FORMATS)
 def test_bf16_dot_within_its_rounding_of_the_reference(ops, seed, kv_format, head_size, group):
     """The bf16 tiles against the float64 reference on the same codes: within
@@ -395,9 +395,10 @@ def test_bf16_dot_context_splits_and_long_calls(ops, seed, num_threads):
 
 @needs_bf16_dot
 def test_bf16_dot_path_leaves_what_it_does_not_cover_to_the_float32_tiles(ops, seed):
-    """16/32-bit caches and head sizes other than 32, 64 and 128 run the float32
+    """16/32-bit caches and head sizes other than 64 and 128 run the float32
     tiles on the "bf16dot" path: the same result as "best", bit for bit."""
-    for kv_format, head_size in (("bfloat16", 64), ("float32", 64), ("fp8_e4m3", 80), ("fp8_e5m2", 48)):
+    for kv_format, head_size in (("bfloat16", 64), ("float32", 64), ("fp8_e4m3", 80), ("fp8_e5m2", 48),
+                                 ("fp8_e4m3", 32)):
         case = Case(seed, kv_format, head_size, num_kv_heads=2, group=3, seq_lens=[1, 37, 130])
         assert torch.equal(case.run("bf16dot"), case.run("best")), f"{kv_format} head_size={head_size}"
 

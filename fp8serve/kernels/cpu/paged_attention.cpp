@@ -602,92 +602,124 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 // (v[t][d], v[t+1][d]) that the pair (p[t], p[t+1]) multiplies; the
 // interleave (unpack within 128-bit lanes) permutes d, undone once per item
 // (unpermute_bf16_dot_acc).
-#if defined(FP8SERVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(FP8SERVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define FP8SERVE_BF16_DOT 1
 
-// bf16 bits of the subnormal codes by mantissa m, in the tiles' scale:
-// e4m3 m * 2^-9 * 2^-8, e5m2 m * 2^-16.
-alignas(64) constexpr uint16_t kE4M3SubnormalBf16[32] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
-alignas(64) constexpr uint16_t kE5M2SubnormalBf16[32] = {0, 0x3780, 0x3800, 0x3840};
-
-// 32 FP8 codes -> 32 bf16 (bits in 16-bit lanes, in order) for normal codes;
-// `sub` flags the subnormal lanes, which fix_subnormals completes.
+// bf16 bits of the code with magnitude `mag` (the sign bit apart), in the
+// tiles' scale: e4m3 value * 2^-8, e5m2 the value (the NaN/inf codes decode as
+// the finite pattern their bits give, as in the float32 tiles).
 template <int64_t F>
-inline __m512i bf16_from_normal_codes(__m256i codes, __m512i& xs, __mmask32& sub) {
-  xs = _mm512_cvtepi8_epi16(codes);  // the sign copied into bits 8..15
+constexpr uint16_t bf16_of_magnitude(int mag) {
   if constexpr (F == kE4M3) {
-    sub = _mm512_testn_epi16_mask(xs, _mm512_set1_epi16(0x78));
-    // (xs << 4) & 0x87F0 | 0x3800: sign, then exponent 0b0111eeee, mantissa mmm.
-    return _mm512_ternarylogic_epi32(_mm512_slli_epi16(xs, 4), _mm512_set1_epi16(static_cast<short>(0x87F0)),
-                                     _mm512_set1_epi16(0x3800), 0xEA);
+    // Subnormals m * 2^-9 * 2^-8 = m * 2^-17 (exponent 0, no implicit one).
+    constexpr uint16_t sub[8] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
+    return (mag >> 3) == 0 ? sub[mag] : static_cast<uint16_t>((mag << 4) | 0x3800);
   } else {
-    sub = _mm512_testn_epi16_mask(xs, _mm512_set1_epi16(0x7C));
-    return _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(xs, 5), _mm512_set1_epi16(static_cast<short>(0x8FE0))),
-                            _mm512_set1_epi16(0x3800));
+    constexpr uint16_t sub[4] = {0, 0x3780, 0x3800, 0x3840};  // m * 2^-16
+    return (mag >> 2) == 0 ? sub[mag] : static_cast<uint16_t>((mag << 5) + 0x3800);
   }
 }
 
-// Subnormal lanes: the table entry (indexed by the low 5 bits, the mantissa
-// where the exponent is 0), then the sign back in bit 15.
-inline __m512i fix_subnormals(__m512i v, __m512i xs, __mmask32 sub, __m512i sub_table) {
-  v = _mm512_mask_permutexvar_epi16(v, sub, xs, sub_table);
-  return _mm512_ternarylogic_epi32(v, xs, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
-}
-
-// 32 FP8 codes -> 32 bf16, subnormals included. Branch-free: with uncalibrated
-// scales (k_scale = v_scale = 1) subnormal codes are common and unpredictable,
-// and a branch around the fix ran an engine decode step's attention 1.4x
-// slower than the float32 tiles (SmolLM2, batch 64, ~600 tokens); on random
-// codes without subnormals the branch saved ~10%.
+// The decode as two 128-entry byte tables (low and high byte of the bf16
+// bits by magnitude), the operands of vpermi2b.
 template <int64_t F>
-inline __m512i bf16_from_codes(__m256i codes, __m512i sub_table) {
-  __m512i xs;
-  __mmask32 sub;
-  const __m512i v = bf16_from_normal_codes<F>(codes, xs, sub);
-  return fix_subnormals(v, xs, sub, sub_table);
+struct Bf16ByteTables {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  constexpr Bf16ByteTables() : lo(), hi() {
+    for (int m = 0; m < 128; ++m) {
+      lo[m] = static_cast<uint8_t>(bf16_of_magnitude<F>(m) & 0xff);
+      hi[m] = static_cast<uint8_t>(bf16_of_magnitude<F>(m) >> 8);
+    }
+  }
+};
+template <int64_t F>
+inline constexpr Bf16ByteTables<F> kBf16ByteTables{};
+
+struct ByteLut {
+  __m512i lo0, lo1, hi0, hi1;
+};
+template <int64_t F>
+inline ByteLut load_byte_lut() {
+  const auto& t = kBf16ByteTables<F>;
+  return {_mm512_load_si512(t.lo), _mm512_load_si512(t.lo + 64), _mm512_load_si512(t.hi), _mm512_load_si512(t.hi + 64)};
 }
 
-// The V accumulators keep d in the order the byte interleave leaves it: per
-// 32 lanes, d 0-7, 16-23, 8-15, 24-31. run_item puts them back in order once
-// per item (the rescale by alpha is elementwise, so the order does not matter
+// 64 FP8 codes -> 64 bf16 in two vectors, by table: vpermi2b looks up the low
+// and the high byte of each code's bf16 by its 7-bit magnitude (subnormals
+// included, no special case), the sign goes back into the high byte, and two
+// byte unpacks make the 16-bit lanes. Five instructions per 64 codes where
+// rebasing the exponent and fixing subnormals took twelve. The unpacks work
+// within 128-bit lanes, so lane k of `a` holds code 16 (k / 8) + k % 8 and
+// lane k of `b` code 16 (k / 8) + 8 + k % 8.
+inline void bf16_from_codes64(__m512i codes, const ByteLut& t, __m512i& a, __m512i& b) {
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, codes, t.lo1);
+  __m512i hi = _mm512_permutex2var_epi8(t.hi0, codes, t.hi1);
+  hi = _mm512_ternarylogic_epi32(hi, codes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | sign
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// Query lanes in the order bf16_from_codes64 leaves K's: a vpermt2w index per
+// output vector (`a` or `b`) of a 64-element chunk held as two vectors of 32.
+inline __m512i query_order_index(int which) {
+  alignas(64) uint16_t idx[32];
+  for (int k = 0; k < 32; ++k) idx[k] = static_cast<uint16_t>(16 * (k / 8) + 8 * which + k % 8);
+  return _mm512_load_si512(idx);
+}
+
+// V accumulators per 64-element chunk and head: four vectors, lane i of
+// vector c holding d = 16 (i / 4) + 4 c + i % 4 (two interleaves: the tokens'
+// bytes, then bf16_from_codes64's). run_item restores the order once per
+// item (the rescale by alpha is elementwise, so the order does not matter
 // until then).
 inline void unpermute_bf16_dot_acc(float* acc, int64_t n) {
-  for (int64_t d = 0; d < n; d += 32) {
-    const __m256 a = _mm256_loadu_ps(acc + d + 8), b = _mm256_loadu_ps(acc + d + 16);
-    _mm256_storeu_ps(acc + d + 8, b);
-    _mm256_storeu_ps(acc + d + 16, a);
+  float tmp[64];
+  for (int64_t base = 0; base < n; base += 64) {
+    for (int c = 0; c < 4; ++c)
+      for (int j = 0; j < 4; ++j) std::memcpy(tmp + 16 * j + 4 * c, acc + base + 16 * c + 4 * j, 4 * sizeof(float));
+    std::memcpy(acc + base, tmp, sizeof(tmp));
   }
 }
 
 // One tile of n <= 32 tokens for G query heads sharing one kv head;
-// head_size = 32 * NC.
+// head_size = 64 * NC.
 template <int64_t F, int G, int NC>
 void tile_bf16_dot_nc(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
                       const float* q, HeadState st, NextRows next) {
-  constexpr int64_t hs = 32 * NC;
-  const __m512i sub_table =
-      _mm512_load_si512(F == kE4M3 ? static_cast<const void*>(kE4M3SubnormalBf16) : kE5M2SubnormalBf16);
+  constexpr int64_t hs = 64 * NC;
+  const ByteLut lut = load_byte_lut<F>();
   alignas(32) __m256 partial[G][8];
   alignas(64) float s[G][kBf16DotTileTokens];
   alignas(64) uint32_t pp[G][kBf16DotTileTokens / 2];  // bf16 weight pairs (p[2j], p[2j+1])
   const fp8serve_prefetch::Level level = fp8serve_prefetch::level();
 
-  __m512i qv[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) {
-      const float* qg = q + g * hs + 32 * c;
-      qv[g][c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
-    }
+  // The query in bf16, in K's lane order: [g][chunk][a or b].
+  __m512i qv[G][NC][2];
+  {
+    const __m512i ia = query_order_index(0), ib = query_order_index(1);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NC; ++c) {
+        const float* qg = q + g * hs + 64 * c;
+        const __m512i q0 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
+        const __m512i q1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 48), _mm512_loadu_ps(qg + 32));
+        qv[g][c][0] = _mm512_permutex2var_epi16(q0, ia, q1);
+        qv[g][c][1] = _mm512_permutex2var_epi16(q0, ib, q1);
+      }
+  }
 
   for (int64_t t = 0; t < n; ++t) {
     if (t < next.n) prefetch_row_pair(next, t, level);
     const uint8_t* row = krows[t] + head_off;
-    __m512i kb[NC];
-    for (int c = 0; c < NC; ++c)
-      kb[c] = bf16_from_codes<F>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)), sub_table);
+    __m512i ka[NC], kb[NC];
+    for (int c = 0; c < NC; ++c) bf16_from_codes64(_mm512_loadu_si512(row + 64 * c), lut, ka[c], kb[c]);
     for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[g][0], (__m512bh)kb[0]);
-      for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)qv[g][c], (__m512bh)kb[c]);
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[g][0][0], (__m512bh)ka[0]);
+      a = _mm512_dpbf16_ps(a, (__m512bh)qv[g][0][1], (__m512bh)kb[0]);
+      for (int c = 1; c < NC; ++c) {
+        a = _mm512_dpbf16_ps(a, (__m512bh)qv[g][c][0], (__m512bh)ka[c]);
+        a = _mm512_dpbf16_ps(a, (__m512bh)qv[g][c][1], (__m512bh)kb[c]);
+      }
       partial[g][t & 7] = fold_halves(a);
     }
     if ((t & 7) == 7 || t == n - 1) {
@@ -723,53 +755,55 @@ void tile_bf16_dot_nc(const uint8_t* const* krows, const uint8_t* const* vrows, 
     st.l[g] += _mm512_reduce_add_ps(_mm512_add_ps(r0, r1));
   }
 
-  // Weighted V, CP chunks of 32 d per pass (2 accumulators per chunk and head).
-  constexpr int CP = (NC >= 4 && G <= 2) ? 4 : (NC >= 2 && G <= 5) ? 2 : 1;
+  // Weighted V per 64-element chunk: the rows of tokens 2j and 2j+1
+  // interleaved byte by byte, so after bf16_from_codes64 each 32-bit lane
+  // holds the pair (v[2j][d], v[2j+1][d]) for one d; four accumulators per
+  // head (unpermute_bf16_dot_acc's order). Large groups take the chunk's two
+  // halves in separate passes, to keep the accumulators in registers.
+  constexpr int kHalves = G <= 5 ? 2 : 1;  // halves per pass
   const int64_t pairs = (n + 1) / 2;
-  for (int c0 = 0; c0 < NC; c0 += CP) {
-    __m512 acc[G][CP][2];
-    for (int g = 0; g < G; ++g)
-      for (int cc = 0; cc < CP; ++cc) {
-        const float* a = st.acc + g * hs + 32 * (c0 + cc);
-        acc[g][cc][0] = _mm512_loadu_ps(a);
-        acc[g][cc][1] = _mm512_loadu_ps(a + 16);
-      }
-    for (int64_t j = 0; j < pairs; ++j) {
-      const uint8_t* r0 = vrows[2 * j] + head_off;
-      const uint8_t* r1 = 2 * j + 1 < n ? vrows[2 * j + 1] + head_off : r0;  // its weight is 0
-      __m512i lo[CP], hi[CP];
-      for (int cc = 0; cc < CP; ++cc) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 32 * (c0 + cc)));
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 32 * (c0 + cc)));
-        lo[cc] = bf16_from_codes<F>(_mm256_unpacklo_epi8(a, b), sub_table);  // d 0-7 and 16-23 of the chunk
-        hi[cc] = bf16_from_codes<F>(_mm256_unpackhi_epi8(a, b), sub_table);  // d 8-15 and 24-31
-      }
-      for (int g = 0; g < G; ++g) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g][j]));
-        for (int cc = 0; cc < CP; ++cc) {
-          acc[g][cc][0] = _mm512_dpbf16_ps(acc[g][cc][0], (__m512bh)lo[cc], w);
-          acc[g][cc][1] = _mm512_dpbf16_ps(acc[g][cc][1], (__m512bh)hi[cc], w);
+  for (int c = 0; c < NC; ++c) {
+    for (int h0 = 0; h0 < 2; h0 += kHalves) {
+      __m512 acc[G][kHalves][2];
+      for (int g = 0; g < G; ++g)
+        for (int h = 0; h < kHalves; ++h) {
+          const float* a = st.acc + g * hs + 64 * c + 32 * (h0 + h);
+          acc[g][h][0] = _mm512_loadu_ps(a);
+          acc[g][h][1] = _mm512_loadu_ps(a + 16);
+        }
+      for (int64_t j = 0; j < pairs; ++j) {
+        const uint8_t* r0 = vrows[2 * j] + head_off + 64 * c;
+        const uint8_t* r1 = 2 * j + 1 < n ? vrows[2 * j + 1] + head_off + 64 * c : r0;  // its weight is 0
+        const __m512i x0 = _mm512_loadu_si512(r0), x1 = _mm512_loadu_si512(r1);
+        __m512i v[kHalves][2];
+        for (int h = 0; h < kHalves; ++h) {
+          const __m512i x = h0 + h == 0 ? _mm512_unpacklo_epi8(x0, x1) : _mm512_unpackhi_epi8(x0, x1);
+          bf16_from_codes64(x, lut, v[h][0], v[h][1]);
+        }
+        for (int g = 0; g < G; ++g) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g][j]));
+          for (int h = 0; h < kHalves; ++h) {
+            acc[g][h][0] = _mm512_dpbf16_ps(acc[g][h][0], (__m512bh)v[h][0], w);
+            acc[g][h][1] = _mm512_dpbf16_ps(acc[g][h][1], (__m512bh)v[h][1], w);
+          }
         }
       }
+      for (int g = 0; g < G; ++g)
+        for (int h = 0; h < kHalves; ++h) {
+          float* a = st.acc + g * hs + 64 * c + 32 * (h0 + h);
+          _mm512_storeu_ps(a, acc[g][h][0]);
+          _mm512_storeu_ps(a + 16, acc[g][h][1]);
+        }
     }
-    for (int g = 0; g < G; ++g)
-      for (int cc = 0; cc < CP; ++cc) {
-        float* a = st.acc + g * hs + 32 * (c0 + cc);
-        _mm512_storeu_ps(a, acc[g][cc][0]);
-        _mm512_storeu_ps(a + 16, acc[g][cc][1]);
-      }
   }
 }
 
-// head_size 32, 64 or 128 (TileTable::pick checks).
+// head_size 64 or 128 (TileTable::pick checks).
 template <int64_t F, int G>
 void tile_bf16_dot(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
                    int64_t head_size, const float* q, HeadState st, NextRows next) {
-  switch (head_size) {
-    case 32: tile_bf16_dot_nc<F, G, 1>(krows, vrows, n, head_off, q, st, next); break;
-    case 64: tile_bf16_dot_nc<F, G, 2>(krows, vrows, n, head_off, q, st, next); break;
-    default: tile_bf16_dot_nc<F, G, 4>(krows, vrows, n, head_off, q, st, next); break;
-  }
+  if (head_size == 64) tile_bf16_dot_nc<F, G, 1>(krows, vrows, n, head_off, q, st, next);
+  else tile_bf16_dot_nc<F, G, 2>(krows, vrows, n, head_off, q, st, next);
 }
 
 #endif  // FP8SERVE_BF16_DOT
@@ -784,7 +818,7 @@ using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, i
 // built and the call is large enough, else AVX2).
 enum Path : int { kScalarPath = 0, kAvx2Path = 1, kBestPath = 2, kAvx512Path = 3, kBf16DotPath = 4 };
 
-inline bool bf16_dot_head_size(int64_t head_size) { return head_size == 32 || head_size == 64 || head_size == 128; }
+inline bool bf16_dot_head_size(int64_t head_size) { return head_size == 64 || head_size == 128; }
 
 template <int64_t F>
 struct TileTable {
@@ -1079,7 +1113,7 @@ void paged_attention_decode_avx512(at::Tensor out, at::Tensor query, at::Tensor 
 }
 
 // Same contract, the bf16 dot-product tiles for FP8 caches with head size
-// 32, 64 or 128 (others take "best"); the query is rounded to bf16. Needs an
+// 64 or 128 (others take "best"); the query is rounded to bf16. Needs an
 // AVX512-BF16 build.
 void paged_attention_decode_bf16dot(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                     at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
@@ -1170,24 +1204,25 @@ at::Tensor fp8_codes_to_bf16(at::Tensor codes, int64_t kv_format) {
   at::Tensor out = at::empty({n}, codes.options().dtype(at::kBFloat16));
   const uint8_t* src = codes.data_ptr<uint8_t>();
   auto* dst = static_cast<uint16_t*>(out.data_ptr());
-  const __m512i table = _mm512_load_si512(kv_format == kE4M3 ? static_cast<const void*>(kE4M3SubnormalBf16)
-                                                              : kE5M2SubnormalBf16);
+  const ByteLut lut = kv_format == kE4M3 ? load_byte_lut<kE4M3>() : load_byte_lut<kE5M2>();
   for (int64_t i = 0; i < n; i += 64) {
     alignas(64) uint8_t in[64] = {};
-    alignas(64) uint16_t res[64];
+    alignas(64) uint16_t res[2][32];
     const int64_t m = std::min<int64_t>(64, n - i);
     std::memcpy(in, src + i, m);
-    const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(in));
-    const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(in + 32));
-    const __m512i v0 = kv_format == kE4M3 ? bf16_from_codes<kE4M3>(c0, table) : bf16_from_codes<kE5M2>(c0, table);
-    const __m512i v1 = kv_format == kE4M3 ? bf16_from_codes<kE4M3>(c1, table) : bf16_from_codes<kE5M2>(c1, table);
-    _mm512_store_si512(res, v0);
-    _mm512_store_si512(res + 32, v1);
-    std::memcpy(dst + i, res, m * sizeof(uint16_t));
+    __m512i a, b;
+    bf16_from_codes64(_mm512_load_si512(in), lut, a, b);
+    _mm512_store_si512(res[0], a);
+    _mm512_store_si512(res[1], b);
+    // Back to the codes' order (see bf16_from_codes64).
+    for (int k = 0; k < 64; ++k) {
+      const int which = (k / 8) % 2, lane = 8 * (k / 16) + k % 8;
+      if (k < m) dst[i + k] = res[which][lane];
+    }
   }
   return out;
 #else
-  TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product tiles (AVX512-BF16)");
+  TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product tiles (AVX512-BF16 and AVX512-VBMI)");
   return codes;
 #endif
 }
