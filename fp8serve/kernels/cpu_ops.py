@@ -158,7 +158,8 @@ def paged_attention_decode(
 
 def decode_bf16_dot_available() -> bool:
     """Whether the decode attention was built with its bf16 dot-product tiles
-    (AVX512-BF16): FP8 caches with a bf16 query take them (path "bf16dot")."""
+    (AVX512-BF16 and AVX512-VBMI): FP8 caches with a bf16 query take them
+    (path "bf16dot")."""
     ops = load_cpu_ops()
     return (ops is not None and hasattr(ops, "paged_attention_has_bf16_dot")
             and bool(ops.paged_attention_has_bf16_dot()))

@@ -275,7 +275,7 @@ def test_fused_entry_scales_and_converts(ops, seed, kv_format, dtype):
 
 # ------------------------------------------------------------ bf16 dot-product tiles
 
-needs_bf16_dot = pytest.mark.skipif(not decode_bf16_dot_available(), reason="built without AVX512-BF16")
+needs_bf16_dot = pytest.mark.skipif(not decode_bf16_dot_available(), reason="built without AVX512-BF16/VBMI")
 FP8_FORMATS = ["fp8_e4m3", "fp8_e5m2"]
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significant bits, round to nearest even
 
@@ -408,4 +408,4 @@ def test_bf16_dot_availability_follows_the_cpu(ops):
 
     if os.environ.get("FP8SERVE_CPU_MARCH") or not ops.has_avx512():
         pytest.skip("not a native AVX-512 build")
-    assert decode_bf16_dot_available() == ("avx512_bf16" in cpu_flags())
+    assert decode_bf16_dot_available() == ({"avx512_bf16", "avx512vbmi"} <= cpu_flags())

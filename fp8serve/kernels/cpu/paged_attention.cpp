@@ -580,7 +580,7 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 // ------------------------------------------------------- bf16 dot-product path
 //
 // For FP8 caches and a bf16 query (a bf16 model: the query is bf16 already),
-// on CPUs with AVX512-BF16: the codes become bf16 instead of float32 and the
+// on CPUs with AVX512-BF16 and AVX512-VBMI (Zen 4, Sapphire Rapids): the codes become bf16 instead of float32 and the
 // products are vdpbf16ps pairs (two multiply-adds per lane, float32 sums),
 // half the instructions of the float32 tiles for the same K/V. The FP8 tiles
 // above are bound by that arithmetic, not by their reads (benchmarks/results/
@@ -589,19 +589,23 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 //
 // FP8 -> bf16 is exact (3 or 2 mantissa bits fit in 7) and keeps the scale
 // convention of the tiles above (e4m3 decodes to value * 2^-8, e5m2 to the
-// value). bf16 has float32's 8 exponent bits, so a normal code needs only its
-// exponent rebased: e4m3 magnitude << 4 lands its 4 exponent bits in the low
-// half of bf16's exponent field and OR 0x3800 adds 112 there (e + 112 < 128:
-// no carry); e5m2 << 5 needs a real add (e + 112 can carry). Subnormal codes
-// (exponent 0) have no implicit leading one; a 32-entry vpermw table gives
-// their values (they stay normal bf16: vdpbf16ps treats bf16 denormals as 0).
+// value); every code, subnormals included, stays a normal bf16 (vdpbf16ps
+// treats bf16 denormals as 0). The decode is two byte-table lookups by the
+// code's magnitude (bf16_from_codes64). It replaced rebasing the exponent in
+// 16-bit lanes plus a table for the subnormals (12 instructions per 64 codes
+// against 5), which ran 1.11-1.32x the float32 tiles where this runs
+// 1.38-1.50x, and before that a branch around the subnormal fix, which made
+// uncalibrated caches (scale 1.0, many subnormal codes) 1.44x slower than the
+// float32 tiles in an engine decode step
+// (benchmarks/results/decode_attention_bf16dot_2026-12-01_zen4.md).
 // The query is rounded to bf16 (round to nearest even), as are the softmax
 // weights for V; the weights' sum l is taken over the rounded weights, so the
 // output stays a convex combination of V rows. V is read two tokens at a
 // time, their rows' bytes interleaved so each 32-bit lane holds the pair
-// (v[t][d], v[t+1][d]) that the pair (p[t], p[t+1]) multiplies; the
-// interleave (unpack within 128-bit lanes) permutes d, undone once per item
-// (unpermute_bf16_dot_acc).
+// (v[t][d], v[t+1][d]) that the pair (p[t], p[t+1]) multiplies. The byte
+// unpacks work within 128-bit lanes and permute d: the query is permuted the
+// same way for K once per tile, and V's accumulators are put back in order
+// once per item (unpermute_bf16_dot_acc).
 #if defined(FP8SERVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define FP8SERVE_BF16_DOT 1
 
@@ -1114,14 +1118,14 @@ void paged_attention_decode_avx512(at::Tensor out, at::Tensor query, at::Tensor 
 
 // Same contract, the bf16 dot-product tiles for FP8 caches with head size
 // 64 or 128 (others take "best"); the query is rounded to bf16. Needs an
-// AVX512-BF16 build.
+// AVX512-BF16 and AVX512-VBMI build.
 void paged_attention_decode_bf16dot(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                     at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
 #ifdef FP8SERVE_BF16_DOT
   paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
                                   kBf16DotPath);
 #else
-  TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product tiles (AVX512-BF16)");
+  TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product tiles (AVX512-BF16 and AVX512-VBMI)");
 #endif
 }
 
@@ -1227,7 +1231,7 @@ at::Tensor fp8_codes_to_bf16(at::Tensor codes, int64_t kv_format) {
 #endif
 }
 
-// Whether the decode attention has its bf16 dot-product tiles (AVX512-BF16).
+// Whether the decode attention has its bf16 dot-product tiles (AVX512-BF16 and -VBMI).
 bool has_bf16_dot() {
 #ifdef FP8SERVE_BF16_DOT
   return true;
