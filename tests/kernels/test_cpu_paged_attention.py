@@ -379,7 +379,7 @@ def test_bf16_dot_single_token_returns_its_value_row(ops, seed, kv_format):
 @needs_bf16_dot
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_bf16_dot_context_splits_and_long_calls(ops, seed, num_threads):
-    """Split contexts (merged afterwards), tiles of 32 tokens ending inside a
+    """Split contexts (merged afterwards), tiles of 64 tokens ending inside a
     block, and a call over 8192 tokens, on one thread and two."""
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
