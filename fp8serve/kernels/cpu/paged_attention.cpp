@@ -594,8 +594,8 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 // treats bf16 denormals as 0). The decode is two byte-table lookups by the
 // code's magnitude (bf16_from_codes64). It replaced rebasing the exponent in
 // 16-bit lanes plus a table for the subnormals (12 instructions per 64 codes
-// against 5), which ran 1.11-1.32x the float32 tiles where this runs
-// 1.38-1.50x, and before that a branch around the subnormal fix, which made
+// against 5), which ran 1.11-1.32x the float32 tiles where this ran
+// 1.38-1.50x (both with 32-token tiles), and before that a branch around the subnormal fix, which made
 // uncalibrated caches (scale 1.0, many subnormal codes) 1.44x slower than the
 // float32 tiles in an engine decode step
 // (benchmarks/results/decode_attention_bf16dot_2026-12-01_zen4.md).
