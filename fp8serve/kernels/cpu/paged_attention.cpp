@@ -99,6 +99,20 @@ struct HeadState {
   float* acc;  // [group, head_size] running sum of exp(score - m) * v
 };
 
+// Raises head g's running max to m_new where that is higher, rescaling its
+// running sum and weighted V by exp(m_old - m_new) (0 on the first tile, where
+// m_old = -inf). Every tile's online softmax goes through here.
+inline void raise_running_max(HeadState st, int64_t g, float m_new, int64_t head_size) {
+  if (!(m_new > st.m[g])) return;
+  const float alpha = std::exp(st.m[g] - m_new);
+  st.l[g] *= alpha;
+  if (alpha != 1.f) {
+    float* acc = st.acc + g * head_size;
+    for (int64_t d = 0; d < head_size; ++d) acc[d] *= alpha;
+  }
+  st.m[g] = m_new;
+}
+
 // Rows of the next tile for one kv head, prefetched a token at a time while
 // the current tile's scores are computed: spread over the tile, the
 // prefetches keep a few lines in flight all along instead of stalling the core
@@ -173,12 +187,7 @@ void tile_scalar(const uint8_t* const* krows, const uint8_t* const* vrows, int64
     }
     float* acc = st.acc + g * head_size;
     const float m_new = std::max(st.m[g], tile_max);
-    if (m_new > st.m[g]) {
-      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile (m = -inf)
-      st.l[g] *= alpha;
-      for (int64_t d = 0; d < head_size; ++d) acc[d] *= alpha;
-      st.m[g] = m_new;
-    }
+    raise_running_max(st, g, m_new, head_size);
     for (int64_t t = 0; t < n; ++t) {
       const float p = std::exp(s[t] - st.m[g]);
       st.l[g] += p;
@@ -339,16 +348,7 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
     const __m256 s0 = _mm256_blendv_ps(neg_inf, _mm256_load_ps(s[g]), valid0);
     const __m256 s1 = _mm256_blendv_ps(neg_inf, _mm256_load_ps(s[g] + 8), valid1);
     const float m_new = std::max(st.m[g], hmax(_mm256_max_ps(s0, s1)));
-    if (m_new > st.m[g]) {
-      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile (m = -inf)
-      st.l[g] *= alpha;
-      if (alpha != 1.f) {
-        float* acc = st.acc + g * head_size;
-        const __m256 va = _mm256_set1_ps(alpha);
-        for (int64_t d = 0; d < head_size; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(va, _mm256_loadu_ps(acc + d)));
-      }
-      st.m[g] = m_new;
-    }
+    raise_running_max(st, g, m_new, head_size);
     const __m256 vm = _mm256_set1_ps(st.m[g]);
     const __m256 p0 = _mm256_and_ps(exp256(_mm256_sub_ps(s0, vm)), valid0);
     const __m256 p1 = _mm256_and_ps(exp256(_mm256_sub_ps(s1, vm)), valid1);
@@ -529,16 +529,7 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
   for (int g = 0; g < G; ++g) {
     const __m512 sg = _mm512_mask_loadu_ps(neg_inf, valid, s[g]);
     const float m_new = std::max(st.m[g], _mm512_reduce_max_ps(sg));
-    if (m_new > st.m[g]) {
-      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile (m = -inf)
-      st.l[g] *= alpha;
-      if (alpha != 1.f) {
-        float* acc = st.acc + g * head_size;
-        const __m512 va = _mm512_set1_ps(alpha);
-        for (int64_t d = 0; d < head_size; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(va, _mm512_loadu_ps(acc + d)));
-      }
-      st.m[g] = m_new;
-    }
+    raise_running_max(st, g, m_new, head_size);
     const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sg, _mm512_set1_ps(st.m[g]))));
     _mm512_storeu_ps(s[g], p);
     st.l[g] += _mm512_reduce_add_ps(p);
@@ -747,16 +738,7 @@ void tile_bf16_dot_nc(const uint8_t* const* krows, const uint8_t* const* vrows, 
       mx = _mm512_max_ps(mx, sv[i]);
     }
     const float m_new = std::max(st.m[g], _mm512_reduce_max_ps(mx));
-    if (m_new > st.m[g]) {
-      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile (m = -inf)
-      st.l[g] *= alpha;
-      if (alpha != 1.f) {
-        float* acc = st.acc + g * hs;
-        const __m512 va = _mm512_set1_ps(alpha);
-        for (int64_t d = 0; d < hs; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(va, _mm512_loadu_ps(acc + d)));
-      }
-      st.m[g] = m_new;
-    }
+    raise_running_max(st, g, m_new, hs);
     const __m512 vm = _mm512_set1_ps(st.m[g]);
     __m512 rsum = _mm512_setzero_ps();
     for (int i = 0; i < kVecs; ++i) {
