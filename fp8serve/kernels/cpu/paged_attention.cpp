@@ -64,7 +64,7 @@ constexpr int64_t kTileTokens = 16;
 // The bf16 dot-product tiles take four times as many: their per-tile work
 // (the softmax's reductions, the query's conversion, the accumulators' loads
 // and stores) was ~30% of a call at 16 (e4m3, 16 x 512 tokens, hot); 32 ran
-// 1.2x as fast as 16, 64 another 1.06-1.11x, 128 1-2% more than 64.
+// ~1.15-1.2x as fast as 16, 64 another 1.03-1.12x, 128 1-2% more than 64.
 constexpr int64_t kBf16DotTileTokens = 64;
 // A context is split only into pieces of at least this many tokens: a split
 // costs one partial result (num_heads * (head_size + 2) floats) and its merge.
