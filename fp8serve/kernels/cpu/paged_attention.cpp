@@ -572,9 +572,10 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 // ------------------------------------------------------- bf16 dot-product path
 //
 // For FP8 caches and a bf16 query (a bf16 model: the query is bf16 already),
-// on CPUs with AVX512-BF16 and AVX512-VBMI (Zen 4, Sapphire Rapids): the codes become bf16 instead of float32 and the
-// products are vdpbf16ps pairs (two multiply-adds per lane, float32 sums),
-// half the instructions of the float32 tiles for the same K/V. The FP8 tiles
+// on CPUs with AVX512-BF16 and AVX512-VBMI (Zen 4, Sapphire Rapids): the
+// codes become bf16 instead of float32 and the products are vdpbf16ps pairs
+// (two multiply-adds per lane, float32 sums), about half the instructions of
+// the float32 tiles for the same K/V. The FP8 tiles
 // above are bound by that arithmetic, not by their reads (benchmarks/results/
 // attention_2026-11-30_stop20_zen4.md: ~14 G K/V elements/s on 2 threads, hot
 // or cold).
@@ -586,9 +587,10 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 // code's magnitude (bf16_from_codes64). It replaced rebasing the exponent in
 // 16-bit lanes plus a table for the subnormals (12 instructions per 64 codes
 // against 5), which ran 1.11-1.32x the float32 tiles where this ran
-// 1.38-1.50x (both with 32-token tiles), and before that a branch around the subnormal fix, which made
-// uncalibrated caches (scale 1.0, many subnormal codes) 1.44x slower than the
-// float32 tiles in an engine decode step
+// 1.38-1.50x (both with 32-token tiles), and before that a branch around
+// the subnormal fix, which made uncalibrated caches (scale 1.0, many
+// subnormal codes) 1.44x slower than the float32 tiles in an engine decode
+// step
 // (benchmarks/results/decode_attention_bf16dot_2026-12-01_zen4.md).
 // The query is rounded to bf16 (round to nearest even), as are the softmax
 // weights for V; the weights' sum l is taken over the rounded weights, so the
@@ -809,8 +811,9 @@ using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, i
                         HeadState, NextRows);
 
 // Which tiles run: the portable scalar code, the AVX2 tiles, the AVX-512
-// tiles (head_size % 16 == 0; tests), or the best for the call (AVX-512 where
-// built and the call is large enough, else AVX2).
+// tiles (head_size % 16 == 0; tests), the best for the call (AVX-512 where
+// built and the call is large enough, else AVX2), or the bf16 dot-product
+// tiles where they apply and "best" elsewhere (bf16 queries).
 enum Path : int { kScalarPath = 0, kAvx2Path = 1, kBestPath = 2, kAvx512Path = 3, kBf16DotPath = 4 };
 
 inline bool bf16_dot_head_size(int64_t head_size) { return head_size == 64 || head_size == 128; }
@@ -859,7 +862,8 @@ struct TileTable {
     if (path == kScalarPath || avx2[1] == nullptr || head_size % 8 != 0) return nullptr;
     // The bf16 path where it applies; other formats and head sizes take "best".
     if (path == kBf16DotPath && bf16dot[1] != nullptr && bf16_dot_head_size(head_size)) return bf16dot;
-    if ((path == kBestPath || path == kAvx512Path || path == kBf16DotPath) && avx512[1] != nullptr && head_size % 16 == 0) return avx512;
+    const bool wants_avx512 = path == kBestPath || path == kAvx512Path || path == kBf16DotPath;
+    if (wants_avx512 && avx512[1] != nullptr && head_size % 16 == 0) return avx512;
     return avx2;
   }
 };
