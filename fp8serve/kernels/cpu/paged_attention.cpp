@@ -659,12 +659,17 @@ inline void bf16_from_codes64(__m512i codes, const ByteLut& t, __m512i& a, __m51
 }
 
 // Query lanes in the order bf16_from_codes64 leaves K's: a vpermt2w index per
-// output vector (`a` or `b`) of a 64-element chunk held as two vectors of 32.
-inline __m512i query_order_index(int which) {
-  alignas(64) uint16_t idx[32];
-  for (int k = 0; k < 32; ++k) idx[k] = static_cast<uint16_t>(16 * (k / 8) + 8 * which + k % 8);
-  return _mm512_load_si512(idx);
-}
+// output vector (`a` or `b`) of a 64-element chunk held as two vectors of 32;
+// built once at compile time, not per tile.
+struct QueryOrder {
+  alignas(64) uint16_t idx[2][32];
+  constexpr QueryOrder() : idx() {
+    for (int which = 0; which < 2; ++which)
+      for (int k = 0; k < 32; ++k) idx[which][k] = static_cast<uint16_t>(16 * (k / 8) + 8 * which + k % 8);
+  }
+};
+inline constexpr QueryOrder kQueryOrder{};
+inline __m512i query_order_index(int which) { return _mm512_load_si512(kQueryOrder.idx[which]); }
 
 // V accumulators per 64-element chunk and head: four vectors, lane i of
 // vector c holding d = 16 (i / 4) + 4 c + i % 4 (two interleaves: the tokens'
