@@ -9,6 +9,7 @@ weight bytes / time. Also the max relative error against float64.
     .venv/bin/python benchmarks/dense_gemv.py
     .venv/bin/python benchmarks/dense_gemv.py --walks    # the two row walks at M = 1-2, side by side
     .venv/bin/python benchmarks/dense_gemv.py --baseline-rev HEAD~1   # this tree vs dense_gemv.cpp at a revision
+    .venv/bin/python benchmarks/dense_gemv.py --packed   # bf16: plain rows vs the packed layout (gemv_packing.py)
 
 --walks times dense_gemv's interleaved and sequential row walks (dense_gemv.cpp
 `Walk`) on the same 120 decode linears and on the tied lm_head (49152 x 576),
@@ -18,6 +19,12 @@ bytes in the same rounds; medians of --rounds.
 --baseline-rev REV builds dense_gemv.cpp as of git revision REV beside this
 tree's and times both on the 120 decode linears at M = 1-32, float32 and bf16
 weights, in ABBA rounds (medians of --rounds).
+
+--packed times bf16 x bf16 on the plain [N, K] weights (dense_gemv, M <= 32),
+on oneDNN's packed weight (the engine's path above 32 rows), and on the
+layout of dense_gemv_packed (gemv_packing.pack_gemv_weight), on the 120 decode
+linears and on the tied lm_head at M = 1-512, ABBA rounds (medians of
+--rounds), with the packed kernel's max relative error against float64.
 """
 
 from __future__ import annotations
@@ -126,16 +133,92 @@ def versus_revision(rev: str, rounds: int, layers: int) -> None:
                   f"{nbytes / o / 1e9:.1f} | {b / o:.2f}x |", flush=True)
 
 
+PACKED_ROWS = (1, 2, 4, 8, 12, 13, 16, 24, 32, 48, 64, 128, 256, 512)  # M of --packed
+
+
+def versus_packed(rounds: int, layers: int) -> None:
+    """bf16 x bf16: dense_gemv on plain rows (M <= 32), oneDNN on its packed
+    weight, and dense_gemv_packed on the packed layout, ABBA rounds."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import alternate, command_line, describe_machine, machine_info
+
+    from fp8serve.kernels import cpu_ops, onednn_linear
+    from fp8serve.kernels.gemv_packing import pack_gemv_weight
+
+    ops = load_cpu_ops()
+    if not ops.dense_gemv_has_packed() or not ops.dense_gemv_has_bf16_dot():
+        raise SystemExit("--packed needs a build with AVX512-BF16 (dense_gemv_has_packed)")
+    onednn = onednn_linear.packing_available(torch.bfloat16)
+    print("# bf16 decode linears: plain rows, oneDNN packed, and the packed layout of dense_gemv_packed\n")
+    print(f"Command: `{command_line()}`\n")
+    for line in describe_machine(machine_info()):
+        print(line)
+    print(f"- medians of {rounds} ABBA rounds; GB/s = weight bytes / time; all three copies on 2 MiB pages "
+          "(oneDNN's where its allocator puts them)")
+    print("- `before` = what the engine ran before the packed layout: dense_gemv at M <= 32, oneDNN on its packed "
+          "weight above; `now` = cpu_ops' choice (dense_gemv up to GEMV_PACKED_MIN_ROWS - 1 = "
+          f"{cpu_ops.GEMV_PACKED_MIN_ROWS - 1} rows, dense_gemv_packed up to {cpu_ops.GEMV_PACKED_MAX_ROWS})")
+    print("- rel err = max |out - ref| / max |ref| against float64 on the first weight of the set\n")
+    print("| calls | M | dense_gemv ms | oneDNN packed ms | packed ms | packed GB/s | packed vs before | "
+          "now vs before | rel err packed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for calls, shapes in ((f"{4 * layers} decode linears", [s for _ in range(layers) for s in SHAPES]),
+                          ("lm_head", [LM_HEAD])):
+        ws = packed_weights(torch.bfloat16, shapes)
+        pws = [pack_gemv_weight(w) for w in ws]
+        ows = [onednn_linear.pack_weight(w) for w in ws] if onednn else None
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        for m in PACKED_ROWS:
+            xs = {k: torch.randn(m, k).bfloat16() for k, _ in shapes}
+
+            def plain(xs=xs, ws=ws):
+                t = time.perf_counter()
+                for w in ws:
+                    ops.dense_gemv(xs[w.shape[1]], w, None)
+                return time.perf_counter() - t
+
+            def one(xs=xs, ws=ws, ows=ows):
+                t = time.perf_counter()
+                for w, ow in zip(ws, ows):
+                    onednn_linear.linear(xs[w.shape[1]], w, None, packed=ow)
+                return time.perf_counter() - t
+
+            def packed(xs=xs, ws=ws, pws=pws):
+                t = time.perf_counter()
+                for w, pw in zip(ws, pws):
+                    ops.dense_gemv_packed(xs[w.shape[1]], pw, w.shape[0], None)
+                return time.perf_counter() - t
+
+            sides = {"packed": packed}
+            if m <= 32:
+                sides["plain"] = plain
+            if onednn:
+                sides["onednn"] = one
+            x, w = xs[ws[0].shape[1]], ws[0]
+            ref = x.double() @ w.double().t()
+            err = ((ops.dense_gemv_packed(x, pws[0], w.shape[0], None).double() - ref).abs().max()
+                   / ref.abs().max()).item()
+            med = alternate(sides, rounds)
+            before = med.get("plain") if m <= 32 else med.get("onednn")
+            now = med["packed"] if m >= cpu_ops.GEMV_PACKED_MIN_ROWS else med.get("plain")
+            cell = lambda key: f"{med[key] * 1e3:.2f}" if key in med else "-"  # noqa: E731
+            ratio = lambda a: f"{before / a:.2f}x" if before and a else "-"  # noqa: E731
+            print(f"| {calls} | {m} | {cell('plain')} | {cell('onednn')} | {cell('packed')} | "
+                  f"{nbytes / med['packed'] / 1e9:.1f} | {ratio(med['packed'])} | {ratio(now)} | {err:.1e} |",
+                  flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--walks", action="store_true", help="compare the interleaved and sequential row walks at M = 1-2")
-    p.add_argument("--rounds", type=int, default=12, help="ABBA rounds for --walks and --baseline-rev (median)")
+    p.add_argument("--rounds", type=int, default=12, help="ABBA rounds for --walks, --baseline-rev and --packed (median)")
     p.add_argument("--layers", type=int, default=LAYERS,
-                   help="decoder layers' linears per pass for --walks and --baseline-rev")
+                   help="decoder layers' linears per pass for --walks, --baseline-rev and --packed")
     p.add_argument("--baseline-rev", help="time dense_gemv.cpp as of this git revision beside this tree's")
+    p.add_argument("--packed", action="store_true", help="bf16: plain rows, oneDNN packed and the packed layout at M = 1-512")
     args = p.parse_args()
-    if args.walks and args.baseline_rev:
-        p.error("give --walks or --baseline-rev, not both")
+    if sum(map(bool, (args.walks, args.baseline_rev, args.packed))) > 1:
+        p.error("give one of --walks, --baseline-rev and --packed")
     for name in ("rounds", "layers"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -147,6 +230,9 @@ def main() -> None:
         return
     if args.baseline_rev:
         versus_revision(args.baseline_rev, args.rounds, args.layers)
+        return
+    if args.packed:
+        versus_packed(args.rounds, args.layers)
         return
     print(f"# dense_gemv vs F.linear\n\nmachine: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "

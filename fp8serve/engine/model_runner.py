@@ -22,7 +22,7 @@ from fp8serve.config import EngineConfig
 from fp8serve.engine.decode_capture import DecodeCaptures
 from fp8serve.engine.sequence import Sequence
 from fp8serve.errors import ConfigError
-from fp8serve.kernels import onednn_linear
+from fp8serve.kernels import gemv_packing, onednn_linear
 from fp8serve.layers.attention import Attention
 from fp8serve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
 from fp8serve.model_loader.loader import load_weights
@@ -81,6 +81,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             pack_parameters_on_huge_pages(self.model)  # decode reads every weight once per step
             onednn_linear.pack_weights(self.model, self.dtype)  # where it pays and fits: see onednn_linear.py
+            gemv_packing.pack_gemv_weights(self.model, self.dtype)  # likewise, for decode: see gemv_packing.py
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         logger.info(
             "Loaded %s (%s, %s weights) in %.1f s",

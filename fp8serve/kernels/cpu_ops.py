@@ -330,6 +330,32 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return ok and load_cpu_ops() is not None
 
 
+# The rows dense_gemv_packed serves (where a layer has the packed copy). Measured on
+# the default model's 120 decode linears and its lm_head, weights read from
+# memory (AMD EPYC Zen 4, benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md):
+# up to 12 rows the plain rows' dense_gemv ran as fast or faster (0.88-0.97x
+# for the packed layout on the linears); at 13-32 rows the packed layout ran
+# 1.02-1.13x (linears) and 1.26-1.34x (lm_head) as fast as dense_gemv, and at
+# 48-256 rows 1.05-1.27x as fast as oneDNN on its own packed weight (the path
+# above 32 rows). At 512 rows the lm_head ran 0.89x, and at prefill sizes
+# (8192 rows) oneDNN ran 1.13-1.22x as fast: those keep oneDNN.
+GEMV_PACKED_MIN_ROWS = 13
+GEMV_PACKED_MAX_ROWS = 256
+
+
+def dense_gemv_packed_applies(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether `dense_gemv_packed` serves x against a layer's packed copy
+    (`weight_gemv_packed`, None where the engine made none)."""
+    return (packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
+            and GEMV_PACKED_MIN_ROWS <= x.shape[0] <= GEMV_PACKED_MAX_ROWS)
+
+
+def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), bf16, from the weight's packed copy
+    (gemv_packing.pack_gemv_weight); n = weight.shape[0]. See dense_gemv_packed.cpp."""
+    return load_cpu_ops().dense_gemv_packed(x, packed, n, bias)
+
+
 # dense_gemv's row walks (dense_gemv.cpp `Walk`): how a call streams the weight rows.
 DENSE_GEMV_WALKS = {"auto": 0, "interleaved": 1, "sequential": 2}
 

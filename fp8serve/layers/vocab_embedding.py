@@ -42,14 +42,17 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=weight_dtype or dtype),
                                        requires_grad=False)
-        # oneDNN's packed copy of the weight (see MergedLinear).
+        # oneDNN's and dense_gemv's packed copies of the weight (see MergedLinear).
         self.register_buffer("weight_packed", None, persistent=False)
+        self.register_buffer("weight_gemv_packed", None, persistent=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the compute dtype: sampling and logprobs
         # need the precision.
         if amx_linear_ops.applies(hidden_states, self.weight):
             return amx_linear_ops.amx_linear(hidden_states, self.weight, float_out=True)
+        if cpu_ops.dense_gemv_packed_applies(hidden_states, self.weight_gemv_packed):
+            return cpu_ops.dense_gemv_packed(hidden_states, self.weight_gemv_packed, self.weight.shape[0]).float()
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
         if self.weight.dtype == hidden_states.dtype:

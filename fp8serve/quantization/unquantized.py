@@ -18,7 +18,10 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if amx_linear_ops.applies(x, layer.weight):
             return amx_linear_ops.amx_linear(x, layer.weight, bias)  # decode at batch 8-64, bf16 on AMX
+        if cpu_ops.dense_gemv_packed_applies(x, layer.weight_gemv_packed):
+            # bf16 decode at batch 13-256 on the packed copy, where the engine made one (gemv_packing.py).
+            return cpu_ops.dense_gemv_packed(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.dense_gemv_applies(x, layer.weight):
-            return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at batch 1: memory-bound GEMV
+            return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at small batch: memory-bound GEMV
         # F.linear, or oneDNN where that is faster (on the packed weight where the layer has one).
         return onednn_linear.linear(x, layer.weight, bias, packed=layer.weight_packed)

@@ -88,6 +88,31 @@ def test_replays_at_amx_batch_sizes_equal_eager(ops, llama_dir, seed, monkeypatc
     assert any(b >= 8 for b in engine.model_runner.decode_captures.scripted_batch_sizes), f"seed={seed}"
 
 
+def test_replays_with_gemv_packed_weights_equal_eager(ops, llama_dir, seed, monkeypatch):
+    """bf16 decode batches of 13+ sequences on dense_gemv_packed's packed
+    copies (gemv_packing.py): the recorded decode knows them as model state
+    and replays exactly what the eager model gives."""
+    from fp8serve.kernels import amx_linear_ops, cpu_ops, gemv_packing
+
+    if not bool(ops.dense_gemv_has_packed()) or amx_linear_ops.is_available():
+        pytest.skip("dense_gemv_packed is not built here, or AMX serves these batches")
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    calls = []
+    real = cpu_ops.dense_gemv_packed
+    monkeypatch.setattr(cpu_ops, "dense_gemv_packed", lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    requests = random_requests(seed, 16)
+    eager = run(make_engine(llama_dir, enforce_eager=True, dtype="bfloat16"), requests)
+    engine = make_engine(llama_dir, enforce_eager=False, dtype="bfloat16")
+    from fp8serve.layers.linear import MergedLinear
+
+    linears = [m for m in engine.model_runner.model.modules() if isinstance(m, MergedLinear)]
+    assert linears and all(m.weight_gemv_packed is not None for m in linears)
+    assert run(engine, requests) == eager, f"seed={seed}"
+    assert any(m >= cpu_ops.GEMV_PACKED_MIN_ROWS for m in calls), f"seed={seed}: no linear read a packed copy"
+    assert any(b >= cpu_ops.GEMV_PACKED_MIN_ROWS for b in engine.model_runner.decode_captures.scripted_batch_sizes), \
+        f"seed={seed}"
+
+
 def test_replays_with_packed_bf16_weights_equal_eager(ops, llama_dir, seed, monkeypatch):
     """bf16 linears on oneDNN's packed weights (opaque tensors, no storage):
     the recorded decode knows them as model state and replays exactly what

@@ -1,0 +1,191 @@
+// bf16 linear layers for decode batches (the engine sends 13-256 activation
+// rows here: cpu_ops.GEMV_PACKED_MIN_ROWS / MAX_ROWS) on a weight packed once
+// into pair-interleaved blocks of 16 output rows:
+//
+//   w_packed[b][p][j][i] = w[16 * b + j][2 * p + i]     shape [ceil(N/16), K/2, 16, 2]
+//
+// (rows past N are zeros; gemv_packing.pack_gemv_weight). One 64-byte vector
+// of a block then holds the k-pair p of 16 output rows, which is what
+// vdpbf16ps multiplies against a broadcast pair (x[m][2p], x[m][2p+1]): each
+// accumulator lane is one output, summed along the whole of k, so a tile ends
+// with 16 finished outputs per register. dense_gemv's bf16 dot products (plain
+// [N, K] rows) sum 16-lane partial dots and reduce each one at the end of a
+// tile; with the default model's short rows (K = 576: 18 vdpbf16ps per
+// accumulator) those sums and the per-tile setup held its hot calls to 260-390
+// GFLOP/s at 8-32 rows on a Zen 4 EPYC whose bf16 peak is ~440, where this
+// layout reached 330-440. Read from memory (the default model's 120 decode
+// linears, benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md): 1.02-1.13x
+// dense_gemv at 13-32 rows, 1.05-1.27x oneDNN on its own packed weight at
+// 48-256; 0.88-0.97x dense_gemv at 1-12 rows, which keeps those.
+//
+// Accumulation is float32 (vdpbf16ps: products exact, denormal bf16 inputs
+// read as zero, as in dense_gemv's bf16 dot products); the result is rounded
+// once to bf16, nearest even, as c10::BFloat16 rounds.
+//
+// Threads: blocks of 16 output rows are split over torch's thread pool; a
+// task walks its blocks in chunks whose weights stay in L2 while each tile of
+// at most 8 activation rows passes over them, so the weight comes from memory
+// once per call whatever M.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "prefetch_level.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define FP8SERVE_GEMV_PACKED 1
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 512;  // activation rows per call (above, oneDNN: see cpu_ops.GEMV_PACKED_MAX_ROWS)
+constexpr int64_t kTileRows = 8;   // activation rows per register tile
+constexpr int kTileBlocks = 3;     // 16-row blocks per register tile: 8 x 3 = 24 accumulators
+// The blocks a task walks at a time: ~128 KiB of weight, a whole number of
+// tiles. The first tile of activation rows streams a chunk from memory,
+// prefetching kPrefetchBytes ahead in each block; the second prefetches the
+// next chunk into L2 while it re-reads this one from there, so from the
+// second chunk on no tile waits for memory at M > 8. Measured against a
+// distance-only prefetch with 224 KiB chunks (120 decode linears from memory,
+// ABBA): 1.03-1.08x at M = 8-32; 2 KiB ahead against 1 KiB, 1.03-1.08x.
+constexpr int64_t kChunkBytes = 128 * 1024;
+constexpr int64_t kPrefetchBytes = 2048;
+
+#ifdef FP8SERVE_GEMV_PACKED
+// float32 -> bf16, nearest even, NaN -> 0x7FC0: what c10::BFloat16(float) gives
+// (vcvtneps2bf16 would flush denormal results to zero).
+inline __m256i round_to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// out[m][16 * (b0 + c) + j] for MT activation rows and NB blocks b0 .. b0 + NB - 1;
+// every weight line read also prefetches the line prefetch_offset bytes on
+// (none when 0).
+template <int MT, int NB>
+__attribute__((always_inline)) inline void tile(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp,
+                                                int64_t b0, const float* bias, uint16_t* out, int64_t N,
+                                                int64_t prefetch_offset) {
+  __m512 acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int c = 0; c < NB; ++c) acc[m][c] = _mm512_setzero_ps();
+  const uint16_t* wb = wp + b0 * kp_count * 32;
+  for (int64_t p = 0; p < kp_count; ++p) {
+    __m512bh wv[NB];
+    for (int c = 0; c < NB; ++c) {
+      const uint16_t* src = wb + (c * kp_count + p) * 32;
+      if (prefetch_offset != 0)
+        fp8serve_prefetch::line<fp8serve_prefetch::kL2>(reinterpret_cast<const char*>(src) + prefetch_offset);
+      wv[c] = (__m512bh)_mm512_loadu_si512(src);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[m * kp_count + p]));
+      for (int c = 0; c < NB; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], wv[c], xv);
+    }
+  }
+  for (int c = 0; c < NB; ++c) {
+    const int64_t n0 = (b0 + c) * 16;
+    const int64_t valid = std::min<int64_t>(16, N - n0);
+    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m)
+      _mm256_mask_storeu_epi16(out + m * N + n0, mask, round_to_bf16(_mm512_add_ps(acc[m][c], b)));
+  }
+}
+
+// Blocks [b_begin, b_end) for MT rows, kTileBlocks per tile.
+template <int MT>
+void blocks(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp, int64_t b_begin, int64_t b_end,
+            const float* bias, uint16_t* out, int64_t N, int64_t prefetch_offset) {
+  int64_t b = b_begin;
+  for (; b + kTileBlocks <= b_end; b += kTileBlocks)
+    tile<MT, kTileBlocks>(x_pairs, kp_count, wp, b, bias, out, N, prefetch_offset);
+  for (; b < b_end; ++b) tile<MT, 1>(x_pairs, kp_count, wp, b, bias, out, N, prefetch_offset);
+}
+
+void blocks_any(int64_t mt, const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp, int64_t b_begin,
+                int64_t b_end, const float* bias, uint16_t* out, int64_t N, int64_t prefetch_offset) {
+  switch (mt) {
+#define FP8SERVE_CASE(T) \
+  case T: blocks<T>(x_pairs, kp_count, wp, b_begin, b_end, bias, out, N, prefetch_offset); break;
+    FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
+    FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
+#undef FP8SERVE_CASE
+    default: TORCH_CHECK(false, "bad activation tile ", mt);
+  }
+}
+#endif
+
+}  // namespace
+
+// x: [M, K] bf16, rows contiguous, 1 <= M <= 32, K even; w_packed: the
+// [ceil(N/16), K/2, 16, 2] bf16 layout above (contiguous); n: N, the
+// layer's output size; bias: [N] float32 or bf16, or none. Returns [M, N] bf16.
+at::Tensor dense_gemv_packed(at::Tensor x, at::Tensor w_packed, int64_t n, std::optional<at::Tensor> bias) {
+#ifdef FP8SERVE_GEMV_PACKED
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "x must be a [M, K] bf16 CPU tensor, got ", x.scalar_type(), " of ", x.dim(), " dimensions");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "dense_gemv_packed takes 1 to ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(K % 2 == 0, "K must be even, got ", K);
+  TORCH_CHECK(w_packed.dim() == 4 && w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() &&
+                  w_packed.size(1) == K / 2 && w_packed.size(2) == 16 && w_packed.size(3) == 2,
+              "w_packed must be a contiguous bf16 [ceil(N/16), K/2, 16, 2] = [*, ", K / 2, ", 16, 2] tensor, got ",
+              w_packed.sizes());
+  const int64_t num_blocks = w_packed.size(0);
+  TORCH_CHECK(n >= 1 && n <= num_blocks * 16 && n > (num_blocks - 1) * 16, "n = ", n, " does not fit ", num_blocks,
+              " blocks of 16 rows");
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [", n, "]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, n}, x.options());
+  const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w_packed.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  const int64_t kp_count = K / 2;
+  const int64_t block_bytes = kp_count * 64;
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkBytes / block_bytes / kTileBlocks) * kTileBlocks;
+  at::parallel_for(0, num_blocks, kTileBlocks, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = begin; c0 < end; c0 += chunk_blocks) {
+      const int64_t c1 = std::min(end, c0 + chunk_blocks);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        // First tile: ahead within the chunk; second: the next chunk (the
+        // same position one chunk on); later ones read L2 only.
+        const int64_t ahead = m0 == 0 ? kPrefetchBytes : m0 == kTileRows ? (c1 - c0) * block_bytes : 0;
+        blocks_any(std::min(kTileRows, M - m0), xp + m0 * kp_count, kp_count, wp, c0, c1, bp, op + m0 * n, n, ahead);
+      }
+    }
+  });
+  return out;
+#else
+  (void)x, (void)w_packed, (void)n, (void)bias;
+  TORCH_CHECK(false, "dense_gemv_packed needs a build for a CPU with AVX512-BF16 (see dense_gemv_has_packed)");
+  return at::Tensor();
+#endif
+}
+
+bool dense_gemv_has_packed() {
+#ifdef FP8SERVE_GEMV_PACKED
+  return true;
+#else
+  return false;
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
+  m.def("dense_gemv_packed", &dense_gemv_packed);
+  m.def("dense_gemv_has_packed", &dense_gemv_has_packed);
+}

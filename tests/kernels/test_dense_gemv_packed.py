@@ -1,0 +1,102 @@
+"""`dense_gemv_packed` (bf16 decode GEMV on pair-interleaved 16-row blocks)
+against a float64 reference on fresh random data, exactly on integer data,
+and its input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8serve.kernels import cpu_ops
+from fp8serve.kernels.gemv_packing import pack_gemv_weight
+
+_ops = cpu_ops.load_cpu_ops()
+pytestmark = pytest.mark.skipif(_ops is None or not bool(_ops.dense_gemv_has_packed()),
+                                reason="dense_gemv_packed needs the C++ kernels built for AVX512-BF16")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 13, 16, 24, 32, 61, 200])  # every tile height, 1-25 tiles
+@pytest.mark.parametrize("n,k", [(167, 576), (16, 1536), (50, 64), (17, 6), (3, 2)])  # full/partial last blocks
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_matches_float64(seed, m, n, k, bias_dtype):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).to(bias_dtype) if bias_dtype is not None else None
+    out = _ops.dense_gemv_packed(x, pack_gemv_weight(w), n, bias)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    xd, wd = x.double(), w.double()
+    ref = xd @ wd.t() + (bias.double() if bias is not None else 0)
+    # Products are exact in float32; the float32 sum along k (two products per
+    # vdpbf16ps) and the bias add are at most k + 1 roundings of relative size
+    # 2^-24 each on partial sums bounded by sum |x w| + |bias|; then one
+    # rounding to bf16 (2^-8 relative).
+    magnitude = xd.abs() @ wd.abs().t() + (bias.double().abs() if bias is not None else 0)
+    sum_err = (k + 1) * 2.0**-24 * magnitude * (1 + 1e-6)
+    bound = sum_err + 2.0**-8 * (ref.abs() + sum_err)
+    excess = ((out.double() - ref).abs() - bound).max().item()
+    assert excess <= 0, f"seed={seed}: error exceeds the bound by {excess:.3e}"
+
+
+@pytest.mark.parametrize("m", [1, 4, 8, 11, 32, 70])
+def test_exact_on_integer_data(seed, m):
+    """Small integers: every product and partial sum is exact in float32 and
+    the result (|y| < 256) exact in bf16, so any mixed-up row, pair or block
+    shows as a wrong value."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = 83, 40
+    w = torch.randint(-3, 4, (n, k), generator=g).bfloat16()
+    x = torch.randint(-2, 3, (m, k), generator=g).bfloat16()
+    bias = torch.randint(-5, 6, (n,), generator=g).float()
+    out = _ops.dense_gemv_packed(x, pack_gemv_weight(w), n, bias)
+    ref = x.double() @ w.double().t() + bias.double()
+    assert ref.abs().max() < 256
+    assert torch.equal(out.double(), ref), f"seed={seed}"
+
+
+def test_rounds_like_torch(seed):
+    """The float32 sum is rounded to bf16 as torch rounds (nearest even), NaN
+    stays NaN, and a single-term sum (K = 2 with one zero) is the product
+    exactly: compare with torch's own float32 -> bf16 of the float64 result."""
+    g = torch.Generator().manual_seed(seed)
+    n = 48
+    w = torch.zeros(n, 2)
+    w[:, 0] = torch.randn(n, generator=g)
+    x = torch.tensor([[1.0, 0.0], [float("nan"), 0.0]])
+    out = _ops.dense_gemv_packed(x.bfloat16(), pack_gemv_weight(w.bfloat16()), n, None)
+    assert torch.equal(out[0], w[:, 0].bfloat16())
+    assert torch.isnan(out[1]).all()
+    # A sum that needs rounding: 1 + 2^-8 + 2^-16 (ties and above) in float32, then bf16.
+    w2 = torch.tensor([[1.0, 2.0**-8], [1.0, 2.0**-8 + 2.0**-15]] + [[0.0, 0.0]] * 14)
+    x2 = torch.ones(1, 2)
+    out2 = _ops.dense_gemv_packed(x2.bfloat16(), pack_gemv_weight(w2.bfloat16()), 16, None)
+    expect = (x2.double() @ w2.bfloat16().double().t()).float().bfloat16()
+    assert torch.equal(out2, expect)
+
+
+def test_rejects_bad_input():
+    w = pack_gemv_weight(torch.randn(20, 8).bfloat16())
+    x = torch.randn(2, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be a \\[M, K\\] bf16 CPU tensor"):
+        _ops.dense_gemv_packed(x.float(), w, 20, None)
+    with pytest.raises(RuntimeError, match="takes 1 to 512 rows, got 513"):
+        _ops.dense_gemv_packed(torch.randn(513, 8).bfloat16(), w, 20, None)
+    with pytest.raises(RuntimeError, match="K must be even, got 7"):
+        _ops.dense_gemv_packed(torch.randn(2, 7).bfloat16(), w, 20, None)
+    with pytest.raises(RuntimeError, match=r"w_packed must be a contiguous bf16 \[ceil\(N/16\), K/2, 16, 2\]"):
+        _ops.dense_gemv_packed(torch.randn(2, 10).bfloat16(), w, 20, None)
+    with pytest.raises(RuntimeError, match="n = 40 does not fit 2 blocks of 16 rows"):
+        _ops.dense_gemv_packed(x, w, 40, None)
+    with pytest.raises(RuntimeError, match="n = 16 does not fit 2 blocks"):
+        _ops.dense_gemv_packed(x, w, 16, None)
+    with pytest.raises(RuntimeError, match=r"bias must be \[20\]"):
+        _ops.dense_gemv_packed(x, w, 20, torch.zeros(16))
+
+
+def test_applies_to_bf16_batches_of_13_to_256_rows():
+    packed = pack_gemv_weight(torch.randn(40, 64).bfloat16())
+    for m, wanted in ((1, False), (12, False), (13, True), (64, True), (256, True), (257, False)):
+        assert cpu_ops.dense_gemv_packed_applies(torch.randn(m, 64).bfloat16(), packed) is wanted, m
+    assert not cpu_ops.dense_gemv_packed_applies(torch.randn(20, 64), packed)  # float32 x
+    assert not cpu_ops.dense_gemv_packed_applies(torch.randn(2, 10, 64).bfloat16(), packed)  # not [M, K]
+    assert not cpu_ops.dense_gemv_packed_applies(torch.randn(20, 64).bfloat16(), None)  # no packed copy

@@ -1,0 +1,124 @@
+"""gemv_packing: the packed layout, which layers get a copy, and when."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8serve.errors import ConfigError
+from fp8serve.kernels import cpu_ops, gemv_packing
+
+_ops = cpu_ops.load_cpu_ops()
+needs_kernel = pytest.mark.skipif(_ops is None or not bool(_ops.dense_gemv_has_packed()),
+                                  reason="dense_gemv_packed needs the C++ kernels built for AVX512-BF16")
+
+
+@pytest.mark.parametrize("n,k", [(35, 6), (32, 576), (1, 2)])
+def test_pack_gemv_weight_layout(seed, n, k):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    p = gemv_packing.pack_gemv_weight(w)
+    blocks = -(-n // 16)
+    assert p.shape == (blocks, k // 2, 16, 2) == gemv_packing.packed_shape(n, k) and p.is_contiguous()
+    for b, pair, j, i in [(0, 0, 0, 0), (blocks - 1, k // 2 - 1, (n - 1) % 16, 1), (0, k // 2 - 1, 0, 1)]:
+        assert torch.equal(p[b, pair, j, i], w[16 * b + j, 2 * pair + i])
+    # Every element, and zeros past N.
+    full = p.permute(0, 2, 1, 3).reshape(blocks * 16, k)
+    assert torch.equal(full[:n], w) and not full[n:].any()
+
+
+def test_pack_gemv_weight_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"2-D bf16 CPU weight \[N, K\], got torch.float32"):
+        gemv_packing.pack_gemv_weight(torch.ones(4, 8))
+    with pytest.raises(ValueError, match=r"got torch.bfloat16 \(8,\)"):
+        gemv_packing.pack_gemv_weight(torch.ones(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\(4, 7\) needs N >= 1 and an even K"):
+        gemv_packing.pack_gemv_weight(torch.ones(4, 7, dtype=torch.bfloat16))
+
+
+def _tiny_model():
+    from fp8serve.layers.linear import MergedLinear
+    from fp8serve.layers.vocab_embedding import LMHead, VocabEmbedding
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = VocabEmbedding(50, 32, torch.bfloat16)
+            self.qkv = MergedLinear(32, [32, 16, 16], params_dtype=torch.bfloat16)
+            self.f32 = MergedLinear(32, [8], params_dtype=torch.float32)
+            self.head = LMHead(50, 32, torch.bfloat16, tied_to=self.embed)
+
+    model = Tiny()
+    for p in model.parameters():
+        p.data.normal_()
+    return model
+
+
+@needs_kernel
+def test_pack_gemv_weights_packs_bf16_layers_once_and_they_read_it(monkeypatch):
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    model = _tiny_model()
+    packed = gemv_packing.pack_gemv_weights(model, torch.bfloat16)
+    # The tied head and its embedding share one copy (50 rows padded to 64).
+    assert packed == 64 * 32 * 2 + 64 * 32 * 2
+    assert model.head.weight_gemv_packed is not None and model.f32.weight_gemv_packed is None
+    assert torch.equal(model.qkv.weight_gemv_packed, gemv_packing.pack_gemv_weight(model.qkv.weight))
+    calls = []
+    real = cpu_ops.dense_gemv_packed
+    monkeypatch.setattr(cpu_ops, "dense_gemv_packed", lambda x, p, n, b=None: calls.append(n) or real(x, p, n, b))
+    x = torch.randn(20, 32).bfloat16()  # a batch the packed copy serves
+    torch.testing.assert_close(model.qkv(x).double(), x.double() @ model.qkv.weight.double().t(),
+                               rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(model.head(x).double(), x.double() @ model.embed.weight.double().t(),
+                               rtol=2**-7, atol=1e-2)
+    assert calls == [64, 50]  # qkv, then the tied head, both from their packed copies
+    model.qkv(x[:4])  # a small batch: the plain rows' dense_gemv (or F.linear), not the packed copy
+    assert calls == [64, 50]
+
+
+@pytest.mark.parametrize("setting", ["0", "off"])
+def test_pack_gemv_weights_off(monkeypatch, setting):
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, setting)
+    model = _tiny_model()
+    assert gemv_packing.pack_gemv_weights(model, torch.bfloat16) == 0
+    assert model.qkv.weight_gemv_packed is None and model.head.weight_gemv_packed is None
+
+
+def test_pack_gemv_weights_only_for_bf16_compute(monkeypatch):
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    model = _tiny_model()
+    assert gemv_packing.pack_gemv_weights(model, torch.float32) == 0
+    assert model.qkv.weight_gemv_packed is None
+
+
+def test_auto_is_amd_without_amx(monkeypatch):
+    from fp8serve.kernels import amx_linear_ops
+
+    monkeypatch.delenv(gemv_packing.PACKED_WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: type("Ops", (), {"dense_gemv_has_packed": lambda self: True})())
+    for amd, amx, wanted in ((True, False, True), (True, True, False), (False, False, False)):
+        monkeypatch.setattr(gemv_packing, "is_amd_cpu", lambda amd=amd: amd)
+        monkeypatch.setattr(amx_linear_ops, "is_available", lambda amx=amx: amx)
+        assert gemv_packing.packing_applies() is wanted, (amd, amx)
+    # A build without the kernel never packs, whatever the environment says.
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: type("Ops", (), {"dense_gemv_has_packed": lambda self: False})())
+    assert gemv_packing.packing_applies() is False
+
+
+@needs_kernel
+def test_bad_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "sometimes")
+    with pytest.raises(ConfigError, match="FP8SERVE_GEMV_PACKED_WEIGHTS='sometimes': expected auto, 1 or 0"):
+        gemv_packing.pack_gemv_weights(_tiny_model(), torch.bfloat16)
+
+
+@needs_kernel
+def test_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    model = _tiny_model()
+    monkeypatch.setattr(gemv_packing, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
+    with caplog.at_level("INFO", logger="fp8serve.kernels.gemv_packing"):
+        assert gemv_packing.pack_gemv_weights(model, torch.bfloat16) == 0
+    assert model.qkv.weight_gemv_packed is None
+    assert "not packed: the copy needs" in caplog.text
