@@ -350,10 +350,14 @@ def dense_gemv_packed_applies(x: torch.Tensor, packed: torch.Tensor | None) -> b
             and GEMV_PACKED_MIN_ROWS <= x.shape[0] <= GEMV_PACKED_MAX_ROWS)
 
 
-def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None, *,
+                      float_out: bool = False) -> torch.Tensor:
     """x @ weight.T (+ bias), bf16, from the weight's packed copy
-    (gemv_packing.pack_gemv_weight); n = weight.shape[0]. See dense_gemv_packed.cpp."""
-    return load_cpu_ops().dense_gemv_packed(x, packed, n, bias)
+    (gemv_packing.pack_gemv_weight); n = weight.shape[0]. float_out: float32
+    holding the same bf16-rounded values (`.float()` of the bf16 result, in
+    the same pass: the LM head). See dense_gemv_packed.cpp."""
+    ops = load_cpu_ops()
+    return (ops.dense_gemv_packed_float_out if float_out else ops.dense_gemv_packed)(x, packed, n, bias)
 
 
 # dense_gemv's row walks (dense_gemv.cpp `Walk`): how a call streams the weight rows.

@@ -99,7 +99,8 @@ def test_replays_with_gemv_packed_weights_equal_eager(ops, llama_dir, seed, monk
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
     calls = []
     real = cpu_ops.dense_gemv_packed
-    monkeypatch.setattr(cpu_ops, "dense_gemv_packed", lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    monkeypatch.setattr(cpu_ops, "dense_gemv_packed",
+                        lambda x, p, n, b=None, **kw: calls.append(x.shape[0]) or real(x, p, n, b, **kw))
     requests = random_requests(seed, 16)
     eager = run(make_engine(llama_dir, enforce_eager=True, dtype="bfloat16"), requests)
     engine = make_engine(llama_dir, enforce_eager=False, dtype="bfloat16")

@@ -74,6 +74,20 @@ def test_rounds_like_torch(seed):
     assert torch.equal(out2, expect)
 
 
+@pytest.mark.parametrize("m", [1, 13, 40])
+def test_float_out_is_the_bf16_result_widened(seed, m):
+    """float_out returns float32 holding exactly the bf16-rounded results
+    (what `.float()` of the bf16 output gives), the LM head's logits."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = 83, 96
+    w = pack_gemv_weight(torch.randn(n, k, generator=g).bfloat16())
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    out = cpu_ops.dense_gemv_packed(x, w, n, bias, float_out=True)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert torch.equal(out, cpu_ops.dense_gemv_packed(x, w, n, bias).float()), f"seed={seed}"
+
+
 def test_rejects_bad_input():
     w = pack_gemv_weight(torch.randn(20, 8).bfloat16())
     x = torch.randn(2, 8).bfloat16()

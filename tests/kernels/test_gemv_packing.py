@@ -65,7 +65,8 @@ def test_pack_gemv_weights_packs_bf16_layers_once_and_they_read_it(monkeypatch):
     assert torch.equal(model.qkv.weight_gemv_packed, gemv_packing.pack_gemv_weight(model.qkv.weight))
     calls = []
     real = cpu_ops.dense_gemv_packed
-    monkeypatch.setattr(cpu_ops, "dense_gemv_packed", lambda x, p, n, b=None: calls.append(n) or real(x, p, n, b))
+    monkeypatch.setattr(cpu_ops, "dense_gemv_packed",
+                        lambda x, p, n, b=None, **kw: calls.append(n) or real(x, p, n, b, **kw))
     x = torch.randn(20, 32).bfloat16()  # a batch the packed copy serves
     torch.testing.assert_close(model.qkv(x).double(), x.double() @ model.qkv.weight.double().t(),
                                rtol=2**-7, atol=1e-2)

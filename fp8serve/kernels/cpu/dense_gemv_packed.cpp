@@ -58,22 +58,35 @@ constexpr int64_t kChunkBytes = 128 * 1024;
 constexpr int64_t kPrefetchBytes = 2048;
 
 #ifdef FP8SERVE_GEMV_PACKED
-// float32 -> bf16, nearest even, NaN -> 0x7FC0: what c10::BFloat16(float) gives
-// (vcvtneps2bf16 would flush denormal results to zero).
-inline __m256i round_to_bf16(__m512 v) {
+// float32 -> bf16 bits in the low half of each lane, nearest even, NaN ->
+// 0x7FC0: what c10::BFloat16(float) gives (vcvtneps2bf16 would flush
+// denormal results to zero).
+inline __m512i round_to_bf16_bits(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+// Stores 16 results rounded to bf16: as bf16, or (FloatOut) as the float32
+// holding the same value, what `.float()` of the bf16 result gives without
+// a second pass over it (the LM head's logits).
+template <bool FloatOut>
+inline void store_rounded(void* out, int64_t offset, __mmask16 mask, __m512 v) {
+  const __m512i bits = round_to_bf16_bits(v);
+  if constexpr (FloatOut) {
+    _mm512_mask_storeu_ps(static_cast<float*>(out) + offset, mask, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+  } else {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + offset, mask, _mm512_cvtepi32_epi16(bits));
+  }
 }
 
 // out[m][16 * (b0 + c) + j] for MT activation rows and NB blocks b0 .. b0 + NB - 1;
 // every weight line read also prefetches the line prefetch_offset bytes on
 // (none when 0).
-template <int MT, int NB>
+template <int MT, int NB, bool FloatOut>
 __attribute__((always_inline)) inline void tile(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp,
-                                                int64_t b0, const float* bias, uint16_t* out, int64_t N,
+                                                int64_t b0, const float* bias, void* out, int64_t N,
                                                 int64_t prefetch_offset) {
   __m512 acc[MT][NB];
   for (int m = 0; m < MT; ++m)
@@ -97,26 +110,26 @@ __attribute__((always_inline)) inline void tile(const uint32_t* x_pairs, int64_t
     const int64_t valid = std::min<int64_t>(16, N - n0);
     const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m)
-      _mm256_mask_storeu_epi16(out + m * N + n0, mask, round_to_bf16(_mm512_add_ps(acc[m][c], b)));
+    for (int m = 0; m < MT; ++m) store_rounded<FloatOut>(out, m * N + n0, mask, _mm512_add_ps(acc[m][c], b));
   }
 }
 
 // Blocks [b_begin, b_end) for MT rows, kTileBlocks per tile.
-template <int MT>
+template <int MT, bool FloatOut>
 void blocks(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp, int64_t b_begin, int64_t b_end,
-            const float* bias, uint16_t* out, int64_t N, int64_t prefetch_offset) {
+            const float* bias, void* out, int64_t N, int64_t prefetch_offset) {
   int64_t b = b_begin;
   for (; b + kTileBlocks <= b_end; b += kTileBlocks)
-    tile<MT, kTileBlocks>(x_pairs, kp_count, wp, b, bias, out, N, prefetch_offset);
-  for (; b < b_end; ++b) tile<MT, 1>(x_pairs, kp_count, wp, b, bias, out, N, prefetch_offset);
+    tile<MT, kTileBlocks, FloatOut>(x_pairs, kp_count, wp, b, bias, out, N, prefetch_offset);
+  for (; b < b_end; ++b) tile<MT, 1, FloatOut>(x_pairs, kp_count, wp, b, bias, out, N, prefetch_offset);
 }
 
+template <bool FloatOut>
 void blocks_any(int64_t mt, const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp, int64_t b_begin,
-                int64_t b_end, const float* bias, uint16_t* out, int64_t N, int64_t prefetch_offset) {
+                int64_t b_end, const float* bias, void* out, int64_t N, int64_t prefetch_offset) {
   switch (mt) {
 #define FP8SERVE_CASE(T) \
-  case T: blocks<T>(x_pairs, kp_count, wp, b_begin, b_end, bias, out, N, prefetch_offset); break;
+  case T: blocks<T, FloatOut>(x_pairs, kp_count, wp, b_begin, b_end, bias, out, N, prefetch_offset); break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
 #undef FP8SERVE_CASE
@@ -129,8 +142,10 @@ void blocks_any(int64_t mt, const uint32_t* x_pairs, int64_t kp_count, const uin
 
 // x: [M, K] bf16, rows contiguous, 1 <= M <= 32, K even; w_packed: the
 // [ceil(N/16), K/2, 16, 2] bf16 layout above (contiguous); n: N, the
-// layer's output size; bias: [N] float32 or bf16, or none. Returns [M, N] bf16.
-at::Tensor dense_gemv_packed(at::Tensor x, at::Tensor w_packed, int64_t n, std::optional<at::Tensor> bias) {
+// layer's output size; bias: [N] float32 or bf16, or none. Returns [M, N] bf16,
+// or float32 holding the same bf16-rounded values (float_out).
+at::Tensor dense_gemv_packed_impl(at::Tensor x, at::Tensor w_packed, int64_t n, std::optional<at::Tensor> bias,
+                                  bool float_out) {
 #ifdef FP8SERVE_GEMV_PACKED
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
               "x must be a [M, K] bf16 CPU tensor, got ", x.scalar_type(), " of ", x.dim(), " dimensions");
@@ -150,10 +165,11 @@ at::Tensor dense_gemv_packed(at::Tensor x, at::Tensor w_packed, int64_t n, std::
     b = bias->to(at::kFloat).contiguous();
   }
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({M, n}, x.options());
+  at::Tensor out = at::empty({M, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(w_packed.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const int64_t row_bytes = n * out.element_size();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   const int64_t kp_count = K / 2;
   const int64_t block_bytes = kp_count * 64;
@@ -165,16 +181,28 @@ at::Tensor dense_gemv_packed(at::Tensor x, at::Tensor w_packed, int64_t n, std::
         // First tile: ahead within the chunk; second: the next chunk (the
         // same position one chunk on); later ones read L2 only.
         const int64_t ahead = m0 == 0 ? kPrefetchBytes : m0 == kTileRows ? (c1 - c0) * block_bytes : 0;
-        blocks_any(std::min(kTileRows, M - m0), xp + m0 * kp_count, kp_count, wp, c0, c1, bp, op + m0 * n, n, ahead);
+        const int64_t mt = std::min(kTileRows, M - m0);
+        const uint32_t* x_pairs = xp + m0 * kp_count;
+        char* rows_out = op + m0 * row_bytes;
+        if (float_out) blocks_any<true>(mt, x_pairs, kp_count, wp, c0, c1, bp, rows_out, n, ahead);
+        else blocks_any<false>(mt, x_pairs, kp_count, wp, c0, c1, bp, rows_out, n, ahead);
       }
     }
   });
   return out;
 #else
-  (void)x, (void)w_packed, (void)n, (void)bias;
+  (void)x, (void)w_packed, (void)n, (void)bias, (void)float_out;
   TORCH_CHECK(false, "dense_gemv_packed needs a build for a CPU with AVX512-BF16 (see dense_gemv_has_packed)");
   return at::Tensor();
 #endif
+}
+
+at::Tensor dense_gemv_packed(at::Tensor x, at::Tensor w_packed, int64_t n, std::optional<at::Tensor> bias) {
+  return dense_gemv_packed_impl(x, w_packed, n, bias, /*float_out=*/false);
+}
+
+at::Tensor dense_gemv_packed_float_out(at::Tensor x, at::Tensor w_packed, int64_t n, std::optional<at::Tensor> bias) {
+  return dense_gemv_packed_impl(x, w_packed, n, bias, /*float_out=*/true);
 }
 
 bool dense_gemv_has_packed() {
@@ -187,5 +215,6 @@ bool dense_gemv_has_packed() {
 
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("dense_gemv_packed", &dense_gemv_packed);
+  m.def("dense_gemv_packed_float_out", &dense_gemv_packed_float_out);
   m.def("dense_gemv_has_packed", &dense_gemv_has_packed);
 }
