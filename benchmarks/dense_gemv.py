@@ -24,7 +24,9 @@ weights, in ABBA rounds (medians of --rounds).
 on oneDNN's packed weight (the engine's path above 32 rows), and on the
 layout of dense_gemv_packed (gemv_packing.pack_gemv_weight), on the 120 decode
 linears and on the tied lm_head at M = 1-512, ABBA rounds (medians of
---rounds), with the packed kernel's max relative error against float64.
+--rounds), with the packed kernel's max relative error against float64; then
+FP8 (e4m3) codes of the same shapes: the engine's FP8 path without packed
+codes against fp8_gemv_packed.
 """
 
 from __future__ import annotations
@@ -208,6 +210,62 @@ def versus_packed(rounds: int, layers: int) -> None:
                   flush=True)
 
 
+def versus_packed_fp8(rounds: int, layers: int) -> None:
+    """FP8 (e4m3) weights, bf16 x: the engine's FP8 path without packed codes
+    (fp8_linear_loaded: the fused kernel up to its rows, dequantize + GEMM
+    above) against fp8_gemv_packed, ABBA rounds."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import alternate
+
+    from fp8serve.kernels import fp8_linear_ops
+    from fp8serve.kernels.gemv_packing import pack_fp8_gemv_weight
+    from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8
+
+    ops = load_cpu_ops()
+    if not ops.fp8_gemv_has_packed():
+        print("\n(FP8 section skipped: this build has no fp8_gemv_packed)")
+        return
+    print("\n## FP8 (e4m3) weights, bf16 activations\n")
+    print(f"- `before` = the engine's FP8 path without packed codes (`fp8_linear_loaded`: the fused kernel up to "
+          f"{fp8_linear_ops.max_fused_rows(torch.bfloat16)} rows, dequantize + GEMM above); GB/s = code bytes / time\n")
+    print("| calls | M | before ms | packed ms | packed GB/s | speedup | rel err packed |")
+    print("|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    shapes = [s for _ in range(layers) for s in SHAPES]
+    codes, scales, packed = [], [], []
+    for k, n in shapes:
+        c = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int64).to(torch.uint8)
+        c[(c & 0x7F) == 0x7F] = 0  # no NaN codes
+        s = torch.rand(n, generator=g) * 0.01 + 1e-3
+        codes.append(c)
+        scales.append(s)
+        packed.append(pack_fp8_gemv_weight(c, s))
+    nbytes = sum(c.numel() for c in codes)
+    for m in PACKED_ROWS:
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for k, _ in shapes}
+
+        def before(xs=xs):
+            t = time.perf_counter()
+            for c, s in zip(codes, scales):
+                fp8_linear_ops.fp8_linear_loaded(xs[c.shape[1]], c, s)
+            return time.perf_counter() - t
+
+        def pk(xs=xs):
+            t = time.perf_counter()
+            for c, (p, ps) in zip(codes, packed):
+                ops.fp8_gemv_packed(xs[c.shape[1]], p, ps, c.shape[0], None)
+            return time.perf_counter() - t
+
+        x, c = xs[codes[0].shape[1]], codes[0]
+        ref = x.double() @ (dequantize_fp8(c, 1.0, FP8_E4M3, torch.float64) * scales[0].double()[:, None]).t()
+        err = ((ops.fp8_gemv_packed(x, *packed[0], c.shape[0], None).double() - ref).abs().max()
+               / ref.abs().max()).item()
+        med = alternate({"before": before, "packed": pk}, rounds)
+        b, p = med["before"], med["packed"]
+        print(f"| {4 * layers} decode linears | {m} | {b * 1e3:.2f} | {p * 1e3:.2f} | {nbytes / p / 1e9:.1f} | "
+              f"{b / p:.2f}x | {err:.1e} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--walks", action="store_true", help="compare the interleaved and sequential row walks at M = 1-2")
@@ -233,6 +291,7 @@ def main() -> None:
         return
     if args.packed:
         versus_packed(args.rounds, args.layers)
+        versus_packed_fp8(args.rounds, args.layers)
         return
     print(f"# dense_gemv vs F.linear\n\nmachine: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -360,6 +360,30 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
     return (ops.dense_gemv_packed_float_out if float_out else ops.dense_gemv_packed)(x, packed, n, bias)
 
 
+# The rows fp8_gemv_packed serves (FP8 layers with a packed copy, bf16 x).
+# Measured like the above (120 decode linears from memory, e4m3 codes,
+# benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md): 1.1x the fused FP8
+# kernel's sequential walk at 1-2 rows, 2.1-3x at 4-16 (where that kernel
+# decodes to float32 and runs FMAs), 2.1-2.7x the dequantize + GEMM path at
+# 24-64 and 1.1-1.6x at 128-512.
+FP8_GEMV_PACKED_MAX_ROWS = 512
+
+
+def fp8_gemv_packed_applies(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether `fp8_gemv_packed` serves x against an FP8 layer's packed codes
+    (`weight_gemv_packed`, None where the engine made none)."""
+    return (packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
+            and 1 <= x.shape[0] <= FP8_GEMV_PACKED_MAX_ROWS)
+
+
+def fp8_gemv_packed(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (codes * weight_scale).T (+ bias) in bf16 from an FP8 layer's packed
+    codes and scales (gemv_packing.pack_fp8_gemv_weight); n = the layer's
+    output size. See dense_gemv_packed.cpp."""
+    return load_cpu_ops().fp8_gemv_packed(x, packed, scale, n, bias)
+
+
 # dense_gemv's row walks (dense_gemv.cpp `Walk`): how a call streams the weight rows.
 DENSE_GEMV_WALKS = {"auto": 0, "interleaved": 1, "sequential": 2}
 

@@ -1,5 +1,7 @@
-"""bf16 linear weights packed once for `dense_gemv_packed`, the decode GEMV
-on pair-interleaved blocks of 16 output rows (dense_gemv_packed.cpp).
+"""Linear weights packed once for the decode GEMVs on blocks of 16 output rows
+(dense_gemv_packed.cpp): bf16 weights pair-interleaved for `dense_gemv_packed`,
+FP8 (e4m3) codes placed for `fp8_gemv_packed`, which decodes them to bf16 in
+registers.
 
 Why: on a CPU with AVX512-BF16 the bf16 decode linears are dot products
 whose plain [N, K] rows leave one horizontal sum per output at the end of
@@ -11,6 +13,12 @@ read from memory ran 1.02-1.13x as fast as dense_gemv at 13-32 rows and
 1.05-1.34x); up to 12 rows the plain rows stay faster and serve those
 (cpu_ops.GEMV_PACKED_MIN_ROWS / MAX_ROWS; numbers and command:
 benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md).
+
+FP8 checkpoints with bf16 compute: the layer's [N, K] codes are what the
+fused FP8 kernel (fp8_linear.cpp, float32 FMAs after the decode) and the
+prefill path (dequantize + GEMM) read; packed, the same codes run every
+decode batch of 1-512 rows 1.1-3x as fast (cpu_ops.FP8_GEMV_PACKED_MAX_ROWS),
+for 1 byte per weight more.
 
 The packed copy sits beside the plain weight (the embedding lookup of a tied
 LM head, batches of 1-12 and every other path read the plain one, and oneDNN
@@ -65,6 +73,49 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+E4M3_DECODE_SCALE = 2.0**8  # fp8_bf16_lut.h decodes e4m3 codes to value * 2^-8
+
+
+def _fp8_code_positions() -> torch.Tensor:
+    """src[pos] = 4 * r + kk: which (row r, k offset kk) of a block's quad
+    lands at byte `pos` of its 64-byte vector, so that the kernel's decode
+    (bf16_from_codes64: 16-bit lane j of `a` from byte 16 (j / 8) + j % 8, of
+    `b` from byte 16 (j / 8) + 8 + j % 8) leaves the pair (kk = 0, 1) of row
+    j / 2 in `a` and (kk = 2, 3) in `b`."""
+    src = torch.empty(64, dtype=torch.long)
+    for j in range(32):
+        r, e = divmod(j, 2)
+        src[16 * (j // 8) + j % 8] = 4 * r + e
+        src[16 * (j // 8) + 8 + j % 8] = 4 * r + 2 + e
+    return src
+
+
+def pack_fp8_gemv_weight(codes: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes [N, K] (uint8, K a multiple of 4) and their per-row scales
+    [N] float32 as fp8_gemv_packed reads them: codes [ceil(N/16), K/4, 64]
+    (dense_gemv_packed.cpp; rows past N are code 0) and the scales times 2^8
+    (the decode's scale), zero-padded to [ceil(N/16) * 16]."""
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.device.type != "cpu":
+        raise ValueError(f"pack_fp8_gemv_weight takes 2-D uint8 e4m3 codes [N, K] on the CPU, got {codes.dtype} "
+                         f"{tuple(codes.shape)} on {codes.device}")
+    n, k = codes.shape
+    if n == 0 or k % 4 != 0:
+        raise ValueError(f"pack_fp8_gemv_weight: codes {tuple(codes.shape)} need N >= 1 and K a multiple of 4")
+    if weight_scale.shape != (n,) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"pack_fp8_gemv_weight: weight_scale must be float32 [{n}], got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    blocks = -(-n // BLOCK_ROWS)
+    padded = torch.zeros(blocks * BLOCK_ROWS, k, dtype=torch.uint8)
+    padded[:n] = codes
+    quads = padded.reshape(blocks, BLOCK_ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(blocks, k // 4, 64)
+    packed = torch.empty(blocks, k // 4, 64, dtype=torch.uint8)
+    advise_huge_pages(packed, "weight")
+    packed.copy_(quads[:, :, _fp8_code_positions()])
+    scale = torch.zeros(blocks * BLOCK_ROWS, dtype=torch.float32)
+    scale[:n] = weight_scale * E4M3_DECODE_SCALE
+    return packed, scale
+
+
 def _packing_wanted() -> bool | None:
     """True / False when the environment forces it, None for the CPU's own choice."""
     value = os.environ.get(PACKED_WEIGHTS_ENV, "auto").strip().lower()
@@ -90,31 +141,50 @@ def packing_applies() -> bool:
     return is_amd_cpu() and not amx_linear_ops.is_available()
 
 
+def _fp8_packing_built() -> bool:
+    from fp8serve.kernels import cpu_ops
+
+    ops = cpu_ops.load_cpu_ops()
+    return ops is not None and bool(ops.fp8_gemv_has_packed())
+
+
+def _is_fp8_kernel_layer(m: nn.Module) -> bool:
+    """An FP8 linear whose codes the CPU kernel reads ([N, K] uint8 e4m3, [N] float32 scales)."""
+    return (getattr(m, "fp8_backend", None) == "cpu_kernel" and m.weight.dtype == torch.uint8
+            and m.weight.dim() == 2 and m.weight.shape[1] % 4 == 0)
+
+
 def pack_gemv_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
     """Give every bf16 linear of a bf16 model (layers with a `weight_gemv_packed`
     slot: plain linear layers and the LM head) a packed copy of its weight,
-    where `packing_applies` and the copies fit in a quarter of the memory
+    and every FP8 linear its codes packed for fp8_gemv_packed, where
+    `packing_applies` and the copies fit in a quarter of the memory
     available. Returns the bytes packed (0 when nothing was)."""
     if compute_dtype != torch.bfloat16:
         return 0
-    layers = [m for m in model.modules()
-              if hasattr(m, "weight_gemv_packed") and isinstance(getattr(m, "weight", None), torch.Tensor)
-              and m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2 and m.weight.device.type == "cpu"
-              and m.weight.shape[1] % 2 == 0]
-    if not layers or not packing_applies():
+    slots = [m for m in model.modules()
+             if hasattr(m, "weight_gemv_packed") and isinstance(getattr(m, "weight", None), torch.Tensor)
+             and m.weight.device.type == "cpu"]
+    bf16 = [m for m in slots if m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2 and m.weight.shape[1] % 2 == 0]
+    fp8 = [m for m in slots if _is_fp8_kernel_layer(m)]
+    if (not bf16 and not fp8) or not packing_applies():
         return 0
-    weights = {id(m.weight): m.weight for m in layers}  # a tied LM head shares its embedding's weight
-    total = sum(BLOCK_ROWS * packed_shape(*w.shape)[0] * w.shape[1] * 2 for w in weights.values())
+    if not _fp8_packing_built():
+        fp8 = []
+    weights = {id(m.weight): m.weight for m in bf16 + fp8}  # a tied LM head shares its embedding's weight
+    total = sum(BLOCK_ROWS * packed_shape(*w.shape)[0] * w.shape[1] * w.element_size() for w in weights.values())
     budget = available_memory_bytes() // 4
     if total > budget:
-        logger.info("dense_gemv: bf16 weights not packed: the copy needs %.0f MiB, over a quarter of the memory "
+        logger.info("dense_gemv: weights not packed: the copy needs %.0f MiB, over a quarter of the memory "
                     "available (%.0f MiB)", total / 2**20, budget / 2**20)
         return 0
     packed: dict[int, torch.Tensor] = {}
-    for m in layers:
+    for m in bf16:
         if id(m.weight) not in packed:
             packed[id(m.weight)] = pack_gemv_weight(m.weight)
         m.weight_gemv_packed = packed[id(m.weight)]
-    logger.info("dense_gemv: packed %d bf16 weights once for decode batches of 13-256 (%.0f MiB, another copy)",
-                len(packed), total / 2**20)
+    for m in fp8:
+        m.weight_gemv_packed, m.weight_scale_gemv_packed = pack_fp8_gemv_weight(m.weight, m.weight_scale)
+    logger.info("dense_gemv: packed %d bf16 and %d FP8 weights once for decode batches (%.0f MiB, another copy)",
+                len(packed), len(fp8), total / 2**20)
     return total

@@ -40,9 +40,11 @@ class MergedLinear(nn.Module):
         # (onednn_linear.pack_weights); a buffer so that recorded decode
         # forwards know it as model state.
         self.register_buffer("weight_packed", None, persistent=False)
-        # The bf16 weight packed for dense_gemv_packed, where the engine makes
-        # one (gemv_packing.pack_gemv_weights); read at decode batches of 13-256.
+        # The bf16 weight packed for dense_gemv_packed (or an FP8 layer's codes
+        # for fp8_gemv_packed, with their row scales), where the engine makes
+        # one (gemv_packing.pack_gemv_weights).
         self.register_buffer("weight_gemv_packed", None, persistent=False)
+        self.register_buffer("weight_scale_gemv_packed", None, persistent=False)
         if bias:
             b = nn.Parameter(torch.zeros(self.output_size, dtype=params_dtype), requires_grad=False)
             self.register_parameter("bias", set_weight_loader(b, load_output_shard(self)))

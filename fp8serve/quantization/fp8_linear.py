@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fp8serve.errors import ConfigError
-from fp8serve.kernels import fp8_linear_ops, onednn_linear
+from fp8serve.kernels import cpu_ops, fp8_linear_ops, onednn_linear
 from fp8serve.quantization.base import LinearMethod, QuantizationConfig, set_weight_loader
 from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8, quantize_fp8
 from fp8serve.quantization.loaders import load_output_shard, load_per_shard_scalar
@@ -156,6 +156,10 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.fp8_backend == "dequantized":
             return onednn_linear.linear(x, layer.weight, bias, packed=layer.weight_packed)
+        if cpu_ops.fp8_gemv_packed_applies(x, getattr(layer, "weight_gemv_packed", None)):
+            # bf16 batches of 1-512 rows on the packed codes, where the engine made them (gemv_packing.py).
+            return cpu_ops.fp8_gemv_packed(x, layer.weight_gemv_packed, layer.weight_scale_gemv_packed,
+                                           layer.weight.shape[0], bias)
         if layer.fp8_backend == "cpu_kernel" and x.dim() == 2:
             # The engine's activations are [num_tokens, hidden]: no reshapes
             # (two ATen calls per linear, ~0.6 ms of a batch-1 step).

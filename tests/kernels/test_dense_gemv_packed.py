@@ -114,3 +114,92 @@ def test_applies_to_bf16_batches_of_13_to_256_rows():
     assert not cpu_ops.dense_gemv_packed_applies(torch.randn(20, 64), packed)  # float32 x
     assert not cpu_ops.dense_gemv_packed_applies(torch.randn(2, 10, 64).bfloat16(), packed)  # not [M, K]
     assert not cpu_ops.dense_gemv_packed_applies(torch.randn(20, 64).bfloat16(), None)  # no packed copy
+
+
+# ---------------------------------------------------------------- FP8 weights
+_fp8 = pytest.mark.skipif(_ops is None or not bool(_ops.fp8_gemv_has_packed()),
+                          reason="fp8_gemv_packed needs the C++ kernels built for AVX512-BF16 and AVX512-VBMI")
+
+
+def _random_codes(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Every e4m3 code but the two NaNs (0x7F, 0xFF), subnormals and zeros included."""
+    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int64).to(torch.uint8)
+    return torch.where((codes & 0x7F) == 0x7F, torch.zeros_like(codes), codes)
+
+
+@_fp8
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 33, 100])
+@pytest.mark.parametrize("n,k", [(167, 576), (16, 1536), (35, 8), (1, 4)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_matches_float64(seed, m, n, k, with_bias):
+    from fp8serve.kernels.gemv_packing import pack_fp8_gemv_weight
+    from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8
+
+    g = torch.Generator().manual_seed(seed)
+    codes = _random_codes(n, k, g)
+    scale = torch.rand(n, generator=g) * 0.02 + 1e-3
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g) if with_bias else None
+    packed, packed_scale = pack_fp8_gemv_weight(codes, scale)
+    out = cpu_ops.fp8_gemv_packed(x, packed, packed_scale, n, bias)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    w = dequantize_fp8(codes, 1.0, FP8_E4M3, torch.float64)  # the codes' values, exact
+    xd, sd = x.double(), scale.double()
+    ref = (xd @ w.t()) * sd + (bias.double() if with_bias else 0)
+    # The decode is exact and products exact in float32: k roundings of the
+    # float32 sum (bounded by sum |x w|), one of the scale product, one of the
+    # bias add, then the bf16 rounding.
+    magnitude = (xd.abs() @ w.abs().t()) * sd + (bias.double().abs() if with_bias else 0)
+    sum_err = (k + 2) * 2.0**-24 * magnitude * (1 + 1e-6)
+    bound = sum_err + 2.0**-8 * (ref.abs() + sum_err)
+    excess = ((out.double() - ref).abs() - bound).max().item()
+    assert excess <= 0, f"seed={seed}: error exceeds the bound by {excess:.3e}"
+
+
+@_fp8
+@pytest.mark.parametrize("m", [1, 8, 13, 40])
+def test_fp8_exact_on_integer_data(seed, m):
+    """Codes of small integers with scale 1: any mixed-up row, k or block is a wrong value."""
+    from fp8serve.kernels.gemv_packing import pack_fp8_gemv_weight
+    from fp8serve.quantization.fp8 import FP8_E4M3, quantize_fp8
+
+    g = torch.Generator().manual_seed(seed)
+    n, k = 83, 40
+    w = torch.randint(-4, 5, (n, k), generator=g).float()
+    codes = quantize_fp8(w, 1.0, FP8_E4M3)
+    x = torch.randint(-2, 3, (m, k), generator=g).bfloat16()
+    packed, scale = pack_fp8_gemv_weight(codes, torch.ones(n))
+    out = cpu_ops.fp8_gemv_packed(x, packed, scale, n, None)
+    ref = x.double() @ w.double().t()
+    assert ref.abs().max() < 256
+    assert torch.equal(out.double(), ref), f"seed={seed}"
+
+
+@_fp8
+def test_fp8_rejects_bad_input():
+    from fp8serve.kernels.gemv_packing import pack_fp8_gemv_weight
+
+    packed, scale = pack_fp8_gemv_weight(torch.zeros(20, 8, dtype=torch.uint8), torch.ones(20))
+    x = torch.randn(2, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be a \\[M, K\\] bf16 CPU tensor"):
+        _ops.fp8_gemv_packed(x.float(), packed, scale, 20, None)
+    with pytest.raises(RuntimeError, match="takes 1 to 512 rows, got 513"):
+        _ops.fp8_gemv_packed(torch.randn(513, 8).bfloat16(), packed, scale, 20, None)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 4, got 6"):
+        _ops.fp8_gemv_packed(torch.randn(2, 6).bfloat16(), packed, scale, 20, None)
+    with pytest.raises(RuntimeError, match=r"codes_packed must be a contiguous uint8 \[ceil\(N/16\), K/4, 64\]"):
+        _ops.fp8_gemv_packed(torch.randn(2, 12).bfloat16(), packed, scale, 20, None)
+    with pytest.raises(RuntimeError, match="n = 33 does not fit 2 blocks of 16 rows"):
+        _ops.fp8_gemv_packed(x, packed, scale, 33, None)
+    with pytest.raises(RuntimeError, match=r"scale must be a contiguous float32 \[32\] tensor"):
+        _ops.fp8_gemv_packed(x, packed, scale[:20], 20, None)
+    with pytest.raises(RuntimeError, match=r"bias must be \[20\]"):
+        _ops.fp8_gemv_packed(x, packed, scale, 20, torch.zeros(16))
+
+
+def test_fp8_applies_to_bf16_batches_of_1_to_512_rows():
+    packed = torch.zeros(1, 2, 64, dtype=torch.uint8)
+    for m, wanted in ((1, True), (512, True), (513, False)):
+        assert cpu_ops.fp8_gemv_packed_applies(torch.randn(m, 8).bfloat16(), packed) is wanted, m
+    assert not cpu_ops.fp8_gemv_packed_applies(torch.randn(4, 8), packed)  # float32 x
+    assert not cpu_ops.fp8_gemv_packed_applies(torch.randn(4, 8).bfloat16(), None)

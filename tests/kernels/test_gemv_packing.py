@@ -123,3 +123,67 @@ def test_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
         assert gemv_packing.pack_gemv_weights(model, torch.bfloat16) == 0
     assert model.qkv.weight_gemv_packed is None
     assert "not packed: the copy needs" in caplog.text
+
+
+@pytest.mark.parametrize("n,k", [(35, 8), (16, 576), (1, 4)])
+def test_pack_fp8_gemv_weight_layout(seed, n, k):
+    """Undo the byte placement of the kernel's decode: row j // 2 of a block
+    has k-pair (4q, 4q + 1) in `a` lane j and (4q + 2, 4q + 3) in `b` lane j,
+    a's lane j from byte 16 (j // 8) + j % 8, b's from that + 8."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int64).to(torch.uint8)
+    scale = torch.rand(n, generator=g)
+    packed, packed_scale = gemv_packing.pack_fp8_gemv_weight(codes, scale)
+    blocks = -(-n // 16)
+    assert packed.shape == (blocks, k // 4, 64) and packed.dtype == torch.uint8 and packed.is_contiguous()
+    rebuilt = torch.zeros(blocks * 16, k, dtype=torch.uint8)
+    for b in range(blocks):
+        for q in range(k // 4):
+            for j in range(32):
+                row = 16 * b + j // 2
+                rebuilt[row, 4 * q + j % 2] = packed[b, q, 16 * (j // 8) + j % 8]
+                rebuilt[row, 4 * q + 2 + j % 2] = packed[b, q, 16 * (j // 8) + 8 + j % 8]
+    assert torch.equal(rebuilt[:n], codes) and not rebuilt[n:].any()
+    assert torch.equal(packed_scale[:n], scale * 256) and not packed_scale[n:].any()
+
+
+def test_pack_fp8_gemv_weight_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"2-D uint8 e4m3 codes \[N, K\] on the CPU, got torch.float32"):
+        gemv_packing.pack_fp8_gemv_weight(torch.zeros(4, 8), torch.ones(4))
+    with pytest.raises(ValueError, match=r"\(4, 6\) need N >= 1 and K a multiple of 4"):
+        gemv_packing.pack_fp8_gemv_weight(torch.zeros(4, 6, dtype=torch.uint8), torch.ones(4))
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \[4\], got torch.float32 \(3,\)"):
+        gemv_packing.pack_fp8_gemv_weight(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(3))
+
+
+@pytest.mark.skipif(_ops is None or not bool(_ops.fp8_gemv_has_packed()),
+                    reason="fp8_gemv_packed needs the C++ kernels built for AVX512-BF16 and AVX512-VBMI")
+def test_fp8_checkpoint_layers_read_their_packed_codes(tmp_path, monkeypatch, seed):
+    """An FP8 checkpoint through the real loader, bf16 compute, packing on:
+    every FP8 linear gets its own codes and per-shard scales packed, and its
+    forward (now fp8_gemv_packed) is the decoded weight's product within the
+    bound of the kernel's float32 sums and one bf16 rounding."""
+    from checkpoints import write_tiny_llama
+    from kv_scale_checkpoints import quantize_to_fp8_checkpoint
+
+    from fp8serve import LLM
+    from fp8serve.layers.linear import MergedLinear
+    from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8
+
+    fp8_dir = tmp_path / "fp8"
+    quantize_to_fp8_checkpoint(write_tiny_llama(tmp_path / "base"), fp8_dir, tmp_path / "ref")
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    calls = []
+    real = cpu_ops.fp8_gemv_packed
+    monkeypatch.setattr(cpu_ops, "fp8_gemv_packed", lambda *a: calls.append(a[3]) or real(*a))
+    llm = LLM(str(fp8_dir), dtype="bfloat16", kv_cache_memory="4MiB")
+    linears = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, MergedLinear)]
+    assert linears and all(m.weight.dtype == torch.uint8 and m.weight_gemv_packed is not None for m in linears)
+    g = torch.Generator().manual_seed(seed)
+    for m in linears:
+        x = torch.randn(20, m.input_size, generator=g).bfloat16()
+        w = dequantize_fp8(m.weight, 1.0, FP8_E4M3, torch.float64) * m.weight_scale.double()[:, None]
+        ref = x.double() @ w.t()
+        bound = (m.input_size + 2) * 2.0**-24 * (x.double().abs() @ w.abs().t()) * 1.01 + 2.0**-8 * ref.abs() * 1.01
+        assert ((m(x).double() - ref).abs() <= bound).all(), f"seed={seed}: {m.prefix}"
+    assert len(calls) >= len(linears)

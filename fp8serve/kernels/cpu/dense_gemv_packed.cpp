@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "fp8_bf16_lut.h"
 #include "prefetch_level.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -138,6 +139,79 @@ void blocks_any(int64_t mt, const uint32_t* x_pairs, int64_t kp_count, const uin
 }
 #endif
 
+#if defined(FP8SERVE_GEMV_PACKED) && defined(FP8SERVE_FP8_BF16_LUT)
+#define FP8SERVE_GEMV_PACKED_FP8 1
+// FP8 (e4m3) weights: blocks of 16 output rows whose 64-byte vector q holds
+// the codes of k = 4q .. 4q + 3, placed so that bf16_from_codes64 (exact, in
+// the scale value * 2^-8) leaves the k-pair (4q, 4q + 1) of the 16 rows in
+// `a` and (4q + 2, 4q + 3) in `b` (gemv_packing.pack_fp8_gemv_weight):
+// half the bytes of bf16 weights, 5 instructions per 64 codes to decode,
+// and the row scales (times 2^8) applied to the 16 finished sums of a block.
+// Two blocks per tile: 16 accumulators, 4 decoded vectors and the 4 table
+// registers stay in the 32.
+constexpr int kFp8TileBlocks = 2;
+
+template <int MT, int NB>
+__attribute__((always_inline)) inline void tile_fp8(const uint32_t* x_pairs, int64_t kp_count, const uint8_t* wp,
+                                                    int64_t b0, const float* scale, const float* bias,
+                                                    uint16_t* out, int64_t N, int64_t prefetch_offset,
+                                                    const fp8serve_fp8bf16::ByteLut& lut) {
+  __m512 acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int c = 0; c < NB; ++c) acc[m][c] = _mm512_setzero_ps();
+  const int64_t quads = kp_count / 2;
+  const uint8_t* wb = wp + b0 * quads * 64;
+  for (int64_t q = 0; q < quads; ++q) {
+    __m512i a[NB], b[NB];
+    for (int c = 0; c < NB; ++c) {
+      const uint8_t* src = wb + (c * quads + q) * 64;
+      if (prefetch_offset != 0)
+        fp8serve_prefetch::line<fp8serve_prefetch::kL2>(reinterpret_cast<const char*>(src) + prefetch_offset);
+      fp8serve_fp8bf16::bf16_from_codes64(_mm512_loadu_si512(src), lut, a[c], b[c]);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xa = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[m * kp_count + 2 * q]));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[m * kp_count + 2 * q + 1]));
+      for (int c = 0; c < NB; ++c) {
+        acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)a[c], xa);
+        acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)b[c], xb);
+      }
+    }
+  }
+  for (int c = 0; c < NB; ++c) {
+    const int64_t n0 = (b0 + c) * 16;
+    const int64_t valid = std::min<int64_t>(16, N - n0);
+    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 sc = _mm512_maskz_loadu_ps(mask, scale + n0);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) store_rounded<false>(out, m * N + n0, mask, _mm512_fmadd_ps(acc[m][c], sc, bv));
+  }
+}
+
+template <int MT>
+void blocks_fp8(const uint32_t* x_pairs, int64_t kp_count, const uint8_t* wp, int64_t b_begin, int64_t b_end,
+                const float* scale, const float* bias, uint16_t* out, int64_t N, int64_t prefetch_offset) {
+  const fp8serve_fp8bf16::ByteLut lut = fp8serve_fp8bf16::load_byte_lut<fp8serve_fp8bf16::kE4M3>();
+  int64_t b = b_begin;
+  for (; b + kFp8TileBlocks <= b_end; b += kFp8TileBlocks)
+    tile_fp8<MT, kFp8TileBlocks>(x_pairs, kp_count, wp, b, scale, bias, out, N, prefetch_offset, lut);
+  for (; b < b_end; ++b) tile_fp8<MT, 1>(x_pairs, kp_count, wp, b, scale, bias, out, N, prefetch_offset, lut);
+}
+
+void blocks_fp8_any(int64_t mt, const uint32_t* x_pairs, int64_t kp_count, const uint8_t* wp, int64_t b_begin,
+                    int64_t b_end, const float* scale, const float* bias, uint16_t* out, int64_t N,
+                    int64_t prefetch_offset) {
+  switch (mt) {
+#define FP8SERVE_CASE(T) \
+  case T: blocks_fp8<T>(x_pairs, kp_count, wp, b_begin, b_end, scale, bias, out, N, prefetch_offset); break;
+    FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
+    FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
+#undef FP8SERVE_CASE
+    default: TORCH_CHECK(false, "bad activation tile ", mt);
+  }
+}
+#endif
+
 }  // namespace
 
 // x: [M, K] bf16, rows contiguous, 1 <= M <= 32, K even; w_packed: the
@@ -205,6 +279,70 @@ at::Tensor dense_gemv_packed_float_out(at::Tensor x, at::Tensor w_packed, int64_
   return dense_gemv_packed_impl(x, w_packed, n, bias, /*float_out=*/true);
 }
 
+// x: [M, K] bf16, rows contiguous, 1 <= M <= 512, K a multiple of 4;
+// codes_packed: [ceil(N/16), K/4, 64] uint8 e4m3 codes in the layout above;
+// scale: [ceil(N/16) * 16] float32, each row's weight scale times 2^8 (the
+// decode's scale); n: N; bias: [N] float32 or bf16, or none. Returns [M, N] bf16.
+at::Tensor fp8_gemv_packed(at::Tensor x, at::Tensor codes_packed, at::Tensor scale, int64_t n,
+                           std::optional<at::Tensor> bias) {
+#ifdef FP8SERVE_GEMV_PACKED_FP8
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "x must be a [M, K] bf16 CPU tensor, got ", x.scalar_type(), " of ", x.dim(), " dimensions");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "fp8_gemv_packed takes 1 to ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(K % 4 == 0, "K must be a multiple of 4, got ", K);
+  TORCH_CHECK(codes_packed.dim() == 3 && codes_packed.scalar_type() == at::kByte && codes_packed.is_contiguous() &&
+                  codes_packed.size(1) == K / 4 && codes_packed.size(2) == 64,
+              "codes_packed must be a contiguous uint8 [ceil(N/16), K/4, 64] = [*, ", K / 4, ", 64] tensor, got ",
+              codes_packed.sizes());
+  const int64_t num_blocks = codes_packed.size(0);
+  TORCH_CHECK(n >= 1 && n <= num_blocks * 16 && n > (num_blocks - 1) * 16, "n = ", n, " does not fit ", num_blocks,
+              " blocks of 16 rows");
+  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.size(0) == num_blocks * 16,
+              "scale must be a contiguous float32 [", num_blocks * 16, "] tensor");
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [", n, "]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, n}, x.options());
+  const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
+  const auto* wp = codes_packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  const int64_t kp_count = K / 2;
+  const int64_t block_bytes = K * 16;
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkBytes / block_bytes / kFp8TileBlocks) * kFp8TileBlocks;
+  at::parallel_for(0, num_blocks, kFp8TileBlocks, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = begin; c0 < end; c0 += chunk_blocks) {
+      const int64_t c1 = std::min(end, c0 + chunk_blocks);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int64_t ahead = m0 == 0 ? kPrefetchBytes : m0 == kTileRows ? (c1 - c0) * block_bytes : 0;
+        blocks_fp8_any(std::min(kTileRows, M - m0), xp + m0 * kp_count, kp_count, wp, c0, c1, sp, bp, op + m0 * n, n,
+                       ahead);
+      }
+    }
+  });
+  return out;
+#else
+  (void)x, (void)codes_packed, (void)scale, (void)n, (void)bias;
+  TORCH_CHECK(false, "fp8_gemv_packed needs a build for a CPU with AVX512-BF16 and AVX512-VBMI "
+                     "(see fp8_gemv_has_packed)");
+  return at::Tensor();
+#endif
+}
+
+bool fp8_gemv_has_packed() {
+#ifdef FP8SERVE_GEMV_PACKED_FP8
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool dense_gemv_has_packed() {
 #ifdef FP8SERVE_GEMV_PACKED
   return true;
@@ -217,4 +355,6 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("dense_gemv_packed", &dense_gemv_packed);
   m.def("dense_gemv_packed_float_out", &dense_gemv_packed_float_out);
   m.def("dense_gemv_has_packed", &dense_gemv_has_packed);
+  m.def("fp8_gemv_packed", &fp8_gemv_packed);
+  m.def("fp8_gemv_has_packed", &fp8_gemv_has_packed);
 }
