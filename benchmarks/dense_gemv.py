@@ -225,7 +225,7 @@ def versus_packed_fp8(rounds: int, layers: int) -> None:
     if not ops.fp8_gemv_has_packed():
         print("\n(FP8 section skipped: this build has no fp8_gemv_packed)")
         return
-    print("\n## FP8 (e4m3) weights, bf16 activations\n")
+    print("\n### FP8 (e4m3) weights, bf16 activations\n")
     print(f"- `before` = the engine's FP8 path without packed codes (`fp8_linear_loaded`: the fused kernel up to "
           f"{fp8_linear_ops.max_fused_rows(torch.bfloat16)} rows, dequantize + GEMM above); GB/s = code bytes / time\n")
     print("| calls | M | before ms | packed ms | packed GB/s | speedup | rel err packed |")

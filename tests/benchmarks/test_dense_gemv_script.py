@@ -1,4 +1,4 @@
-"""benchmarks/dense_gemv.py --walks and --baseline-rev: variants side by side, bad arguments rejected."""
+"""benchmarks/dense_gemv.py --walks, --baseline-rev and --packed: variants side by side, bad arguments rejected."""
 
 from __future__ import annotations
 
@@ -40,11 +40,35 @@ def test_baseline_rev_table(ops, monkeypatch, capsys):
     assert all(float(c[2]) > 0 and float(c[4]) > 0 and c[6].endswith("x") for c in cells)
 
 
-def test_walks_and_baseline_rev_are_exclusive(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--walks", "--baseline-rev", "HEAD"])
+@pytest.mark.parametrize("modes", [["--walks", "--baseline-rev", "HEAD"], ["--packed", "--walks"],
+                                   ["--packed", "--baseline-rev", "HEAD"]])
+def test_modes_are_exclusive(modes, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", *modes])
     with loaded_script("dense_gemv.py") as script, pytest.raises(SystemExit):
         script.main()
-    assert "give --walks or --baseline-rev, not both" in capsys.readouterr().err
+    assert "give one of --walks, --baseline-rev and --packed" in capsys.readouterr().err
+
+
+def test_packed_tables(ops, monkeypatch, capsys):
+    """bf16: a row per call set and M with the packed kernel timed; FP8 codes: a row per M."""
+    if not bool(ops.dense_gemv_has_packed()):
+        pytest.skip("dense_gemv_packed is not built here")
+    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--packed", "--rounds", "1", "--layers", "1"])
+    with loaded_script("dense_gemv.py") as script:
+        script.main()
+        rows_m = script.PACKED_ROWS
+    out = capsys.readouterr().out
+    bf16, fp8 = out.split("### FP8") if "### FP8" in out else (out, "")
+    cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in bf16.splitlines()
+             if r.startswith("| ") and not r.startswith("| calls")]
+    assert {(c[0], c[1]) for c in cells} == {(calls, str(m)) for calls in ("4 decode linears", "lm_head")
+                                             for m in rows_m}
+    assert all(float(c[4]) > 0 and float(c[8]) < 2**-7 for c in cells)  # packed ms; bf16-sized error
+    if bool(ops.fp8_gemv_has_packed()):
+        fcells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in fp8.splitlines()
+                  if r.startswith("| ") and not r.startswith("| calls")]
+        assert [c[1] for c in fcells] == [str(m) for m in rows_m]
+        assert all(float(c[2]) > 0 and float(c[3]) > 0 and c[5].endswith("x") and float(c[6]) < 2**-7 for c in fcells)
 
 
 def test_unknown_revision_is_reported(ops, monkeypatch):
