@@ -33,12 +33,11 @@ kernel is built.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
-from fp8serve.errors import ConfigError
+from fp8serve.utils.env_switch import env_switch
 from fp8serve.utils.huge_pages import advise_huge_pages
 from fp8serve.utils.platform import available_memory_bytes, is_amd_cpu
 
@@ -116,18 +115,6 @@ def pack_fp8_gemv_weight(codes: torch.Tensor, weight_scale: torch.Tensor) -> tup
     return packed, scale
 
 
-def _packing_wanted() -> bool | None:
-    """True / False when the environment forces it, None for the CPU's own choice."""
-    value = os.environ.get(PACKED_WEIGHTS_ENV, "auto").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value != "auto":
-        raise ConfigError(f"environment variable {PACKED_WEIGHTS_ENV}={value!r}: expected auto, 1 or 0")
-    return None
-
-
 def packing_applies() -> bool:
     """Whether this machine and build pack bf16 weights for dense_gemv_packed."""
     from fp8serve.kernels import amx_linear_ops, cpu_ops
@@ -135,7 +122,7 @@ def packing_applies() -> bool:
     ops = cpu_ops.load_cpu_ops()
     if ops is None or not bool(ops.dense_gemv_has_packed()):
         return False
-    wanted = _packing_wanted()
+    wanted = env_switch(PACKED_WEIGHTS_ENV)
     if wanted is not None:
         return wanted
     return is_amd_cpu() and not amx_linear_ops.is_available()

@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8serve.errors import ConfigError
+from fp8serve.utils.env_switch import env_switch
 from fp8serve.utils.platform import available_memory_bytes, is_amd_cpu
 
 logger = logging.getLogger(__name__)
@@ -126,13 +125,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _packing_wanted() -> bool:
-    value = os.environ.get(PACKED_WEIGHTS_ENV, "auto").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value != "auto":
-        raise ConfigError(f"environment variable {PACKED_WEIGHTS_ENV}={value!r}: expected auto, 1 or 0")
+    wanted = env_switch(PACKED_WEIGHTS_ENV)
+    if wanted is not None:
+        return wanted
     from fp8serve.kernels import amx_linear_ops
 
     return is_amd_cpu() and not amx_linear_ops.is_available()

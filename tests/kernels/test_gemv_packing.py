@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiny_layers import tiny_bf16_model
+
 from fp8serve.errors import ConfigError
 from fp8serve.kernels import cpu_ops, gemv_packing
 
@@ -36,28 +38,10 @@ def test_pack_gemv_weight_rejects_bad_input():
         gemv_packing.pack_gemv_weight(torch.ones(4, 7, dtype=torch.bfloat16))
 
 
-def _tiny_model():
-    from fp8serve.layers.linear import MergedLinear
-    from fp8serve.layers.vocab_embedding import LMHead, VocabEmbedding
-
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = VocabEmbedding(50, 32, torch.bfloat16)
-            self.qkv = MergedLinear(32, [32, 16, 16], params_dtype=torch.bfloat16)
-            self.f32 = MergedLinear(32, [8], params_dtype=torch.float32)
-            self.head = LMHead(50, 32, torch.bfloat16, tied_to=self.embed)
-
-    model = Tiny()
-    for p in model.parameters():
-        p.data.normal_()
-    return model
-
-
 @needs_kernel
 def test_pack_gemv_weights_packs_bf16_layers_once_and_they_read_it(monkeypatch):
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
-    model = _tiny_model()
+    model = tiny_bf16_model()
     packed = gemv_packing.pack_gemv_weights(model, torch.bfloat16)
     # The tied head and its embedding share one copy (50 rows padded to 64).
     assert packed == 64 * 32 * 2 + 64 * 32 * 2
@@ -80,14 +64,14 @@ def test_pack_gemv_weights_packs_bf16_layers_once_and_they_read_it(monkeypatch):
 @pytest.mark.parametrize("setting", ["0", "off"])
 def test_pack_gemv_weights_off(monkeypatch, setting):
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, setting)
-    model = _tiny_model()
+    model = tiny_bf16_model()
     assert gemv_packing.pack_gemv_weights(model, torch.bfloat16) == 0
     assert model.qkv.weight_gemv_packed is None and model.head.weight_gemv_packed is None
 
 
 def test_pack_gemv_weights_only_for_bf16_compute(monkeypatch):
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
-    model = _tiny_model()
+    model = tiny_bf16_model()
     assert gemv_packing.pack_gemv_weights(model, torch.float32) == 0
     assert model.qkv.weight_gemv_packed is None
 
@@ -111,13 +95,13 @@ def test_auto_is_amd_without_amx(monkeypatch):
 def test_bad_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "sometimes")
     with pytest.raises(ConfigError, match="FP8SERVE_GEMV_PACKED_WEIGHTS='sometimes': expected auto, 1 or 0"):
-        gemv_packing.pack_gemv_weights(_tiny_model(), torch.bfloat16)
+        gemv_packing.pack_gemv_weights(tiny_bf16_model(), torch.bfloat16)
 
 
 @needs_kernel
 def test_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
-    model = _tiny_model()
+    model = tiny_bf16_model()
     monkeypatch.setattr(gemv_packing, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
     with caplog.at_level("INFO", logger="fp8serve.kernels.gemv_packing"):
         assert gemv_packing.pack_gemv_weights(model, torch.bfloat16) == 0

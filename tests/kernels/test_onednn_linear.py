@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tiny_layers import tiny_bf16_model
+
 from fp8serve.kernels import onednn_linear
 
 needs_onednn = pytest.mark.skipif(not onednn_linear.is_available(), reason="torch built without oneDNN")
@@ -161,29 +163,11 @@ def test_pack_weight_rejects_bad_input():
         onednn_linear.pack_weight(torch.ones(8, dtype=torch.bfloat16))
 
 
-def _tiny_bf16_model():
-    from fp8serve.layers.linear import MergedLinear
-    from fp8serve.layers.vocab_embedding import LMHead, VocabEmbedding
-
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = VocabEmbedding(50, 32, torch.bfloat16)
-            self.qkv = MergedLinear(32, [32, 16, 16], params_dtype=torch.bfloat16)
-            self.f32 = MergedLinear(32, [8], params_dtype=torch.float32)
-            self.head = LMHead(50, 32, torch.bfloat16, tied_to=self.embed)
-
-    model = Tiny()
-    for p in model.parameters():
-        p.data.normal_()
-    return model
-
-
 @needs_packing
 @pytest.mark.parametrize("setting, packs", [("1", True), ("0", False), ("off", False)])
 def test_pack_weights_follows_the_environment(monkeypatch, setting, packs):
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, setting)
-    model = _tiny_bf16_model()
+    model = tiny_bf16_model()
     packed = onednn_linear.pack_weights(model, torch.bfloat16)
     if not packs:
         assert packed == 0 and model.qkv.weight_packed is None and model.head.weight_packed is None
@@ -205,7 +189,7 @@ def test_float32_compute_packs_only_float32_weights(monkeypatch):
     if not onednn_linear.packing_available(torch.float32):
         pytest.skip("this torch cannot pack float32 weights for oneDNN")
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
-    model = _tiny_bf16_model()
+    model = tiny_bf16_model()
     assert onednn_linear.pack_weights(model, torch.float32) == model.f32.weight.nbytes
     assert model.qkv.weight_packed is None and model.head.weight_packed is None
     assert model.f32.weight_packed.is_mkldnn and model.f32.weight_packed.dtype == torch.float32
@@ -213,7 +197,7 @@ def test_float32_compute_packs_only_float32_weights(monkeypatch):
     out = model.f32(x)
     ref = x.double() @ model.f32.weight.double().t()
     assert _float32_sum_error(out, x, model.f32.weight, None, ref) <= 1.0
-    assert onednn_linear.pack_weights(_tiny_bf16_model(), torch.float16) == 0  # not a packable dtype
+    assert onednn_linear.pack_weights(tiny_bf16_model(), torch.float16) == 0  # not a packable dtype
 
 
 def test_pack_weights_auto_is_amd_without_amx(monkeypatch):
@@ -231,13 +215,13 @@ def test_pack_weights_bad_setting_is_a_clear_error(monkeypatch):
     from fp8serve.errors import ConfigError
 
     with pytest.raises(ConfigError, match="FP8SERVE_ONEDNN_PACKED_WEIGHTS='sometimes': expected auto, 1 or 0"):
-        onednn_linear.pack_weights(_tiny_bf16_model(), torch.bfloat16)
+        onednn_linear.pack_weights(tiny_bf16_model(), torch.bfloat16)
 
 
 @needs_packing
 def test_pack_weights_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
-    model = _tiny_bf16_model()
+    model = tiny_bf16_model()
     monkeypatch.setattr(onednn_linear, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
     with caplog.at_level("INFO", logger="fp8serve.kernels.onednn_linear"):
         assert onednn_linear.pack_weights(model, torch.bfloat16) == 0

@@ -212,6 +212,47 @@ void blocks_fp8_any(int64_t mt, const uint32_t* x_pairs, int64_t kp_count, const
 }
 #endif
 
+// What both ops check of x, n and the bias, and the bias as float32 (none: undefined).
+struct GemvArgs {
+  int64_t M, K;
+  at::Tensor bias;
+};
+inline GemvArgs check_gemv_args(const char* op, const at::Tensor& x, int64_t num_blocks, int64_t n,
+                                const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "x must be a [M, K] bf16 CPU tensor, got ", x.scalar_type(), " of ", x.dim(), " dimensions");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, op, " takes 1 to ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(n >= 1 && n <= num_blocks * 16 && n > (num_blocks - 1) * 16, "n = ", n, " does not fit ", num_blocks,
+              " blocks of 16 rows");
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [", n, "]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  return {M, x.size(1), b};
+}
+
+// The walk both ops take: blocks split over the thread pool, each task in
+// chunks of ~kChunkBytes (a whole number of tiles), each chunk once per tile
+// of rows. The first tile prefetches kPrefetchBytes ahead within the chunk,
+// the second the next chunk (the same position one chunk on), later ones read
+// L2 only. run(rows, m0, c0, c1, prefetch_offset) does one tile of rows over
+// blocks [c0, c1).
+template <class Run>
+void walk_chunks(int64_t num_blocks, int64_t tile_blocks, int64_t block_bytes, int64_t M, const Run& run) {
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkBytes / block_bytes / tile_blocks) * tile_blocks;
+  at::parallel_for(0, num_blocks, tile_blocks, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = begin; c0 < end; c0 += chunk_blocks) {
+      const int64_t c1 = std::min(end, c0 + chunk_blocks);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int64_t ahead = m0 == 0 ? kPrefetchBytes : m0 == kTileRows ? (c1 - c0) * block_bytes : 0;
+        run(std::min(kTileRows, M - m0), m0, c0, c1, ahead);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // x: [M, K] bf16, rows contiguous, 1 <= M <= 32, K even; w_packed: the
@@ -221,48 +262,30 @@ void blocks_fp8_any(int64_t mt, const uint32_t* x_pairs, int64_t kp_count, const
 at::Tensor dense_gemv_packed_impl(at::Tensor x, at::Tensor w_packed, int64_t n, std::optional<at::Tensor> bias,
                                   bool float_out) {
 #ifdef FP8SERVE_GEMV_PACKED
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "x must be a [M, K] bf16 CPU tensor, got ", x.scalar_type(), " of ", x.dim(), " dimensions");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "dense_gemv_packed takes 1 to ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(w_packed.dim() == 4, "w_packed must be a contiguous bf16 [ceil(N/16), K/2, 16, 2] tensor, got ",
+              w_packed.sizes());
+  const GemvArgs a = check_gemv_args("dense_gemv_packed", x, w_packed.size(0), n, bias);
+  const int64_t M = a.M, K = a.K;
   TORCH_CHECK(K % 2 == 0, "K must be even, got ", K);
-  TORCH_CHECK(w_packed.dim() == 4 && w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() &&
-                  w_packed.size(1) == K / 2 && w_packed.size(2) == 16 && w_packed.size(3) == 2,
+  TORCH_CHECK(w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() && w_packed.size(1) == K / 2 &&
+                  w_packed.size(2) == 16 && w_packed.size(3) == 2,
               "w_packed must be a contiguous bf16 [ceil(N/16), K/2, 16, 2] = [*, ", K / 2, ", 16, 2] tensor, got ",
               w_packed.sizes());
-  const int64_t num_blocks = w_packed.size(0);
-  TORCH_CHECK(n >= 1 && n <= num_blocks * 16 && n > (num_blocks - 1) * 16, "n = ", n, " does not fit ", num_blocks,
-              " blocks of 16 rows");
-  at::Tensor b;
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [", n, "]");
-    b = bias->to(at::kFloat).contiguous();
-  }
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(w_packed.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const int64_t row_bytes = n * out.element_size();
-  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  const float* bp = a.bias.defined() ? a.bias.data_ptr<float>() : nullptr;
   const int64_t kp_count = K / 2;
-  const int64_t block_bytes = kp_count * 64;
-  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkBytes / block_bytes / kTileBlocks) * kTileBlocks;
-  at::parallel_for(0, num_blocks, kTileBlocks, [&](int64_t begin, int64_t end) {
-    for (int64_t c0 = begin; c0 < end; c0 += chunk_blocks) {
-      const int64_t c1 = std::min(end, c0 + chunk_blocks);
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        // First tile: ahead within the chunk; second: the next chunk (the
-        // same position one chunk on); later ones read L2 only.
-        const int64_t ahead = m0 == 0 ? kPrefetchBytes : m0 == kTileRows ? (c1 - c0) * block_bytes : 0;
-        const int64_t mt = std::min(kTileRows, M - m0);
-        const uint32_t* x_pairs = xp + m0 * kp_count;
-        char* rows_out = op + m0 * row_bytes;
-        if (float_out) blocks_any<true>(mt, x_pairs, kp_count, wp, c0, c1, bp, rows_out, n, ahead);
-        else blocks_any<false>(mt, x_pairs, kp_count, wp, c0, c1, bp, rows_out, n, ahead);
-      }
-    }
-  });
+  walk_chunks(w_packed.size(0), kTileBlocks, kp_count * 64, M,
+              [&](int64_t rows, int64_t m0, int64_t c0, int64_t c1, int64_t ahead) {
+                const uint32_t* x_pairs = xp + m0 * kp_count;
+                char* rows_out = op + m0 * row_bytes;
+                if (float_out) blocks_any<true>(rows, x_pairs, kp_count, wp, c0, c1, bp, rows_out, n, ahead);
+                else blocks_any<false>(rows, x_pairs, kp_count, wp, c0, c1, bp, rows_out, n, ahead);
+              });
   return out;
 #else
   (void)x, (void)w_packed, (void)n, (void)bias, (void)float_out;
@@ -286,46 +309,31 @@ at::Tensor dense_gemv_packed_float_out(at::Tensor x, at::Tensor w_packed, int64_
 at::Tensor fp8_gemv_packed(at::Tensor x, at::Tensor codes_packed, at::Tensor scale, int64_t n,
                            std::optional<at::Tensor> bias) {
 #ifdef FP8SERVE_GEMV_PACKED_FP8
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "x must be a [M, K] bf16 CPU tensor, got ", x.scalar_type(), " of ", x.dim(), " dimensions");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "fp8_gemv_packed takes 1 to ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(codes_packed.dim() == 3, "codes_packed must be a contiguous uint8 [ceil(N/16), K/4, 64] tensor, got ",
+              codes_packed.sizes());
+  const int64_t num_blocks = codes_packed.size(0);
+  const GemvArgs a = check_gemv_args("fp8_gemv_packed", x, num_blocks, n, bias);
+  const int64_t M = a.M, K = a.K;
   TORCH_CHECK(K % 4 == 0, "K must be a multiple of 4, got ", K);
-  TORCH_CHECK(codes_packed.dim() == 3 && codes_packed.scalar_type() == at::kByte && codes_packed.is_contiguous() &&
+  TORCH_CHECK(codes_packed.scalar_type() == at::kByte && codes_packed.is_contiguous() &&
                   codes_packed.size(1) == K / 4 && codes_packed.size(2) == 64,
               "codes_packed must be a contiguous uint8 [ceil(N/16), K/4, 64] = [*, ", K / 4, ", 64] tensor, got ",
               codes_packed.sizes());
-  const int64_t num_blocks = codes_packed.size(0);
-  TORCH_CHECK(n >= 1 && n <= num_blocks * 16 && n > (num_blocks - 1) * 16, "n = ", n, " does not fit ", num_blocks,
-              " blocks of 16 rows");
   TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.size(0) == num_blocks * 16,
               "scale must be a contiguous float32 [", num_blocks * 16, "] tensor");
-  at::Tensor b;
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [", n, "]");
-    b = bias->to(at::kFloat).contiguous();
-  }
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, n}, x.options());
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = codes_packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  const float* bp = a.bias.defined() ? a.bias.data_ptr<float>() : nullptr;
   const int64_t kp_count = K / 2;
-  const int64_t block_bytes = K * 16;
-  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkBytes / block_bytes / kFp8TileBlocks) * kFp8TileBlocks;
-  at::parallel_for(0, num_blocks, kFp8TileBlocks, [&](int64_t begin, int64_t end) {
-    for (int64_t c0 = begin; c0 < end; c0 += chunk_blocks) {
-      const int64_t c1 = std::min(end, c0 + chunk_blocks);
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const int64_t ahead = m0 == 0 ? kPrefetchBytes : m0 == kTileRows ? (c1 - c0) * block_bytes : 0;
-        blocks_fp8_any(std::min(kTileRows, M - m0), xp + m0 * kp_count, kp_count, wp, c0, c1, sp, bp, op + m0 * n, n,
-                       ahead);
-      }
-    }
-  });
+  walk_chunks(num_blocks, kFp8TileBlocks, K * 16, M,
+              [&](int64_t rows, int64_t m0, int64_t c0, int64_t c1, int64_t ahead) {
+                blocks_fp8_any(rows, xp + m0 * kp_count, kp_count, wp, c0, c1, sp, bp, op + m0 * n, n, ahead);
+              });
   return out;
 #else
   (void)x, (void)codes_packed, (void)scale, (void)n, (void)bias;
