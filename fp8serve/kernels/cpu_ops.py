@@ -333,11 +333,12 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # The rows dense_gemv_packed serves (where a layer has the packed copy). Measured on
 # the default model's 120 decode linears and its lm_head, weights read from
 # memory (AMD EPYC Zen 4, benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md):
-# up to 12 rows the plain rows' dense_gemv ran as fast or faster (0.88-0.97x
-# for the packed layout on the linears); at 13-32 rows the packed layout ran
-# 1.02-1.13x (linears) and 1.26-1.34x (lm_head) as fast as dense_gemv, and at
-# 48-256 rows 1.05-1.27x as fast as oneDNN on its own packed weight (the path
-# above 32 rows). At 512 rows the lm_head ran 0.89x, and at prefill sizes
+# up to 12 rows two runs disagreed (the packed layout 0.88-0.97x of the plain
+# rows' dense_gemv on the linears in one, 0.91-1.16x in the other), so the
+# plain rows keep them; at 13-32 rows the packed layout ran 1.02-1.39x
+# (linears) and 1.26-1.46x (lm_head) as fast as dense_gemv, and at 48-256 rows
+# 1.04-1.57x as fast as oneDNN on its own packed weight (the path above 32
+# rows). At 512 rows the lm_head ran 0.89x in one run, and at prefill sizes
 # (8192 rows) oneDNN ran 1.13-1.22x as fast: those keep oneDNN.
 GEMV_PACKED_MIN_ROWS = 13
 GEMV_PACKED_MAX_ROWS = 256
@@ -362,10 +363,10 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
 
 # The rows fp8_gemv_packed serves (FP8 layers with a packed copy, bf16 x).
 # Measured like the above (120 decode linears from memory, e4m3 codes,
-# benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md): 1.1x the fused FP8
-# kernel's sequential walk at 1-2 rows, 2.1-3x at 4-16 (where that kernel
-# decodes to float32 and runs FMAs), 2.1-2.7x the dequantize + GEMM path at
-# 24-64 and 1.1-1.6x at 128-512.
+# benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md): 1.13-1.46x the
+# fused FP8 kernel at 1-2 rows, 1.8-2.5x at 4-16 (where that kernel decodes to
+# float32 and runs FMAs), 1.5-2.1x the dequantize + GEMM path at 24-64 and
+# 1.1-1.3x at 128-512.
 FP8_GEMV_PACKED_MAX_ROWS = 512
 
 

@@ -8,16 +8,16 @@ whose plain [N, K] rows leave one horizontal sum per output at the end of
 every tile (dense_gemv), or go to oneDNN above 32 rows; on the packed layout
 every accumulator lane is an output and nothing is left to sum. Measured on
 an AMD EPYC Zen 4 (2 vCPUs, no AMX), the default model's 120 decode linears
-read from memory ran 1.02-1.13x as fast as dense_gemv at 13-32 rows and
-1.05-1.27x as fast as oneDNN's packed weight at 48-256 (its lm_head
-1.05-1.34x); up to 12 rows the plain rows stay faster and serve those
+read from memory ran 1.02-1.39x as fast as dense_gemv at 13-32 rows and
+1.05-1.57x as fast as oneDNN's packed weight at 48-256 (its lm_head
+1.04-1.46x at 13-256); up to 12 rows the plain rows serve (not clearly slower)
 (cpu_ops.GEMV_PACKED_MIN_ROWS / MAX_ROWS; numbers and command:
 benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md).
 
 FP8 checkpoints with bf16 compute: the layer's [N, K] codes are what the
 fused FP8 kernel (fp8_linear.cpp, float32 FMAs after the decode) and the
 prefill path (dequantize + GEMM) read; packed, the same codes run every
-decode batch of 1-512 rows 1.1-3x as fast (cpu_ops.FP8_GEMV_PACKED_MAX_ROWS),
+decode batch of 1-512 rows 1.1-2.5x as fast (cpu_ops.FP8_GEMV_PACKED_MAX_ROWS),
 for 1 byte per weight more.
 
 The packed copy sits beside the plain weight (the embedding lookup of a tied
@@ -116,7 +116,8 @@ def pack_fp8_gemv_weight(codes: torch.Tensor, weight_scale: torch.Tensor) -> tup
 
 
 def packing_applies() -> bool:
-    """Whether this machine and build pack bf16 weights for dense_gemv_packed."""
+    """Whether this machine and build pack weights for the packed GEMVs (FP8 codes
+    also need fp8_gemv_packed in the build: see pack_gemv_weights)."""
     from fp8serve.kernels import amx_linear_ops, cpu_ops
 
     ops = cpu_ops.load_cpu_ops()

@@ -52,7 +52,8 @@ class LMHead(nn.Module):
         if amx_linear_ops.applies(hidden_states, self.weight):
             return amx_linear_ops.amx_linear(hidden_states, self.weight, float_out=True)
         if cpu_ops.dense_gemv_packed_applies(hidden_states, self.weight_gemv_packed):
-            return cpu_ops.dense_gemv_packed(hidden_states, self.weight_gemv_packed, self.weight.shape[0], float_out=True)
+            return cpu_ops.dense_gemv_packed(hidden_states, self.weight_gemv_packed, self.weight.shape[0],
+                                             float_out=True)
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
         if self.weight.dtype == hidden_states.dtype:

@@ -80,14 +80,16 @@ def test_auto_is_amd_without_amx(monkeypatch):
     from fp8serve.kernels import amx_linear_ops
 
     monkeypatch.delenv(gemv_packing.PACKED_WEIGHTS_ENV, raising=False)
-    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: type("Ops", (), {"dense_gemv_has_packed": lambda self: True})())
+    built = type("Ops", (), {"dense_gemv_has_packed": lambda self: True})()
+    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: built)
     for amd, amx, wanted in ((True, False, True), (True, True, False), (False, False, False)):
         monkeypatch.setattr(gemv_packing, "is_amd_cpu", lambda amd=amd: amd)
         monkeypatch.setattr(amx_linear_ops, "is_available", lambda amx=amx: amx)
         assert gemv_packing.packing_applies() is wanted, (amd, amx)
     # A build without the kernel never packs, whatever the environment says.
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
-    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: type("Ops", (), {"dense_gemv_has_packed": lambda self: False})())
+    not_built = type("Ops", (), {"dense_gemv_has_packed": lambda self: False})()
+    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: not_built)
     assert gemv_packing.packing_applies() is False
 
 

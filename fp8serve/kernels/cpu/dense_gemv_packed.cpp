@@ -14,9 +14,9 @@
 // accumulator) those sums and the per-tile setup held its hot calls to 260-390
 // GFLOP/s at 8-32 rows on a Zen 4 EPYC whose bf16 peak is ~440, where this
 // layout reached 330-440. Read from memory (the default model's 120 decode
-// linears, benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md): 1.02-1.13x
-// dense_gemv at 13-32 rows, 1.05-1.27x oneDNN on its own packed weight at
-// 48-256; 0.88-0.97x dense_gemv at 1-12 rows, which keeps those.
+// linears, benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md): 1.02-1.39x
+// dense_gemv at 13-32 rows, 1.05-1.57x oneDNN on its own packed weight at
+// 48-256; at 1-12 rows 0.88-1.16x dense_gemv, which keeps those.
 //
 // Accumulation is float32 (vdpbf16ps: products exact, denormal bf16 inputs
 // read as zero, as in dense_gemv's bf16 dot products); the result is rounded
