@@ -342,13 +342,19 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # (8192 rows) oneDNN ran 1.13-1.22x as fast: those keep oneDNN.
 GEMV_PACKED_MIN_ROWS = 13
 GEMV_PACKED_MAX_ROWS = 256
+# The LM head (49152 x 576 on the default model) as the engine runs it, cold,
+# with its float32 logits (dense_gemv + .float() against dense_gemv_packed_float_out,
+# 40 ABBA rounds, twice): 1.05x at 1-2 rows, 1.13-1.33x at 4-12. It reads its
+# packed copy from one row.
+LM_HEAD_PACKED_MIN_ROWS = 1
 
 
-def dense_gemv_packed_applies(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+def dense_gemv_packed_applies(x: torch.Tensor, packed: torch.Tensor | None,
+                              min_rows: int = GEMV_PACKED_MIN_ROWS) -> bool:
     """Whether `dense_gemv_packed` serves x against a layer's packed copy
     (`weight_gemv_packed`, None where the engine made none)."""
     return (packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
-            and GEMV_PACKED_MIN_ROWS <= x.shape[0] <= GEMV_PACKED_MAX_ROWS)
+            and min_rows <= x.shape[0] <= GEMV_PACKED_MAX_ROWS)
 
 
 def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None, *,

@@ -21,7 +21,8 @@ decode batch of 1-512 rows 1.1-2.5x as fast (cpu_ops.FP8_GEMV_PACKED_MAX_ROWS),
 for 1 byte per weight more.
 
 The packed copy sits beside the plain weight (the embedding lookup of a tied
-LM head, batches of 1-12 and every other path read the plain one, and oneDNN
+LM head, linear layers' batches of 1-12 and every other path read the plain
+one; the LM head reads its packed copy from one row, 1.05-1.33x there; oneDNN
 keeps its own packed copy for prefill), so it costs another copy of each
 bf16 linear weight: `pack_gemv_weights` makes it only on AMD CPUs without AMX
 (with AMX, amx_linear serves the bf16 decode batches; Intel is not measured)

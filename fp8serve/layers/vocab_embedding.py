@@ -51,7 +51,7 @@ class LMHead(nn.Module):
         # need the precision.
         if amx_linear_ops.applies(hidden_states, self.weight):
             return amx_linear_ops.amx_linear(hidden_states, self.weight, float_out=True)
-        if cpu_ops.dense_gemv_packed_applies(hidden_states, self.weight_gemv_packed):
+        if cpu_ops.dense_gemv_packed_applies(hidden_states, self.weight_gemv_packed, cpu_ops.LM_HEAD_PACKED_MIN_ROWS):
             return cpu_ops.dense_gemv_packed(hidden_states, self.weight_gemv_packed, self.weight.shape[0],
                                              float_out=True)
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):

@@ -114,6 +114,8 @@ def test_applies_to_bf16_batches_of_13_to_256_rows():
     assert not cpu_ops.dense_gemv_packed_applies(torch.randn(20, 64), packed)  # float32 x
     assert not cpu_ops.dense_gemv_packed_applies(torch.randn(2, 10, 64).bfloat16(), packed)  # not [M, K]
     assert not cpu_ops.dense_gemv_packed_applies(torch.randn(20, 64).bfloat16(), None)  # no packed copy
+    # The LM head's threshold: from one row.
+    assert cpu_ops.dense_gemv_packed_applies(torch.randn(1, 64).bfloat16(), packed, cpu_ops.LM_HEAD_PACKED_MIN_ROWS)
 
 
 # ---------------------------------------------------------------- FP8 weights

@@ -59,6 +59,8 @@ def test_pack_gemv_weights_packs_bf16_layers_once_and_they_read_it(monkeypatch):
     assert calls == [64, 50]  # qkv, then the tied head, both from their packed copies
     model.qkv(x[:4])  # a small batch: the plain rows' dense_gemv (or F.linear), not the packed copy
     assert calls == [64, 50]
+    model.head(x[:1])  # the LM head reads its packed copy from one row
+    assert calls == [64, 50, 50]
 
 
 @pytest.mark.parametrize("setting", ["0", "off"])
