@@ -151,7 +151,7 @@ def test_finish_and_table(ss):
     assert lines[0].startswith("| system | config | weights | dtype | kv dtype | prefill ms |")
     assert len(lines) == 4
     assert "| fp8serve | float32 | float32 | float32 | float32 | 2.0 | 5000 | 0.8 | 78% of 1 (float32) | MISS | " \
-           "4.00 | 250.0 | 0.4 | 0.43 | 11% | >= 80% of bound | MISS |" == lines[2]
+           "4.00 | 250.0 | 0.4 | 0.43 | 11% | — | >= 80% of bound | MISS |" == lines[2]
     assert lines[3].endswith("| >= 53-57 tok/s (llama.cpp, issue) | IN RANGE |")
     json.dumps([ss.asdict(x) for x in (r, f)])  # the --json payload serializes
 
@@ -193,3 +193,86 @@ def test_rejects_zero_rounds(ss, capsys):
         ss.main(["--rounds", "0"])
     assert e.value.code == 2
     assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_paired_bound_uses_each_chunks_own_bandwidth(ss):
+    """--pair-steps: a chunk's % of bound divides the weights by the larger of the bandwidths
+    measured around it, over its own median step; the float32 verdict takes the median over the
+    chunks, and the unpaired figure (best bandwidth of the run, median of all steps) stays."""
+    chunks = [{"steps_ms": [10.0, 12.0, 11.0], "read_gb_s_before": 50.0, "read_gb_s_after": 40.0},
+              {"steps_ms": [16.0, 15.0], "read_gb_s_before": 40.0, "read_gb_s_after": 35.0},
+              {"steps_ms": [12.0], "read_gb_s_before": 35.0, "read_gb_s_after": 52.0}]
+    # 500 MB: 10 ms at 50 GB/s over 11 ms; 12.5 ms at 40 over 15.5; 500/52 = 9.615 ms over 12.
+    pcts = ss.paired_pct_bound(chunks, 500_000_000)
+    assert pcts == pytest.approx([100 * 10 / 11, 100 * 12.5 / 15.5, 100 * (500 / 52) / 12])
+    arch = ss.Arch.from_config(TINY)
+    r = ss.Result(system="fp8serve", config="float32", model="m", weights="float32", dtype="float32",
+                  kv_dtype="float32", prompt_len=10, prefill_ms_all=[1.0],
+                  decode_ms_all=[s for c in chunks for s in c["steps_ms"]], decode_pairs=chunks,
+                  weight_bytes={"total": 500_000_000})
+    ss.finish(r, arch, peaks={"float32": 1.0}, read_gb_s=52.0, llama_tok_s=None)
+    assert r.pct_bound_paired == pytest.approx(100 * 12.5 / 15.5)  # the median chunk: 80.6%
+    assert r.pct_bound == pytest.approx(100 * (500 / 52) / 12.0)  # median of all six steps: 12 ms, 80.1%
+    assert r.decode_target == ">= 80% of bound (paired)" and r.decode_verdict == "PASS"
+    chunks[1]["steps_ms"] = [17.0]  # 73.5%
+    chunks[2]["steps_ms"] = [13.0]  # 74.0%: the median chunk now misses
+    r2 = ss.Result(system="fp8serve", config="float32", model="m", weights="float32", dtype="float32",
+                   kv_dtype="float32", prompt_len=10, prefill_ms_all=[1.0], decode_ms_all=[14.0],
+                   decode_pairs=chunks, weight_bytes={"total": 500_000_000})
+    ss.finish(r2, arch, peaks={"float32": 1.0}, read_gb_s=52.0, llama_tok_s=None)
+    assert r2.pct_bound_paired == pytest.approx(100 * (500 / 52) / 13) and r2.decode_verdict == "MISS"
+    assert "| 74% | >= 80% of bound (paired) | MISS |" in ss.format_table([r2])
+
+
+class _FakeEngine:
+    """add_request + step like LLMEngine for one request; every step's output is one sequence."""
+
+    def __init__(self, log):
+        self.log, self.left = log, 0
+
+    def add_request(self, request_id, prompt, params):
+        self.left = params.max_tokens
+
+    def step(self):
+        self.log.append("step")
+        self.left -= 1
+        return [object()]
+
+    def has_unfinished_requests(self):
+        return self.left > 0
+
+
+def test_time_decode_probes_around_every_chunk(ss):
+    log = []
+    bw = iter([50.0, 40.0, 45.0, 30.0])
+
+    def probe():
+        log.append("probe")
+        return next(bw)
+
+    times, chunks = ss.time_decode(_FakeEngine(log), [1, 2, 3], warmup=2, steps=5, probe=probe, chunk=2)
+    # prefill, 2 warmup steps, then probe | 2 steps | probe | 2 steps | probe | 1 step | probe.
+    assert log == ["step"] * 3 + ["probe", "step", "step", "probe", "step", "step", "probe", "step", "probe"]
+    assert len(times) == 5
+    assert [len(c["steps_ms"]) for c in chunks] == [2, 2, 1]
+    assert [(c["read_gb_s_before"], c["read_gb_s_after"]) for c in chunks] == [(50.0, 40.0), (40.0, 45.0),
+                                                                               (45.0, 30.0)]
+    assert [s for c in chunks for s in c["steps_ms"]] == pytest.approx([1e3 * t for t in times])
+    log.clear()
+    times, chunks = ss.time_decode(_FakeEngine(log), [1], warmup=1, steps=3)  # unpaired: no probes
+    assert log == ["step"] * 5 and chunks == [] and len(times) == 3
+
+
+def test_read_bandwidth_probe_measures(ss):
+    probe = ss.read_bandwidth_probe(8 << 20)
+    gb_s = probe()
+    assert 0.1 < gb_s < 10_000  # 8 MiB summed: some finite, positive rate
+
+
+@pytest.mark.parametrize("argv, message", [(["--pair-steps", "-1"], "--pair-steps must be 0 (off)"),
+                                           (["--pair-bw-mib", "0"], "--pair-bw-mib must be at least 1, got 0")])
+def test_rejects_bad_pairing_flags(ss, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        ss.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
