@@ -340,7 +340,7 @@ def test_bf16_dot_decodes_every_code_exactly(ops, kv_format):
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])  # 4: Llama-3-8B and Mixtral (32 heads, 8 kv heads)
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("kv_format", FP8_FORMATS)
 def test_bf16_dot_within_its_rounding_of_the_reference(ops, seed, kv_format, head_size, group):
