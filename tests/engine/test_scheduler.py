@@ -18,10 +18,13 @@ def make_seq(num_prompt_tokens: int, name: str | None = None) -> Sequence:
     return Sequence(name or f"seq-{next(_ids)}", list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=None))
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=None, max_model_len=32):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=None, max_model_len=32,
+                   reserve_growth=False):
+    """The admission and preemption mechanics are tested with the watermark only (reserve_growth
+    False): the growth reservation has its own tests below."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
-    return Scheduler(config, BlockManager(num_blocks, block_size))
+    return Scheduler(config, BlockManager(num_blocks, block_size), reserve_growth=reserve_growth)
 
 
 def run_step(out: SchedulerOutput, token: int = 9) -> None:
@@ -313,12 +316,13 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput | None, all_seqs: li
     assert not set(live) & finished
 
 
+@pytest.mark.parametrize("reserve_growth", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_randomized_simulation_keeps_invariants(seed):
+def test_randomized_simulation_keeps_invariants(seed, reserve_growth):
     rng = random.Random(seed)
     block_size, num_blocks, max_model_len = 4, 12, 24
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6,
-                           max_num_batched_tokens=32, max_model_len=max_model_len)
+                           max_num_batched_tokens=32, max_model_len=max_model_len, reserve_growth=reserve_growth)
     all_seqs: list[Sequence] = []
     target: dict[str, int] = {}
     finished: set[str] = set()
@@ -388,7 +392,103 @@ def test_randomized_simulation_keeps_invariants(seed):
     assert finished == {s.request_id for s in all_seqs}, "every request finishes"
     for s in all_seqs:
         assert len(s.output_token_ids) == target[s.request_id], "recompute must not lose or repeat tokens"
-    assert sched.num_preemptions > 0, "the pool is too big to exercise preemption"
+    if not reserve_growth:  # the reservation exists to make preemptions rare
+        assert sched.num_preemptions > 0, "the pool is too big to exercise preemption"
     assert num_prefills > 0 and num_decodes > 0
     assert sched.block_manager.num_free_blocks == num_blocks
     assert sorted(sched.block_manager._free_block_ids) == list(range(num_blocks))
+
+
+# ------------------------------------------------------------------ growth reservation at admission
+
+
+def make_seq_max(num_prompt_tokens: int, max_tokens: int | None, name: str) -> Sequence:
+    return Sequence(name, list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def test_remaining_tokens_counts_up_to_max_tokens_and_the_model_length():
+    sched = make_scheduler(max_model_len=32, reserve_growth=True)
+    a = make_seq_max(4, 10, "a")
+    a.output_token_ids += [7, 7, 7]
+    assert sched.remaining_tokens(a) == 7
+    assert sched.remaining_tokens(make_seq_max(4, None, "b")) == 28  # no max_tokens: up to max_model_len
+    assert sched.remaining_tokens(make_seq_max(30, 10, "c")) == 2  # the model length caps it
+    d = make_seq_max(4, 2, "d")
+    d.output_token_ids += [7, 7, 7]  # past max_tokens (a stop string's overshoot): nothing left, not negative
+    assert sched.remaining_tokens(d) == 0
+    assert sched.growth_reserve(19) == 4  # ceil(0.7 * 19 / 4 = 3.325) blocks at the initial ratio
+    long = make_scheduler(max_model_len=10000, reserve_growth=True)
+    assert long.remaining_tokens(make_seq_max(4, None, "e")) == 4096  # counted up to the clip
+    assert long.remaining_tokens(make_seq_max(4, 5000, "f")) == 4096
+    assert long.remaining_tokens(make_seq_max(4, 100, "g")) == 100
+
+
+def test_admission_keeps_room_for_the_running_sequences_growth():
+    """16 blocks of 4 tokens. a (4 prompt tokens, max_tokens 20) runs; b's 48-token prompt needs
+    12 blocks. The watermark alone (1 block) admits b into 15 free blocks; the reservation keeps
+    ceil(0.7 * 19 / 4) = 4 blocks for a's 19 remaining tokens and holds b back until a finishes."""
+    for reserve_growth, b_admitted in ((False, True), (True, False)):
+        sched = make_scheduler(num_blocks=16, block_size=4, max_model_len=64, reserve_growth=reserve_growth)
+        a = make_seq_max(4, 20, "a")
+        sched.add(a)
+        run_step(sched.schedule())  # a alone: nothing runs, no reserve; 1 block, 15 free
+        b = make_seq_max(48, 4, "b")
+        sched.add(b)
+        out = sched.schedule()
+        assert out.is_prefill is b_admitted, f"reserve_growth={reserve_growth}"
+        if b_admitted:
+            continue
+        assert names(out.seqs) == ["a"] and names(sched.waiting) == ["b"]
+        run_step(out)  # a: 6 tokens in 2 blocks, 14 free, 18 tokens to go: a reserve of ceil(0.699 * 18 / 4) = 4
+        # A 40-token prompt (10 blocks) fits beside it, 10 + 4 <= 14; b's 12 + 4 still does not.
+        c = make_seq_max(40, 4, "c")
+        sched.waiting.appendleft(c)
+        out = sched.schedule()
+        assert out.is_prefill and names(out.seqs) == ["c"] and names(sched.waiting) == ["b"]
+        run_step(out)
+        sched.finish(a)
+        sched.finish(c)
+        out = sched.schedule()  # nothing runs: b is admitted with no reserve at all
+        assert out.is_prefill and names(out.seqs) == ["b"]
+
+
+def test_reserve_ratio_decays_per_decode_step_and_resets_after_a_preemption():
+    from fp8serve.engine.scheduler import (RESERVE_RATIO_AFTER_PREEMPTION, RESERVE_RATIO_DECAY, RESERVE_RATIO_INIT,
+                                           RESERVE_RATIO_MIN)
+
+    sched = make_scheduler(num_blocks=3, block_size=4, max_model_len=12, reserve_growth=True)
+    assert sched.reserve_ratio == RESERVE_RATIO_INIT == 0.7
+    a = make_seq_max(2, 3, "a")
+    sched.add(a)
+    run_step(sched.schedule())  # prefill: no decay
+    assert sched.reserve_ratio == RESERVE_RATIO_INIT
+    for k in range(1, 3):
+        run_step(sched.schedule())  # decode steps
+        assert sched.reserve_ratio == pytest.approx(RESERVE_RATIO_INIT - k * RESERVE_RATIO_DECAY)
+    sched.reserve_ratio = RESERVE_RATIO_MIN + RESERVE_RATIO_DECAY / 2
+    run_step(sched.schedule())
+    assert sched.reserve_ratio == RESERVE_RATIO_MIN  # floored
+    sched.finish(a)
+
+    # Admitted optimistically (ratio 0), two sequences outgrow the cache: the preemption resets the ratio.
+    sched.reserve_ratio = 0.0
+    b, c = make_seq_max(4, 8, "b"), make_seq_max(4, 8, "c")
+    sched.add(b)
+    sched.add(c)
+    out = sched.schedule()
+    assert names(out.seqs) == ["b", "c"]  # 1 block each, 1 free: the watermark alone
+    run_step(out)  # both at 5 tokens: each needs a second block, one is free
+    out = sched.schedule()
+    assert names(out.preempted) == ["c"]
+    assert sched.reserve_ratio == RESERVE_RATIO_AFTER_PREEMPTION == 1.0
+
+
+def test_without_growth_reservation_the_ratio_stays_zero():
+    sched = make_scheduler(num_blocks=3, block_size=4, max_model_len=12, reserve_growth=False)
+    assert sched.reserve_ratio == 0.0
+    b, c = make_seq_max(4, 8, "b"), make_seq_max(4, 8, "c")
+    sched.add(b)
+    sched.add(c)
+    run_step(sched.schedule())
+    out = sched.schedule()
+    assert names(out.preempted) == ["c"] and sched.reserve_ratio == 0.0
