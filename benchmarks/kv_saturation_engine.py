@@ -21,6 +21,11 @@ decode ms per output token, preemptions; and the FP8 / 16-bit ratios of each rou
 Every configuration's engine is built once; the rounds interleave them, so each one's samples span
 the same minutes of this (drifting) machine.
 
+--admission picks the scheduler's admission policy (fp8serve/engine/scheduler.py): `reserve` (the
+engine's: room kept for the running sequences' growth, its ratio reset at the start of every run),
+`watermark` (only 1% of the blocks kept free: vLLM's policy, the engine's before stop 25), or
+`both` (every KV dtype under each; ratios compare KV dtypes under the same policy).
+
     .venv/bin/python benchmarks/kv_saturation_engine.py                      # 90 MiB, auto vs fp8
     .venv/bin/python benchmarks/kv_saturation_engine.py --rounds 1 --num-prompts 8 --output-len 16  # smoke
 """
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the engine's --device)")
+    p.add_argument("--admission", default="reserve", choices=["reserve", "watermark", "both"],
+                   help="scheduler admission policy (see above)")
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -160,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fp8serve import LLM
     from fp8serve.default_model import ensure_default_model
+    from fp8serve.engine.scheduler import RESERVE_RATIO_INIT
 
     model = args.model or str(ensure_default_model())
     kvs = [k.strip() for k in args.kv_cache_dtypes.split(",") if k.strip()]
@@ -173,29 +181,36 @@ def main(argv: list[str] | None = None) -> int:
           f"--max-model-len {args.max_model_len}; {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
           f"all added at once; {args.rounds} interleaved rounds")
 
-    engines = {}
-    for kv in kvs:
-        llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory,
-                  max_model_len=args.max_model_len, device=args.device, seed=args.seed)
-        e = llm.llm_engine
-        spec = e.model_runner.kv_cache_spec
-        print(f"- {kv}: {spec.kv_cache_dtype} cache, {e.block_manager.num_blocks} blocks of {spec.block_size} tokens")
-        engines[kv] = e
+    policies = ["reserve", "watermark"] if args.admission == "both" else [args.admission]
+    engines = {}  # label -> (engine, admission policy)
+    for policy in policies:
+        for kv in kvs:
+            llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory,
+                      max_model_len=args.max_model_len, device=args.device, seed=args.seed)
+            e = llm.llm_engine
+            e.scheduler.reserve_growth = policy == "reserve"
+            spec = e.model_runner.kv_cache_spec
+            label = kv if len(policies) == 1 else f"{kv} ({policy})"
+            print(f"- {label}: {spec.kv_cache_dtype} cache, {e.block_manager.num_blocks} blocks of {spec.block_size} "
+                  f"tokens, admission {policy}")
+            engines[label] = (e, policy)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     # Warm-up: one short request per engine (kernel builds, decode captures for small batches).
     from fp8serve import SamplingParams
 
-    for e in engines.values():
+    for e, _ in engines.values():
         e.add_request(None, {"prompt_token_ids": prompts[0][:32]}, SamplingParams(max_tokens=4, ignore_eos=True))
         while e.has_unfinished_requests():
             e.step()
 
     stats: list[RunStats] = []
     for rnd in range(1, args.rounds + 1):
-        for kv, e in engines.items():
-            print(f"round {rnd}: {kv} ...", file=sys.stderr, flush=True)
-            s = run_once(e, prompts, args.output_len, kv, rnd)
+        for label, (e, policy) in engines.items():
+            print(f"round {rnd}: {label} ...", file=sys.stderr, flush=True)
+            # Every run starts as a fresh engine would (the ratio adapts within a run).
+            e.scheduler.reserve_ratio = RESERVE_RATIO_INIT if policy == "reserve" else 0.0
+            s = run_once(e, prompts, args.output_len, label, rnd)
             print(f"  {s.output_tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
             stats.append(s)
 
@@ -204,20 +219,32 @@ def main(argv: list[str] | None = None) -> int:
     print("|" + "|".join("---" for _ in TABLE_HEAD) + "|")
     for s in stats:
         print(table_row(s))
-    base = kvs[0]
     print()
     ratios = []
+
+    def label_of(kv: str, policy: str) -> str:
+        return kv if len(policies) == 1 else f"{kv} ({policy})"
+
+    def run_of(rnd: int, label: str) -> RunStats:
+        return next(s for s in stats if s.round == rnd and s.kv_cache_dtype == label)
+
     for rnd in range(1, args.rounds + 1):
-        b = next(s for s in stats if s.round == rnd and s.kv_cache_dtype == base)
-        for s in stats:
-            if s.round == rnd and s.kv_cache_dtype != base:
+        for policy in policies:
+            b = run_of(rnd, label_of(kvs[0], policy))
+            for kv in kvs[1:]:
+                s = run_of(rnd, label_of(kv, policy))
                 r = {"round": rnd, "kv_cache_dtype": s.kv_cache_dtype, "output": s.output_tok_s / b.output_tok_s,
                      "saturated": s.saturated_tok_s / b.saturated_tok_s,
                      "decode_per_token": b.decode_ms_per_token / s.decode_ms_per_token}
                 ratios.append(r)
-                print(f"- round {rnd}: {s.kv_cache_dtype} / {base}: output {r['output']:.2f}x, saturated "
+                print(f"- round {rnd}: {s.kv_cache_dtype} / {b.kv_cache_dtype}: output {r['output']:.2f}x, saturated "
                       f"{r['saturated']:.2f}x, decode cost per output token {r['decode_per_token']:.2f}x lower "
                       f"({b.decode_ms_per_token:.2f} vs {s.decode_ms_per_token:.2f} ms)")
+        if len(policies) == 2:
+            for kv in kvs:
+                res, wm = run_of(rnd, label_of(kv, "reserve")), run_of(rnd, label_of(kv, "watermark"))
+                print(f"- round {rnd}: {kv}: reserve / watermark admission: output {res.output_tok_s / wm.output_tok_s:.2f}x "
+                      f"({wm.preemptions} -> {res.preemptions} preemptions)")
     for s in stats:
         share = 100 * s.prefill_s / s.total_s
         print(f"- round {s.round} {s.kv_cache_dtype}: prefill/recompute steps {share:.0f}% of the run "

@@ -9,14 +9,24 @@ run to `--output-len` (ignore_eos). Calibrated to the kv-saturation sweep
 (benchmarks/results/kv_saturation.md), it reproduces the servers' preemption
 counts exactly (32 with 256 blocks, 30 with 512), which says the gap between
 the FP8 and 16-bit runs is scheduling (admission, preemption, the drain at the
-end), not server overhead.
+end), not server overhead. (That calibration predates stop 25's growth reservation at admission:
+`--policy watermark` replays the admission of then.)
+
+--policy compares admission policies on the same workload: `reserve` (the scheduler's default:
+room kept for the running sequences' growth, fp8serve/engine/scheduler.py) and `watermark` (1% of
+the blocks only: vLLM's). --max-tokens larger than --output-len with --min-output-len below it
+models outputs that stop early (EOS) under a generous max_tokens: each request's length is drawn
+uniformly from [--min-output-len, --output-len] (seeded), while the scheduler only sees max_tokens.
 
     .venv/bin/python benchmarks/scheduler_sim.py --num-blocks 256,512
+    .venv/bin/python benchmarks/scheduler_sim.py --num-blocks 256,512 --policy reserve,watermark \
+        --step-ms 8 --step-ms-per-seq 0.7 --prefill-ms-per-token 0.64
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 from dataclasses import dataclass
 
 from fp8serve.config import SchedulerConfig
@@ -48,12 +58,22 @@ class SimResult:
 
 def simulate(num_blocks: int, num_prompts: int = 48, input_len: int = 256, output_len: int = 256,
              block_size: int = 16, max_model_len: int = 512, max_num_seqs: int = 128, step_ms: float = 55.0,
-             step_ms_per_seq: float = 0.6, prefill_ms_per_token: float = 0.3) -> SimResult:
+             step_ms_per_seq: float = 0.6, prefill_ms_per_token: float = 0.3, policy: str = "watermark",
+             max_tokens: int | None = None, min_output_len: int | None = None, seed: int = 0) -> SimResult:
+    """policy: "reserve" (the scheduler's growth reservation) or "watermark" (without it; the
+    default here, which the calibration above was made with). Request i stops after its own
+    length, drawn from [min_output_len, output_len] (all output_len when min_output_len is None);
+    the scheduler sees max_tokens (default output_len)."""
+    if policy not in ("reserve", "watermark"):
+        raise ValueError(f"policy must be 'reserve' or 'watermark', got {policy!r}")
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
-                      BlockManager(num_blocks, block_size))
+                      BlockManager(num_blocks, block_size), reserve_growth=policy == "reserve")
+    rng = random.Random(seed)
+    lengths: dict[str, int] = {}
     for i in range(num_prompts):
-        params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens or output_len, ignore_eos=True)
         sched.add(Sequence(f"sim-{i}", list(range(input_len)), params))
+        lengths[f"sim-{i}"] = output_len if min_output_len is None else rng.randint(min_output_len, output_len)
     t, tokens, steps, batch_sum = 0.0, 0, 0, 0
     first_token: dict[str, tuple[float, int]] = {}
     while sched.has_unfinished():
@@ -72,7 +92,7 @@ def simulate(num_blocks: int, num_prompts: int = 48, input_len: int = 256, outpu
             tokens += 1
             first_token.setdefault(seq.request_id, (t, tokens))
         for seq in list(sched.running):
-            if len(seq.output_token_ids) >= output_len:
+            if len(seq.output_token_ids) >= lengths[seq.request_id]:
                 sched.finish(seq)
     sat_t, sat_tokens = max(first_token.values())
     return SimResult(num_blocks, t, tokens, steps, sched.num_preemptions, batch_sum / max(steps, 1), sat_t, sat_tokens)
@@ -89,18 +109,34 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=55.0, help="decode step time at batch 0")
     p.add_argument("--step-ms-per-seq", type=float, default=0.6, help="added decode step time per sequence")
     p.add_argument("--prefill-ms-per-token", type=float, default=0.3)
+    p.add_argument("--policy", default="watermark",
+                   help="comma-separated admission policies: reserve, watermark (default: watermark)")
+    p.add_argument("--max-tokens", type=int, default=None, help="what the scheduler sees (default --output-len)")
+    p.add_argument("--min-output-len", type=int, default=None,
+                   help="outputs stop early: each length uniform in [this, --output-len] (default: all --output-len)")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    results = [simulate(int(n), args.num_prompts, args.input_len, args.output_len, args.block_size,
-                        args.max_model_len, step_ms=args.step_ms, step_ms_per_seq=args.step_ms_per_seq,
-                        prefill_ms_per_token=args.prefill_ms_per_token)
-               for n in args.num_blocks.split(",")]
-    base = results[0]
-    print("| blocks | total s | output tok/s | vs first | saturated tok/s | vs first | preemptions | mean decode batch |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        print(f"| {r.num_blocks} | {r.total_s:.1f} | {r.output_tok_s:.1f} | {r.output_tok_s / base.output_tok_s:.2f}x | "
-              f"{r.saturated_tok_s:.1f} | {r.saturated_tok_s / base.saturated_tok_s:.2f}x | {r.num_preemptions} | "
-              f"{r.mean_decode_batch:.1f} |")
+    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
+    for policy in policies:
+        if policy not in ("reserve", "watermark"):
+            p.error(f"--policy: unknown policy {policy!r} (reserve, watermark)")
+    if args.max_tokens is not None and args.max_tokens < args.output_len:
+        p.error(f"--max-tokens ({args.max_tokens}) must be at least --output-len ({args.output_len})")
+    if args.min_output_len is not None and not 1 <= args.min_output_len <= args.output_len:
+        p.error(f"--min-output-len must be in [1, --output-len], got {args.min_output_len}")
+    results = [(policy, simulate(int(n), args.num_prompts, args.input_len, args.output_len, args.block_size,
+                                 args.max_model_len, step_ms=args.step_ms, step_ms_per_seq=args.step_ms_per_seq,
+                                 prefill_ms_per_token=args.prefill_ms_per_token, policy=policy,
+                                 max_tokens=args.max_tokens, min_output_len=args.min_output_len, seed=args.seed))
+               for policy in policies for n in args.num_blocks.split(",")]
+    base = results[0][1]
+    print("| policy | blocks | total s | output tok/s | vs first | saturated tok/s | vs first | preemptions | "
+          "mean decode batch |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for policy, r in results:
+        print(f"| {policy} | {r.num_blocks} | {r.total_s:.1f} | {r.output_tok_s:.1f} | "
+              f"{r.output_tok_s / base.output_tok_s:.2f}x | {r.saturated_tok_s:.1f} | "
+              f"{r.saturated_tok_s / base.saturated_tok_s:.2f}x | {r.num_preemptions} | {r.mean_decode_batch:.1f} |")
 
 
 if __name__ == "__main__":

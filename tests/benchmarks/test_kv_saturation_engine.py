@@ -58,3 +58,27 @@ def test_rejects_bad_arguments(kse, bad, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert ("must be at least 1" in err) or ("needs a baseline" in err) or ("--device must be cpu or cuda" in err), err
+
+
+def test_both_admission_policies_side_by_side(kse, tmp_path, capsys):
+    """--admission both: every KV dtype under the engine's growth reservation and under the
+    watermark alone; ratios compare KV dtypes under the same policy, and the reservation
+    preempts no more than the watermark does."""
+    model = write_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "r.json"
+    rc = kse.main(["--model", str(model), "--dtype", "float32", "--kv-cache-dtypes", "auto,fp8",
+                   "--kv-cache-memory", "48KiB", "--max-model-len", "48", "--num-prompts", "6",
+                   "--input-len", "16", "--output-len", "20", "--rounds", "1", "--admission", "both",
+                   "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    labels = [r["kv_cache_dtype"] for r in data["runs"]]
+    assert labels == ["auto (reserve)", "fp8 (reserve)", "auto (watermark)", "fp8 (watermark)"]
+    runs = {r["kv_cache_dtype"]: r for r in data["runs"]}
+    assert all(r["output_tokens"] == 6 * 20 for r in runs.values())
+    assert runs["auto (reserve)"]["preemptions"] <= runs["auto (watermark)"]["preemptions"]
+    assert [(x["round"], x["kv_cache_dtype"]) for x in data["ratios"]] == [(1, "fp8 (reserve)"), (1, "fp8 (watermark)")]
+    assert data["ratios"][1]["output"] == pytest.approx(runs["fp8 (watermark)"]["output_tok_s"]
+                                                        / runs["auto (watermark)"]["output_tok_s"])
+    text = capsys.readouterr().out
+    assert "- round 1: auto: reserve / watermark admission: output" in text
