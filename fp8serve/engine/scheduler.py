@@ -13,18 +13,23 @@ prompts whose decode then runs out of blocks: on the KV-limited workload
 (48 x 256 -> 256 tokens, a cache for 8 or 16 full-length requests) both
 caches preempted and recomputed 30-32 times, ~6 s of prefill in 30-40 s runs.
 So a new sequence is admitted only if, after its prompt, the free blocks
-still hold `reserve_ratio` times the tokens the running sequences may still
-generate (up to max_tokens and max_model_len, at most 4096 per request), as
-SGLang's scheduler does with its new-token ratio. Outputs that stop early at EOS need less than
-their max_tokens, so the ratio starts at 0.7 and decays by 0.001 per decode
-step down to 0.1; a preemption shows it was too low and resets it to 1.0.
-Replayed through this scheduler with this machine's step times
-(benchmarks/scheduler_sim.py --policy, results in
-benchmarks/results/scheduler_reserve_2026-12-01_zen4.md): 1.07-1.16x the
-output rate of the watermark-only admission for a 16-bit cache and
-1.02-1.20x for FP8 on four workloads (all to max_tokens, or stopping early),
-preemptions 15-94 -> 0-9; always reserving the whole max_tokens (TGI's
-policy) ran 0.77x when outputs stop early under a generous max_tokens.
+still hold what the running sequences are expected to generate: each one's
+budget (max_tokens, within the model length) times `reserve_ratio`, less
+what it has generated, at most 4096 tokens per sequence. The ratio is
+learned from the requests that finished: the largest share of its budget
+any of the last 64 used (0.7 until one has finished), so outputs that stop
+at EOS long before max_tokens stop holding back admission, while outputs
+that run to max_tokens get their whole budget kept. A preemption shows the
+estimate was too low: it lifts the ratio to 1.0, a floor that then decays
+by 0.001 per decode step. SGLang's scheduler keeps such a reserve too, with
+a ratio that starts at 0.7 and decays without looking at the outputs; the
+decay alone (tried first) ran chat-like work (outputs of 16-256 tokens
+under max_tokens up to the model length) at 0.86-0.89x of the watermark's
+rate, where the learned ratio ran 0.99-1.07x, and 1.08-1.21x where the
+outputs run to max_tokens under KV pressure.
+Numbers: benchmarks/results/scheduler_reserve_2026-12-01_zen4.md (the
+scheduler replayed with this machine's step times, benchmarks/scheduler_sim.py
+--policy) and kv_saturation_engine_2026-12-01_zen4_admission.md (the engine).
 """
 
 from __future__ import annotations
@@ -39,13 +44,12 @@ from fp8serve.engine.sequence import Sequence, SequenceStatus
 
 
 # Admission's growth reservation (see the module docstring).
-RESERVE_RATIO_INIT = 0.7
-RESERVE_RATIO_MIN = 0.1
-RESERVE_RATIO_DECAY = 0.001  # per decode step without a preemption
-RESERVE_RATIO_AFTER_PREEMPTION = 1.0
-# A request's possible growth counts at most this many tokens (SGLang's clip too): a request without
-# max_tokens may run to the model length, and 0.7 x 8k tokens per request would hold back admission
-# long after most outputs have stopped.
+RESERVE_RATIO_INIT = 0.7  # until a request has finished
+RESERVE_WINDOW = 64  # finished requests the learned ratio looks at
+RESERVE_RATIO_AFTER_PREEMPTION = 1.0  # the floor a preemption sets ...
+RESERVE_FLOOR_DECAY = 0.001  # ... and its decay per decode step without one
+# A sequence's expected growth counts at most this many tokens (SGLang clips its estimate the same way):
+# a request without max_tokens may run to the model length.
 RESERVE_MAX_TOKENS_PER_SEQ = 4096
 
 
@@ -69,9 +73,10 @@ class Scheduler:
         # Keep a few blocks free when admitting new work so that running
         # sequences are not preempted by the very next decode step.
         self._watermark = max(1, block_manager.num_blocks // 100)
-        # Share of the running sequences' possible growth kept free at admission (module docstring).
+        # Expected growth of the running sequences kept free at admission (module docstring).
         self.reserve_growth = reserve_growth
-        self.reserve_ratio = RESERVE_RATIO_INIT if reserve_growth else 0.0
+        self.output_fractions: deque[float] = deque(maxlen=RESERVE_WINDOW)  # output / budget of finished requests
+        self.preemption_floor = 0.0
 
     @property
     def num_waiting(self) -> int:
@@ -91,27 +96,39 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         return self._schedule_prefill() or self._schedule_decode()
 
-    def remaining_tokens(self, seq: Sequence) -> int:
-        """Tokens `seq` may still generate (up to its max_tokens and the model length), as the
-        reservation counts them: at most RESERVE_MAX_TOKENS_PER_SEQ."""
-        max_tokens = seq.sampling_params.max_tokens
-        limit = self.config.max_model_len if max_tokens is None else min(
-            self.config.max_model_len, seq.num_prompt_tokens + max_tokens)
-        return min(RESERVE_MAX_TOKENS_PER_SEQ, max(0, limit - seq.num_tokens))
+    @property
+    def reserve_ratio(self) -> float:
+        """The share of its budget a running sequence is expected to generate (module docstring)."""
+        if not self.reserve_growth:
+            return 0.0
+        learned = max(self.output_fractions) if self.output_fractions else RESERVE_RATIO_INIT
+        return max(learned, self.preemption_floor)
 
-    def growth_reserve(self, remaining_tokens: int) -> int:
-        """Blocks kept free for `remaining_tokens` of possible growth at the current ratio."""
-        return math.ceil(self.reserve_ratio * remaining_tokens / self.block_manager.block_size)
+    def output_budget(self, seq: Sequence) -> int:
+        """Tokens `seq` may generate in all: its max_tokens, within the model length."""
+        room = max(0, self.config.max_model_len - seq.num_prompt_tokens)
+        max_tokens = seq.sampling_params.max_tokens
+        return room if max_tokens is None else min(room, max_tokens)
+
+    def expected_growth(self, seq: Sequence) -> int:
+        """Tokens to keep free for `seq`: reserve_ratio of its budget less what it has generated,
+        at most RESERVE_MAX_TOKENS_PER_SEQ."""
+        expected = math.ceil(self.reserve_ratio * self.output_budget(seq))
+        return min(RESERVE_MAX_TOKENS_PER_SEQ, max(0, expected - len(seq.output_token_ids)))
+
+    def growth_reserve(self, tokens: int) -> int:
+        """Blocks that hold `tokens` tokens of growth."""
+        return -(-tokens // self.block_manager.block_size)
 
     def _schedule_prefill(self) -> SchedulerOutput | None:
         scheduled: list[Sequence] = []
         num_tokens = 0
-        remaining = sum(self.remaining_tokens(s) for s in self.running) if self.waiting and self.reserve_growth else 0
+        growth = sum(self.expected_growth(s) for s in self.running) if self.waiting and self.reserve_growth else 0
         while self.waiting and len(self.running) + len(scheduled) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if num_tokens + seq.num_tokens > self.config.max_num_batched_tokens:
                 break
-            reserve = max(self._watermark, self.growth_reserve(remaining)) if (self.running or scheduled) else 0
+            reserve = max(self._watermark, self.growth_reserve(growth)) if (self.running or scheduled) else 0
             if not self.block_manager.can_allocate(seq, reserve=reserve):
                 break
             self.waiting.popleft()
@@ -119,7 +136,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             scheduled.append(seq)
             num_tokens += seq.num_tokens
-            remaining += self.remaining_tokens(seq)
+            growth += self.expected_growth(seq) if self.reserve_growth else 0
         if not scheduled:
             return None
         self.running.extend(scheduled)
@@ -143,10 +160,10 @@ class Scheduler:
                 i += 1
                 continue
             break
-        if self.reserve_growth and preempted:
-            self.reserve_ratio = RESERVE_RATIO_AFTER_PREEMPTION
-        elif self.reserve_growth and scheduled:
-            self.reserve_ratio = max(RESERVE_RATIO_MIN, self.reserve_ratio - RESERVE_RATIO_DECAY)
+        if preempted:
+            self.preemption_floor = RESERVE_RATIO_AFTER_PREEMPTION
+        elif scheduled:
+            self.preemption_floor = max(0.0, self.preemption_floor - RESERVE_FLOOR_DECAY)
         if not scheduled:
             return SchedulerOutput([], is_prefill=False, num_batched_tokens=0, preempted=preempted) if preempted else None
         return SchedulerOutput(scheduled, is_prefill=False, num_batched_tokens=len(scheduled), preempted=preempted)
@@ -159,7 +176,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished or aborted sequence's blocks."""
+        """Release a finished or aborted sequence's blocks; a finished one (finish_reason "stop" or
+        "length") also tells the reservation how much of its budget it used."""
+        budget = self.output_budget(seq)
+        if seq.finish_reason in ("stop", "length") and budget > 0:
+            self.output_fractions.append(min(1.0, len(seq.output_token_ids) / budget))
         seq.status = SequenceStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)

@@ -406,27 +406,55 @@ def make_seq_max(num_prompt_tokens: int, max_tokens: int | None, name: str) -> S
     return Sequence(name, list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens))
 
 
-def test_remaining_tokens_counts_up_to_max_tokens_and_the_model_length():
+def finish_as(sched: Scheduler, seq: Sequence, num_outputs: int, reason: str) -> None:
+    """What the engine does when `seq` ends after `num_outputs` tokens for `reason`."""
+    seq.output_token_ids[:] = [7] * num_outputs
+    seq.finish_reason = reason
+    sched.finish(seq)
+
+
+def test_budget_and_expected_growth():
     sched = make_scheduler(max_model_len=32, reserve_growth=True)
+    assert sched.reserve_ratio == 0.7  # nothing has finished yet
     a = make_seq_max(4, 10, "a")
+    assert sched.output_budget(a) == 10 and sched.expected_growth(a) == 7  # ceil(0.7 * 10)
     a.output_token_ids += [7, 7, 7]
-    assert sched.remaining_tokens(a) == 7
-    assert sched.remaining_tokens(make_seq_max(4, None, "b")) == 28  # no max_tokens: up to max_model_len
-    assert sched.remaining_tokens(make_seq_max(30, 10, "c")) == 2  # the model length caps it
-    d = make_seq_max(4, 2, "d")
-    d.output_token_ids += [7, 7, 7]  # past max_tokens (a stop string's overshoot): nothing left, not negative
-    assert sched.remaining_tokens(d) == 0
-    assert sched.growth_reserve(19) == 4  # ceil(0.7 * 19 / 4 = 3.325) blocks at the initial ratio
+    assert sched.expected_growth(a) == 4  # less what it generated
+    a.output_token_ids += [7] * 5
+    assert sched.expected_growth(a) == 0  # past the estimate: nothing, not negative
+    b = make_seq_max(4, None, "b")
+    assert sched.output_budget(b) == 28 and sched.expected_growth(b) == 20  # to the model length
+    assert sched.output_budget(make_seq_max(30, 10, "c")) == 2  # the model length caps max_tokens
+    assert sched.growth_reserve(13) == 4 and sched.growth_reserve(0) == 0  # blocks of 4 tokens
     long = make_scheduler(max_model_len=10000, reserve_growth=True)
-    assert long.remaining_tokens(make_seq_max(4, None, "e")) == 4096  # counted up to the clip
-    assert long.remaining_tokens(make_seq_max(4, 5000, "f")) == 4096
-    assert long.remaining_tokens(make_seq_max(4, 100, "g")) == 100
+    assert long.expected_growth(make_seq_max(4, None, "d")) == 4096  # 0.7 * 9996, clipped
+    off = make_scheduler(max_model_len=32, reserve_growth=False)
+    assert off.reserve_ratio == 0.0 and off.expected_growth(make_seq_max(4, 10, "e")) == 0
 
 
-def test_admission_keeps_room_for_the_running_sequences_growth():
+def test_ratio_is_learned_from_the_requests_that_finished():
+    from fp8serve.engine.scheduler import RESERVE_WINDOW
+
+    sched = make_scheduler(max_model_len=64, reserve_growth=True)
+    finish_as(sched, make_seq_max(4, 20, "a"), 2, "stop")  # 2 of 20
+    assert sched.reserve_ratio == pytest.approx(0.1)
+    finish_as(sched, make_seq_max(4, 20, "b"), 5, "length")  # the largest share of the window counts
+    assert sched.reserve_ratio == pytest.approx(0.25)
+    finish_as(sched, make_seq_max(4, 20, "c"), 20, "abort")  # aborted: says nothing about output lengths
+    assert sched.reserve_ratio == pytest.approx(0.25)
+    for i in range(RESERVE_WINDOW):  # the window forgets: 64 later requests of 1 token in 20
+        finish_as(sched, make_seq_max(4, 20, f"w{i}"), 1, "stop")
+    assert sched.reserve_ratio == pytest.approx(0.05)
+    off = make_scheduler(reserve_growth=False)
+    finish_as(off, make_seq_max(4, 20, "x"), 20, "length")
+    assert off.reserve_ratio == 0.0
+
+
+def test_admission_keeps_room_for_the_running_sequences_expected_growth():
     """16 blocks of 4 tokens. a (4 prompt tokens, max_tokens 20) runs; b's 48-token prompt needs
     12 blocks. The watermark alone (1 block) admits b into 15 free blocks; the reservation keeps
-    ceil(0.7 * 19 / 4) = 4 blocks for a's 19 remaining tokens and holds b back until a finishes."""
+    room for a's expected ceil(0.7 * 20) - 1 = 13 tokens (4 blocks) and holds b back. Once a
+    request has finished after 2 tokens of 20, the ratio is 0.1 and b fits beside a new a."""
     for reserve_growth, b_admitted in ((False, True), (True, False)):
         sched = make_scheduler(num_blocks=16, block_size=4, max_model_len=64, reserve_growth=reserve_growth)
         a = make_seq_max(4, 20, "a")
@@ -439,53 +467,42 @@ def test_admission_keeps_room_for_the_running_sequences_growth():
         if b_admitted:
             continue
         assert names(out.seqs) == ["a"] and names(sched.waiting) == ["b"]
-        run_step(out)  # a: 6 tokens in 2 blocks, 14 free, 18 tokens to go: a reserve of ceil(0.699 * 18 / 4) = 4
-        # A 40-token prompt (10 blocks) fits beside it, 10 + 4 <= 14; b's 12 + 4 still does not.
-        c = make_seq_max(40, 4, "c")
-        sched.waiting.appendleft(c)
-        out = sched.schedule()
-        assert out.is_prefill and names(out.seqs) == ["c"] and names(sched.waiting) == ["b"]
         run_step(out)
-        sched.finish(a)
-        sched.finish(c)
-        out = sched.schedule()  # nothing runs: b is admitted with no reserve at all
-        assert out.is_prefill and names(out.seqs) == ["b"]
+        sched.running.remove(a)
+        finish_as(sched, a, 2, "stop")  # 2 of its 20 tokens: the ratio is now 0.1
+        a2 = make_seq_max(4, 20, "a2")
+        sched.waiting.appendleft(a2)
+        out = sched.schedule()  # a2 first (nothing runs), then b beside it: 12 + max(1, ceil((2 - 0) / 4)) <= 15
+        assert out.is_prefill and names(out.seqs) == ["a2", "b"]
 
 
-def test_reserve_ratio_decays_per_decode_step_and_resets_after_a_preemption():
-    from fp8serve.engine.scheduler import (RESERVE_RATIO_AFTER_PREEMPTION, RESERVE_RATIO_DECAY, RESERVE_RATIO_INIT,
-                                           RESERVE_RATIO_MIN)
+def test_a_preemption_lifts_the_ratio_to_one_then_the_floor_decays():
+    from fp8serve.engine.scheduler import RESERVE_FLOOR_DECAY, RESERVE_RATIO_AFTER_PREEMPTION
 
     sched = make_scheduler(num_blocks=3, block_size=4, max_model_len=12, reserve_growth=True)
-    assert sched.reserve_ratio == RESERVE_RATIO_INIT == 0.7
-    a = make_seq_max(2, 3, "a")
-    sched.add(a)
-    run_step(sched.schedule())  # prefill: no decay
-    assert sched.reserve_ratio == RESERVE_RATIO_INIT
-    for k in range(1, 3):
-        run_step(sched.schedule())  # decode steps
-        assert sched.reserve_ratio == pytest.approx(RESERVE_RATIO_INIT - k * RESERVE_RATIO_DECAY)
-    sched.reserve_ratio = RESERVE_RATIO_MIN + RESERVE_RATIO_DECAY / 2
-    run_step(sched.schedule())
-    assert sched.reserve_ratio == RESERVE_RATIO_MIN  # floored
-    sched.finish(a)
-
-    # Admitted optimistically (ratio 0), two sequences outgrow the cache: the preemption resets the ratio.
-    sched.reserve_ratio = 0.0
+    finish_as(sched, make_seq_max(4, 8, "x"), 1, "stop")  # learned: 1 of 8
+    assert sched.reserve_ratio == pytest.approx(0.125)
     b, c = make_seq_max(4, 8, "b"), make_seq_max(4, 8, "c")
     sched.add(b)
     sched.add(c)
     out = sched.schedule()
-    assert names(out.seqs) == ["b", "c"]  # 1 block each, 1 free: the watermark alone
+    assert names(out.seqs) == ["b", "c"]  # 1 block each, 1 free; each expected to grow by 1 token
     run_step(out)  # both at 5 tokens: each needs a second block, one is free
     out = sched.schedule()
     assert names(out.preempted) == ["c"]
     assert sched.reserve_ratio == RESERVE_RATIO_AFTER_PREEMPTION == 1.0
+    run_step(out)
+    out = sched.schedule()  # c waits (2 blocks, 1 free): b decodes alone
+    assert not out.is_prefill and names(out.seqs) == ["b"] and out.preempted == []
+    run_step(out)
+    assert sched.reserve_ratio == pytest.approx(1.0 - RESERVE_FLOOR_DECAY)  # one decode step since
+    sched.preemption_floor = RESERVE_FLOOR_DECAY / 2
+    run_step(sched.schedule())
+    assert sched.preemption_floor == 0.0 and sched.reserve_ratio == pytest.approx(0.125)
 
 
-def test_without_growth_reservation_the_ratio_stays_zero():
+def test_without_growth_reservation_nothing_is_learned_or_lifted():
     sched = make_scheduler(num_blocks=3, block_size=4, max_model_len=12, reserve_growth=False)
-    assert sched.reserve_ratio == 0.0
     b, c = make_seq_max(4, 8, "b"), make_seq_max(4, 8, "c")
     sched.add(b)
     sched.add(c)
