@@ -22,7 +22,7 @@ Every configuration's engine is built once; the rounds interleave them, so each 
 the same minutes of this (drifting) machine.
 
 --admission picks the scheduler's admission policy (fp8serve/engine/scheduler.py): `reserve` (the
-engine's: room kept for the running sequences' growth, its ratio reset at the start of every run),
+engine's: room kept for the running sequences' expected growth, learned afresh in every run),
 `watermark` (only 1% of the blocks kept free: vLLM's policy, the engine's before stop 25), or
 `both` (every KV dtype under each; ratios compare KV dtypes under the same policy).
 
@@ -167,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from fp8serve import LLM
     from fp8serve.default_model import ensure_default_model
-    from fp8serve.engine.scheduler import RESERVE_RATIO_INIT
 
     model = args.model or str(ensure_default_model())
     kvs = [k.strip() for k in args.kv_cache_dtypes.split(",") if k.strip()]
@@ -208,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(1, args.rounds + 1):
         for label, (e, policy) in engines.items():
             print(f"round {rnd}: {label} ...", file=sys.stderr, flush=True)
-            # Every run starts as a fresh engine would (the ratio adapts within a run).
-            e.scheduler.reserve_ratio = RESERVE_RATIO_INIT if policy == "reserve" else 0.0
+            # Every run starts as a fresh engine would: the reservation learns within a run (the
+            # warm-up request, which ran to its max_tokens, would otherwise count).
+            e.scheduler.output_fractions.clear()
+            e.scheduler.preemption_floor = 0.0
             s = run_once(e, prompts, args.output_len, label, rnd)
             print(f"  {s.output_tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
             stats.append(s)

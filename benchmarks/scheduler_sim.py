@@ -13,7 +13,7 @@ end), not server overhead. (That calibration predates stop 25's growth reservati
 `--policy watermark` replays the admission of then.)
 
 --policy compares admission policies on the same workload: `reserve` (the scheduler's default:
-room kept for the running sequences' growth, fp8serve/engine/scheduler.py) and `watermark` (1% of
+room kept for the running sequences' expected growth, fp8serve/engine/scheduler.py) and `watermark` (1% of
 the blocks only: vLLM's). --max-tokens larger than --output-len with --min-output-len below it
 models outputs that stop early (EOS) under a generous max_tokens: each request's length is drawn
 uniformly from [--min-output-len, --output-len] (seeded), while the scheduler only sees max_tokens.
@@ -93,6 +93,8 @@ def simulate(num_blocks: int, num_prompts: int = 48, input_len: int = 256, outpu
             first_token.setdefault(seq.request_id, (t, tokens))
         for seq in list(sched.running):
             if len(seq.output_token_ids) >= lengths[seq.request_id]:
+                # What the engine records before finishing: the reservation learns from it.
+                seq.finish_reason = "length" if len(seq.output_token_ids) >= seq.sampling_params.max_tokens else "stop"
                 sched.finish(seq)
     sat_t, sat_tokens = max(first_token.values())
     return SimResult(num_blocks, t, tokens, steps, sched.num_preemptions, batch_sum / max(steps, 1), sat_t, sat_tokens)
