@@ -110,10 +110,10 @@ class Scheduler:
         max_tokens = seq.sampling_params.max_tokens
         return room if max_tokens is None else min(room, max_tokens)
 
-    def expected_growth(self, seq: Sequence) -> int:
-        """Tokens to keep free for `seq`: reserve_ratio of its budget less what it has generated,
-        at most RESERVE_MAX_TOKENS_PER_SEQ."""
-        expected = math.ceil(self.reserve_ratio * self.output_budget(seq))
+    def expected_growth(self, seq: Sequence, ratio: float | None = None) -> int:
+        """Tokens to keep free for `seq`: `ratio` (default reserve_ratio) of its budget less what it
+        has generated, at most RESERVE_MAX_TOKENS_PER_SEQ."""
+        expected = math.ceil((self.reserve_ratio if ratio is None else ratio) * self.output_budget(seq))
         return min(RESERVE_MAX_TOKENS_PER_SEQ, max(0, expected - len(seq.output_token_ids)))
 
     def growth_reserve(self, tokens: int) -> int:
@@ -123,7 +123,10 @@ class Scheduler:
     def _schedule_prefill(self) -> SchedulerOutput | None:
         scheduled: list[Sequence] = []
         num_tokens = 0
-        growth = sum(self.expected_growth(s) for s in self.running) if self.waiting and self.reserve_growth else 0
+        ratio = self.reserve_ratio  # once per step: it takes a max over the finished requests' window
+        growth = 0
+        if self.waiting and self.reserve_growth:
+            growth = sum(self.expected_growth(s, ratio) for s in self.running)
         while self.waiting and len(self.running) + len(scheduled) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if num_tokens + seq.num_tokens > self.config.max_num_batched_tokens:
@@ -136,7 +139,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             scheduled.append(seq)
             num_tokens += seq.num_tokens
-            growth += self.expected_growth(seq) if self.reserve_growth else 0
+            growth += self.expected_growth(seq, ratio) if self.reserve_growth else 0
         if not scheduled:
             return None
         self.running.extend(scheduled)

@@ -51,13 +51,14 @@ def test_tiny_run_accounts_for_every_token_and_step(kse, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad", [["--rounds", "0"], ["--num-prompts", "0"], ["--output-len", "-1"],
-                                 ["--kv-cache-dtypes", "fp8"], ["--device", "tpu"]])
+                                 ["--kv-cache-dtypes", "fp8"], ["--device", "tpu"], ["--admission", "fifo"]])
 def test_rejects_bad_arguments(kse, bad, capsys):
     with pytest.raises(SystemExit) as e:
         kse.main(bad)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert ("must be at least 1" in err) or ("needs a baseline" in err) or ("--device must be cpu or cuda" in err), err
+    assert ("must be at least 1" in err) or ("needs a baseline" in err) or ("--device must be cpu or cuda" in err) \
+        or ("--admission: invalid choice: 'fifo'" in err), err
 
 
 def test_both_admission_policies_side_by_side(kse, tmp_path, capsys):
