@@ -40,7 +40,8 @@ from torch import nn
 
 from fp8serve.utils.env_switch import env_switch
 from fp8serve.utils.huge_pages import advise_huge_pages
-from fp8serve.utils.platform import available_memory_bytes, is_amd_cpu
+from fp8serve.utils.platform import is_amd_cpu
+from fp8serve.utils.weight_copies import copy_fits, pack_each_weight_once
 
 logger = logging.getLogger(__name__)
 
@@ -162,18 +163,11 @@ def pack_gemv_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
         fp8 = []
     weights = {id(m.weight): m.weight for m in bf16 + fp8}  # a tied LM head shares its embedding's weight
     total = sum(BLOCK_ROWS * packed_shape(*w.shape)[0] * w.shape[1] * w.element_size() for w in weights.values())
-    budget = available_memory_bytes() // 4
-    if total > budget:
-        logger.info("dense_gemv: weights not packed: the copy needs %.0f MiB, over a quarter of the memory "
-                    "available (%.0f MiB)", total / 2**20, budget / 2**20)
+    if not copy_fits(total, "dense_gemv: weights", logger):
         return 0
-    packed: dict[int, torch.Tensor] = {}
-    for m in bf16:
-        if id(m.weight) not in packed:
-            packed[id(m.weight)] = pack_gemv_weight(m.weight)
-        m.weight_gemv_packed = packed[id(m.weight)]
+    count = pack_each_weight_once(bf16, "weight_gemv_packed", pack_gemv_weight)
     for m in fp8:
         m.weight_gemv_packed, m.weight_scale_gemv_packed = pack_fp8_gemv_weight(m.weight, m.weight_scale)
     logger.info("dense_gemv: packed %d bf16 and %d FP8 weights once for decode batches (%.0f MiB, another copy)",
-                len(packed), len(fp8), total / 2**20)
+                count, len(fp8), total / 2**20)
     return total

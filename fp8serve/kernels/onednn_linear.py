@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8serve.utils.env_switch import env_switch
-from fp8serve.utils.platform import available_memory_bytes, is_amd_cpu
+from fp8serve.utils.platform import is_amd_cpu
+from fp8serve.utils.weight_copies import copy_fits, pack_each_weight_once
 
 logger = logging.getLogger(__name__)
 
@@ -152,16 +153,9 @@ def pack_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
     # A tied LM head shares its embedding's weight: count each weight once.
     weights = {id(m.weight): m.weight for m in layers}
     total = sum(w.nbytes for w in weights.values())
-    budget = available_memory_bytes() // 4
-    if total > budget:
-        logger.info("oneDNN: %s weights not packed: a packed copy needs %.0f MiB, over a quarter of the memory "
-                    "available (%.0f MiB)", name, total / 2**20, budget / 2**20)
+    if not copy_fits(total, f"oneDNN: {name} weights", logger):
         return 0
-    packed: dict[int, torch.Tensor] = {}
-    for m in layers:
-        if id(m.weight) not in packed:
-            packed[id(m.weight)] = pack_weight(m.weight)
-        m.weight_packed = packed[id(m.weight)]
+    count = pack_each_weight_once(layers, "weight_packed", pack_weight)
     logger.info("oneDNN: packed %d %s weights once (%.0f MiB, a second copy: dense_gemv reads the plain one)",
-                len(packed), name, total / 2**20)
+                count, name, total / 2**20)
     return total

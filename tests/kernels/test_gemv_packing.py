@@ -9,6 +9,7 @@ from tiny_layers import tiny_bf16_model
 
 from fp8serve.errors import ConfigError
 from fp8serve.kernels import cpu_ops, gemv_packing
+from fp8serve.utils import weight_copies
 
 _ops = cpu_ops.load_cpu_ops()
 needs_kernel = pytest.mark.skipif(_ops is None or not bool(_ops.dense_gemv_has_packed()),
@@ -106,11 +107,11 @@ def test_bad_setting_is_a_clear_error(monkeypatch):
 def test_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
     model = tiny_bf16_model()
-    monkeypatch.setattr(gemv_packing, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
+    monkeypatch.setattr(weight_copies, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
     with caplog.at_level("INFO", logger="fp8serve.kernels.gemv_packing"):
         assert gemv_packing.pack_gemv_weights(model, torch.bfloat16) == 0
     assert model.qkv.weight_gemv_packed is None
-    assert "not packed: the copy needs" in caplog.text
+    assert "dense_gemv: weights not packed: the copy needs" in caplog.text
 
 
 @pytest.mark.parametrize("n,k", [(35, 8), (16, 576), (1, 4)])

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tiny_layers import tiny_bf16_model
 
 from fp8serve.kernels import onednn_linear
+from fp8serve.utils import weight_copies
 
 needs_onednn = pytest.mark.skipif(not onednn_linear.is_available(), reason="torch built without oneDNN")
 
@@ -222,8 +223,8 @@ def test_pack_weights_bad_setting_is_a_clear_error(monkeypatch):
 def test_pack_weights_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
     model = tiny_bf16_model()
-    monkeypatch.setattr(onednn_linear, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
+    monkeypatch.setattr(weight_copies, "available_memory_bytes", lambda: 4 * model.embed.weight.nbytes)
     with caplog.at_level("INFO", logger="fp8serve.kernels.onednn_linear"):
         assert onednn_linear.pack_weights(model, torch.bfloat16) == 0
     assert model.qkv.weight_packed is None
-    assert "not packed: a packed copy needs" in caplog.text
+    assert "oneDNN: bfloat16 weights not packed: the copy needs" in caplog.text
