@@ -20,10 +20,16 @@ this run on the default model's largest prefill shape (512 x 576 -> 3072).
 Timings are the best of several repeats after warm-up; every ratio comes
 from one run. Fixed seeds.
 
+--baseline-rev REV builds cpu/prefill_attention.cpp as of git revision REV
+beside this tree's and times the kernel's "best" path of both on every cell
+instead, in --rounds ABBA rounds (medians), with whether the outputs are
+bit-identical.
+
 Examples:
   python benchmarks/prefill_attention.py                  # SmolLM2 shapes, saves results
   python benchmarks/prefill_attention.py --cells 1x512 --dtypes float32 --no-save
   python benchmarks/prefill_attention.py --num-heads 32 --num-kv-heads 8 --head-size 128
+  python benchmarks/prefill_attention.py --dtypes bfloat16 --cells 16x512,4x512,1x2048,3x333 --baseline-rev HEAD~1
 """
 
 from __future__ import annotations
@@ -36,10 +42,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_common import best_time, command_line, describe_machine, machine_info
+from bench_common import alternate, best_time, build_kernel_at_rev, command_line, describe_machine, machine_info
 
 from fp8serve.kernels.cpu_ops import load_cpu_ops
-from fp8serve.kernels.prefill_attention_ops import (MIN_MEAN_PROMPT_TOKENS, MIN_MEAN_PROMPT_TOKENS_AMX,
+from fp8serve.kernels.prefill_attention_ops import (_PATHS, MIN_MEAN_PROMPT_TOKENS, MIN_MEAN_PROMPT_TOKENS_AMX,
                                                     MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR, amx_available, applies,
                                                     bf16_dot_available,
                                                     prefill_attention)
@@ -68,6 +74,47 @@ def matmul_peak(dtype: torch.dtype, min_time: float, repeats: int) -> float:
     return 2 * 512 * 576 * 3072 / best_time(lambda: F.linear(x, w), min_time, repeats) / 1e9
 
 
+def make_inputs(g: torch.Generator, num_seqs: int, seq_len: int, h: int, kvh: int, d: int, dtype: torch.dtype):
+    """q, k, v as strided views of one fused qkv row per token (as the engine passes them), and cu_seqlens."""
+    total = num_seqs * seq_len
+    qkv = torch.randn(total, (h + 2 * kvh) * d, generator=g).to(dtype)
+    q = qkv[:, :h * d].view(total, h, d)
+    k = qkv[:, h * d:(h + kvh) * d].view(total, kvh, d)
+    v = qkv[:, (h + kvh) * d:].view(total, kvh, d)
+    return q, k, v, torch.arange(0, total + 1, seq_len, dtype=torch.int64)
+
+
+def compare_with_revision(args, ops, argv, emit, lines) -> int:
+    """--baseline-rev: the kernel's "best" path, this tree against REV's build, ABBA rounds."""
+    base = build_kernel_at_rev(args.baseline_rev, "prefill_attention.cpp", "fp8serve_pf_base")
+    h, kvh, d = args.num_heads, args.num_kv_heads, args.head_size
+    emit(f"# Causal prefill attention: this tree vs {args.baseline_rev} ({datetime.date.today().isoformat()})")
+    emit()
+    emit(f"Command: `{command_line(argv)}`")
+    emit()
+    for line in describe_machine(machine_info()):
+        emit(f"- {line}")
+    emit(f"- shapes: {h} heads, {kvh} kv heads, head size {d}; the vector kernel's \"best\" path of both builds; "
+         f"medians of {args.rounds} ABBA rounds")
+    emit()
+    emit(f"| dtype | cells | {args.baseline_rev} ms | this tree ms | speedup | bit-identical |")
+    emit("|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for name in args.dtypes:
+        for num_seqs, seq_len in args.cells:
+            q, k, v, cu = make_inputs(g, num_seqs, seq_len, h, kvh, d, DTYPES[name])
+            fns = {"base": lambda: base.prefill_attention(q, k, v, cu, d**-0.5, 1.0, _PATHS["best"]),
+                   "this": lambda: ops.prefill_attention(q, k, v, cu, d**-0.5, 1.0, _PATHS["best"])}
+            same = torch.equal(fns["base"](), fns["this"]())
+            t = alternate({k_: (lambda f=f: best_time(f, args.min_time, 1)) for k_, f in fns.items()}, args.rounds)
+            emit(f"| {name} | {num_seqs}x{seq_len} | {t['base'] * 1e3:.2f} | {t['this'] * 1e3:.2f} | "
+                 f"{t['base'] / t['this']:.2f}x | {'yes' if same else 'no'} |")
+    if args.output and not args.no_save:
+        args.output.write_text("\n".join(lines) + "\n")
+        print(f"wrote {args.output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", type=parse_cells, default=parse_cells("1x512,1x2048,8x256,4x1024"),
@@ -82,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, default=None,
                    help="markdown results file (default benchmarks/results/prefill_attention_<date>.md)")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--baseline-rev", default=None,
+                   help="time cpu/prefill_attention.cpp as of this git revision beside this tree's (see above)")
+    p.add_argument("--rounds", type=int, default=8, help="ABBA rounds for --baseline-rev (median)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     for name in args.dtypes:
         if name not in DTYPES:
             p.error(f"--dtypes: unknown dtype {name!r}; expected some of {list(DTYPES)}")
@@ -105,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line)
 
     h, kvh, d = args.num_heads, args.num_kv_heads, args.head_size
+    if args.baseline_rev:
+        return compare_with_revision(args, ops, argv, emit, lines)
     emit(f"# Causal prefill attention on CPU ({datetime.date.today().isoformat()})")
     emit()
     emit(f"Command: `{command_line(argv)}`")
