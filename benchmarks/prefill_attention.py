@@ -179,12 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dtypes:
         dtype = DTYPES[name]
         for num_seqs, seq_len in args.cells:
-            total = num_seqs * seq_len
-            qkv = torch.randn(total, (h + 2 * kvh) * d, generator=g).to(dtype)
-            q = qkv[:, :h * d].view(total, h, d)
-            k = qkv[:, h * d:(h + kvh) * d].view(total, kvh, d)
-            v = qkv[:, (h + kvh) * d:].view(total, kvh, d)
-            cu = torch.arange(0, total + 1, seq_len, dtype=torch.int64)
+            q, k, v, cu = make_inputs(g, num_seqs, seq_len, h, kvh, d, dtype)
 
             def sdpa():
                 return F.scaled_dot_product_attention(
