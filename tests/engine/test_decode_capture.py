@@ -68,6 +68,9 @@ def test_replayed_decode_equals_eager_bit_for_bit(ops, llama_dir, seed, kv_cache
     assert captures.num_replays >= 8 and len(captures.recorded_batch_sizes) >= 2, f"seed={seed}"
     # The replays ran in the TorchScript interpreter, not the Python fallback.
     assert captures.scripted_batch_sizes == captures.recorded_batch_sizes, f"seed={seed}"
+    # Every size after the first two shared a compiled forward (see DecodeCaptures); the outputs above are
+    # bit for bit those of eager steps all the same.
+    assert captures.num_compiled <= 2, f"seed={seed} {captures.recorded_batch_sizes}"
 
 
 def test_replays_at_amx_batch_sizes_equal_eager(ops, llama_dir, seed, monkeypatch):
@@ -342,3 +345,61 @@ def test_enforce_eager_flag_reaches_the_engine():
     add_engine_args(p)
     assert engine_kwargs(p.parse_args(["--enforce-eager"]))["enforce_eager"] is True
     assert engine_kwargs(p.parse_args([]))["enforce_eager"] is False
+
+
+class _BatchShaped(torch.nn.Module):
+    """A forward with batch-sized views and an allocation whose size is
+    `alloc(n)`: proportional to the batch (shareable) or not."""
+
+    supports_decode_capture = True
+
+    def __init__(self, seed: int, alloc) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(8, 8, generator=g), requires_grad=False)
+        self.alloc = alloc
+
+    def forward(self, input_ids, positions):
+        n = input_ids.shape[0]
+        x = input_ids.float().view(n, 1) * self.weight[0] + positions.float().view(n, 1)
+        h = torch.nn.functional.linear(x, self.weight).view(n, 2, 4).sum(1)  # [n, 4]
+        extra = torch.ones(self.alloc(n)).sum()  # a size that depends on n as alloc says
+        return h * extra
+
+
+def _replay_sizes(model, sizes, seed):
+    """Runs each batch size three times through DecodeCaptures (record, then
+    replays on fresh inputs) and checks every output against the eager model."""
+    g = torch.Generator().manual_seed(seed)
+    captures = DecodeCaptures(model, [], enabled=True)
+    for n in sizes:
+        for _ in range(3):
+            ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
+            got = captures.forward(ids, pos, _decode_metadata(n))
+            assert torch.equal(got, model(ids, pos)), f"seed={seed} n={n}"
+    assert captures.recorded_batch_sizes == sorted(set(sizes)), f"seed={seed}"
+    assert captures.num_replays == 2 * len(sizes), f"seed={seed}"
+    return captures
+
+
+def test_batch_sizes_share_one_compiled_forward(seed):
+    """Recordings that differ only in batch-sized dimensions share a compile:
+    the first size compiles its own, the second a forward taking n, and every
+    later size only records and checks."""
+    captures = _replay_sizes(_BatchShaped(seed, alloc=lambda n: 3 * n), [3, 5, 7, 4, 1, 9], seed)
+    assert captures.num_compiled == 2, f"seed={seed}"
+    assert captures.scripted_batch_sizes == [1, 3, 4, 5, 7, 9], f"seed={seed}"
+
+
+def test_sizes_not_proportional_to_the_batch_compile_their_own(seed):
+    """n + 1 is no multiple of the batch size: nothing is shared."""
+    captures = _replay_sizes(_BatchShaped(seed, alloc=lambda n: n + 1), [3, 5, 7], seed)
+    assert captures.num_compiled == 3, f"seed={seed}"
+
+
+def test_a_size_proportional_only_over_a_range_is_checked_at_every_size(seed):
+    """2 * max(n, 4) looks proportional at 4 and 8 (8, 16); at 2 the recording
+    says 8 where the shared forward would use 4: that size compiles its own,
+    and its outputs stay exact."""
+    captures = _replay_sizes(_BatchShaped(seed, alloc=lambda n: 2 * max(n, 4)), [4, 8, 6, 2], seed)
+    assert captures.num_compiled == 3, f"seed={seed}"  # 4, then 8 (shared by 6), then 2
