@@ -6,7 +6,8 @@ Both systems get the SAME prompts: `--num-prompts` rows of exactly `--input-len`
 `ignore_eos=True`; transformers: `min_new_tokens == max_new_tokens`). Each system is warmed up
 first. Both run in one invocation so that they see the same (possibly noisy) machine.
 
-transformers runs float32 with `attn_implementation=--hf-attn` (default sdpa), static batches of
+transformers runs `--hf-dtype` (default float32, the issue's baseline; bfloat16 is the checkpoint's
+own dtype) with `attn_implementation=--hf-attn` (default sdpa), static batches of
 `--hf-batch-size`, left padding (all prompts have the same length, so no pad tokens are actually
 added), and `use_cache=True`. Its "prefill" column is the time to the first logits-processor call of
 each batch (forward over the prompt + first-token logits), summed over batches.
@@ -171,7 +172,7 @@ def run_hf(args, prompts: list[list[int]], model_path: str, total_requests: int,
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     t_load = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.hf_dtype),
                                                  attn_implementation=args.hf_attn)
     model.eval()
     load_s = time.perf_counter() - t_load
@@ -240,7 +241,7 @@ def run_hf(args, prompts: list[list[int]], model_path: str, total_requests: int,
     del model
     gc.collect()
     return Result(
-        system="transformers", dtype="float32", kv_dtype="float32", attn=args.hf_attn,
+        system="transformers", dtype=args.hf_dtype, kv_dtype=args.hf_dtype, attn=args.hf_attn,
         requests=total_requests, input_len=args.input_len, output_len=args.output_len,
         total_s=total, prefill_s=prefill, output_tok_s=out_tps, total_tok_s=tot_tps,
         extrapolated=extrapolated, measured_requests=measured, notes=notes,
@@ -286,7 +287,7 @@ def format_table(results: list[Result], baseline: Result | None) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     if any(r.extrapolated for r in results):
         lines.append("")
-        lines.append("\\* transformers EXTRAPOLATED: " + "; ".join(
+        lines.append("\\* transformers " + "; ".join(
             n for r in results if r.extrapolated for n in r.notes if n.startswith("EXTRAPOLATED")))
     return "\n".join(lines)
 
@@ -331,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-num-prompts", type=int, default=None,
                    help="run transformers on only the first N prompts and extrapolate its time (marked in the output)")
     p.add_argument("--hf-attn", default="sdpa", choices=("sdpa", "eager"))
+    p.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="transformers' compute dtype (float32: the issue's baseline)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-first", action="store_true", help="run transformers before fp8serve")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: os.cpu_count())")
