@@ -1,0 +1,35 @@
+"""benchmarks/offline_throughput.py on a tiny checkpoint: fp8serve and transformers (in the
+--hf-dtype asked for) get the same prompts and produce exactly --output-len tokens each; a dtype
+transformers is not offered in is rejected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmark_scripts import loaded_script
+from checkpoints import write_tiny_llama
+
+
+@pytest.mark.parametrize("hf_dtype", ["float32", "bfloat16"])
+def test_tiny_run_against_transformers(hf_dtype, tmp_path, capsys):
+    model = write_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "r.json"
+    with loaded_script("offline_throughput.py") as script:
+        assert script.main(["--model", str(model), "--num-prompts", "3", "--input-len", "8", "--output-len", "5",
+                            "--configs", "float32:auto", "--hf-batch-size", "2", "--warmup-prompts", "1",
+                            "--hf-dtype", hf_dtype, "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert f"| transformers | {hf_dtype} | {hf_dtype} | sdpa | 3 | 8 | 5 |" in table, table
+    data = json.loads(out.read_text())
+    systems = {(r["system"], r["dtype"]) for r in data["results"]}
+    assert systems == {("transformers", hf_dtype), ("fp8serve", "float32")}, systems
+    for r in data["results"]:
+        assert r["output_tok_s"] > 0 and not r["extrapolated"]
+
+
+def test_unknown_hf_dtype_is_rejected(capsys):
+    with loaded_script("offline_throughput.py") as script, pytest.raises(SystemExit):
+        script.main(["--hf-dtype", "int8"])
+    assert "--hf-dtype: invalid choice: 'int8'" in capsys.readouterr().err
