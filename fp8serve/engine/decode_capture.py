@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import linecache
 import logging
+import time
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -449,9 +450,15 @@ class DecodeCaptures:
         if recorded is not _MISSING:
             self.num_replays += 1
             return recorded.replay(*inputs)
+        start = time.perf_counter()
         output, recorder = record(lambda: self._eager(input_ids, positions, md), inputs)
         recorded, template, compiled = self._compile(recorder, output, len(inputs), md.num_seqs)
         problem = recorded if isinstance(recorded, str) else self._problem(recorded, output, inputs)
+        if logger.isEnabledFor(logging.DEBUG):
+            how = ("compiled" if compiled else
+                   f"shares the compiled replay of batch size {template.batch_size}" if template else "not replayable")
+            logger.debug("decode batch size %d recorded in %.0f ms: %s", md.num_seqs,
+                         1e3 * (time.perf_counter() - start), how)
         if problem:
             logger.warning("decode batch size %d runs eagerly: %s", md.num_seqs, problem)
             self._captures[key] = None
