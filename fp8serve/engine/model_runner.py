@@ -138,7 +138,7 @@ class ModelRunner:
                 logger.info("--calculate-kv-scales: scales will be computed from the first prefill batch")
 
     def _allocate_kv_cache(self) -> int:
-        mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
+        mc, cc = self.config.model_config, self.config.cache_config
         spec = self.kv_cache_spec
         budget = cc.kv_cache_memory or self.config.default_kv_cache_memory()
         num_blocks = budget // spec.bytes_per_block

@@ -1,0 +1,91 @@
+"""A recorded forward compiled to a replay (engine/compiled_replay.py, over
+engine/op_recorder.py): replays on new inputs equal the function, views of
+constants are folded (and stay live), a view op that copies is replayed, and
+an output no recorded op produced is refused. Fresh random inputs each run
+(the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import torch
+
+from fp8serve.engine.compiled_replay import capture
+
+
+def test_capture_replays_on_new_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 8, generator=g)
+    x = torch.randn(3, 8, generator=g)
+
+    def f(inp):
+        h = torch.nn.functional.linear(inp, w).relu_()
+        a, b = h.split([4, 4], dim=-1)
+        return torch.cat([b, a], dim=-1) * 2
+
+    out, recorded = capture(lambda: f(x), [x])
+    assert not isinstance(recorded, str), recorded
+    assert torch.equal(out, f(x))
+    x2 = torch.randn(3, 8, generator=g)
+    assert recorded.script_replay is not None and recorded.replay is recorded.script_replay
+    for replay in (recorded.script_replay, recorded.python_replay):
+        assert torch.equal(replay(x2), f(x2)), f"seed={seed}"
+    # The only constant is w (F.linear's transpose of it is folded: a view of a constant).
+    assert [t.untyped_storage().data_ptr() for t in recorded.tensor_constants] == [w.untyped_storage().data_ptr()]
+    assert recorded.tensor_constants[0].stride() == w.t().stride(), "the transpose was replayed, not folded"
+
+
+def test_views_of_constants_are_folded_and_stay_live(seed):
+    """A view of constants only (the KV cache's unbind into K and V) is not
+    replayed: its output is a constant that aliases the live tensor, so an
+    in-place change between steps (a cache write) is seen by the replay."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, 4, 8, generator=g)
+    x = torch.randn(3, 8, generator=g)
+
+    def f(inp):
+        k, v = kv.unbind(0)
+        return inp @ k.t() + v.sum()
+
+    out, recorded = capture(lambda: f(x), [x])
+    assert not isinstance(recorded, str), recorded
+    assert len(recorded.tensor_constants) >= 1
+    assert all(t.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr() for t in recorded.tensor_constants)
+    kv.mul_(-3.0)  # the cache changes in place between steps
+    x2 = torch.randn(3, 8, generator=g)
+    for replay in (recorded.script_replay, recorded.python_replay):
+        assert torch.equal(replay(x2), f(x2)), f"seed={seed}"
+
+
+def test_a_view_op_that_copies_constants_is_replayed(seed):
+    """reshape copies where strides forbid a view (at dispatch it arrives as
+    a clone and a view of the copy): the copy would freeze the step's values,
+    so it stays in the replay. And a view-marked op whose output does not
+    share its input's storage is never folded."""
+    from fp8serve.engine.op_recorder import CONST, is_constant_view
+
+    a = torch.randn(4, 6)
+    view = torch.ops.aten.view.default
+    assert is_constant_view(view, [(CONST, a), (CONST, [24])], {}, a.view(24))
+    assert not is_constant_view(view, [(CONST, a), (CONST, [24])], {}, a.clone().view(24))
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(4, 6, generator=g)
+    x = torch.randn(24, generator=g)
+
+    def f(inp):
+        return inp * w.t().reshape(-1)  # w.t() is a view (folded); its reshape copies
+
+    out, recorded = capture(lambda: f(x), [x])
+    assert not isinstance(recorded, str), recorded
+    w.add_(1.0)
+    x2 = torch.randn(24, generator=g)
+    for replay in (recorded.script_replay, recorded.python_replay):
+        assert torch.equal(replay(x2), f(x2)), f"seed={seed}"
+
+
+def test_an_output_no_op_produced_cannot_be_replayed(seed):
+    """The forward's result must be an input or come out of a recorded op;
+    here it is a tensor made before the recording."""
+    g = torch.Generator().manual_seed(seed)
+    x, made_before = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    out, recorded = capture(lambda: made_before, [x])
+    assert out is made_before and isinstance(recorded, str) and "not produced by a recorded op" in recorded
