@@ -89,3 +89,68 @@ def test_an_output_no_op_produced_cannot_be_replayed(seed):
     x, made_before = torch.randn(4, generator=g), torch.randn(4, generator=g)
     out, recorded = capture(lambda: made_before, [x])
     assert out is made_before and isinstance(recorded, str) and "not produced by a recorded op" in recorded
+
+
+def _recorded(fn, x, n):
+    """fn(x) compiled from a recording at batch size n."""
+    from fp8serve.engine.compiled_replay import CapturedForward
+    from fp8serve.engine.op_recorder import record
+
+    out, rec = record(lambda: fn(x), [x])
+    return CapturedForward(rec, 1, out, batch_size=n), rec, out
+
+
+def test_unify_takes_batch_sized_ints_and_same_memory_views(seed):
+    """A recording at another batch size unifies where only batch-sized ints
+    differ and the constants are the same tensors or views of the same
+    memory (each recording makes its own view of the cache, folded as a
+    constant); the code compiled with those ints as `n * k` replays exactly
+    at every size that unifies. (A constant sliced by the batch size, such as
+    cache[:n], is a different constant at every size: never shared.)"""
+    from fp8serve.engine.compiled_replay import CapturedForward, unify
+    from fp8serve.engine.op_recorder import record
+
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, 8, 8, generator=g)
+
+    def f(x):
+        k, v = cache.unbind(0)  # fresh view objects on every call
+        n = x.shape[0]
+        return (x.view(n, 2, 4) * k[0].view(1, 2, 4)).view(n, 8) + v[0]
+
+    x3 = torch.randn(3, 8, generator=g)
+    ref, _, _ = _recorded(f, x3, 3)
+    x5 = torch.randn(5, 8, generator=g)
+    out5, rec5 = record(lambda: f(x5), [x5])
+    scaled = unify(ref, rec5.calls, rec5.slot_of[id(out5)], 5)
+    assert scaled and set(scaled.values()) == {1}, f"seed={seed}: {scaled}"
+    generic = CapturedForward(rec5, 1, out5, batch_size=5, scaled=scaled)
+    for n in (2, 7, 5):
+        xn = torch.randn(n, 8, generator=g)
+        outn, recn = record(lambda: f(xn), [xn])
+        assert unify(generic, recn.calls, recn.slot_of[id(outn)], n) == scaled, f"seed={seed} n={n}"
+        bound = generic.bind(n)
+        x_new = torch.randn(n, 8, generator=g)
+        for replay in (bound.script_replay, bound.python_replay):
+            assert torch.equal(replay(x_new), f(x_new)), f"seed={seed} n={n}"
+
+
+def test_unify_refuses_other_memory_and_other_floats(seed):
+    from fp8serve.engine.compiled_replay import unify
+
+    g = torch.Generator().manual_seed(seed)
+    w1, w2 = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    x = torch.randn(3, 8, generator=g)
+    ref, _, _ = _recorded(lambda t: t @ w1 * 0.5, x, 3)
+    _, rec, out = _recorded(lambda t: t @ w2 * 0.5, x, 3)
+    assert unify(ref, rec.calls, rec.slot_of[id(out)], 3) is None, "a different weight was accepted"
+    _, rec, out = _recorded(lambda t: t @ w1 * 0.25, x, 3)
+    assert unify(ref, rec.calls, rec.slot_of[id(out)], 3) is None, "a different float was accepted"
+    _, rec, out = _recorded(lambda t: t @ w1 * 0.5, x, 3)
+    assert unify(ref, rec.calls, rec.slot_of[id(out)], 3) == {}, "the same recording did not unify"
+    # A constant sliced by the batch size is another constant at every size.
+    cache = torch.randn(8, 8, generator=g)
+    ref, _, _ = _recorded(lambda t: t * cache[:t.shape[0]], x, 3)
+    x5 = torch.randn(5, 8, generator=g)
+    _, rec, out = _recorded(lambda t: t * cache[:t.shape[0]], x5, 5)
+    assert unify(ref, rec.calls, rec.slot_of[id(out)], 5) is None, "a batch-sliced constant was shared"
