@@ -31,6 +31,7 @@ from fp8serve.quantization.kv_scales import resolve_kv_scales
 from fp8serve.quantization.registry import get_quantization_config
 from fp8serve.sampling_params import SamplingParams
 from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
+from fp8serve.utils.malloc_tuning import tune_malloc
 from fp8serve.utils.memory import format_bytes
 from fp8serve.utils.platform import configure_cpu_threads
 
@@ -67,6 +68,7 @@ class ModelRunner:
         self.dtype = mc.torch_dtype
         if self.device.type == "cpu":
             configure_cpu_threads()  # before loading: packing the weights uses the threads too
+            tune_malloc()  # large activations reuse freed memory: see malloc_tuning.py
         torch.manual_seed(mc.seed)
         arch = mc.arch
 
