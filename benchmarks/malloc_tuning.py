@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             "minor faults / decode step"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    passthrough = list(argv if argv is not None else sys.argv[1:])  # the child gets the same options
     results: dict[str, list[dict]] = {"0": [], "1": []}
     for rnd in range(1, args.rounds + 1):
         for setting in (("0", "1") if rnd % 2 else ("1", "0")):
