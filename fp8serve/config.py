@@ -248,9 +248,13 @@ class CacheConfig:
     kv_cache_memory: int | str | None = None
     calculate_kv_scales: bool = False
     quantization_param_path: str | None = None
+    # Reuse the K/V of earlier requests' identical prompt prefixes (engine/block_manager.py).
+    enable_prefix_caching: bool = False
     num_blocks: int | None = None  # set by the model runner after sizing
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two >= 1, got {self.block_size!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
@@ -337,6 +341,7 @@ class EngineConfig:
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
+        enable_prefix_caching: bool = False,
     ) -> "EngineConfig":
         if model is None:
             from fp8serve.default_model import ensure_default_model
@@ -349,6 +354,7 @@ class EngineConfig:
             kv_cache_memory=kv_cache_memory,
             calculate_kv_scales=calculate_kv_scales,
             quantization_param_path=quantization_param_path,
+            enable_prefix_caching=enable_prefix_caching,
         )
         model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
                                    enforce_eager=enforce_eager)

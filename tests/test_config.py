@@ -62,6 +62,15 @@ def test_cache_config_defaults():
     assert cc.storage_dtype_name(torch.bfloat16) == "bfloat16"
 
 
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_enable_prefix_caching_must_be_a_bool(value):
+    with pytest.raises(ConfigError, match="enable_prefix_caching") as e:
+        CacheConfig(enable_prefix_caching=value)
+    assert repr(value) in str(e.value)
+    assert CacheConfig().enable_prefix_caching is False
+    assert CacheConfig(enable_prefix_caching=True).enable_prefix_caching is True
+
+
 @pytest.mark.parametrize("block_size", [0, -16, 3, 24, 16.0, "16"])
 def test_cache_config_rejects_bad_block_size(block_size):
     with pytest.raises(ConfigError, match="--block-size") as e:

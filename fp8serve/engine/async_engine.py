@@ -65,6 +65,8 @@ class EngineSnapshot:
     num_free_blocks: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -247,6 +249,8 @@ class AsyncLLMEngine:
             num_free_blocks=e.block_manager.num_free_blocks,
             prompt_tokens_total=e.stats.prompt_tokens_total,
             generation_tokens_total=e.stats.generation_tokens_total,
+            prefix_cache_queries=e.block_manager.prefix_cache_queries,
+            prefix_cache_hits=e.block_manager.prefix_cache_hits,
         )
 
     def _apply_commands(self, block: bool) -> None:

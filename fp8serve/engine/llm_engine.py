@@ -45,8 +45,12 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
         self.model_runner = ModelRunner(config)
         cc = config.cache_config
-        self.block_manager = BlockManager(self.model_runner.num_blocks, cc.block_size)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, cc.block_size,
+                                          enable_prefix_caching=cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        if cc.enable_prefix_caching:
+            logger.info("Prefix caching: on (full blocks of %d tokens are shared between requests with the same "
+                        "prefix)", cc.block_size)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -133,6 +137,10 @@ class LLMEngine:
         self.scheduler.finish(seq)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache: later requests share nothing computed before (benchmarks)."""
+        self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -176,8 +184,11 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         mc = self.config.model_config
+        cache_blocks = self.block_manager.enable_prefix_caching
         for row, seq in enumerate(seqs):
             seq.num_computed_tokens = seq.num_tokens
+            if cache_blocks:  # before a finish frees them
+                self.block_manager.cache_computed_blocks(seq)
             if row in out.prompt_logprobs:
                 seq.prompt_logprobs = self._prompt_logprobs(seq, out.prompt_logprobs[row])
             token = token_ids[row]

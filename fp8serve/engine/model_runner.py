@@ -258,12 +258,17 @@ class ModelRunner:
 
     def _prefill_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """Consecutive groups of sequences of at most PREFILL_TOKENS_PER_FORWARD
-        new tokens each (a longer prompt is a group of its own)."""
+        new tokens each (a longer prompt is a group of its own). Sequences
+        with a cached prefix never share a group with fresh ones: a group
+        with any cached context attends over the paged cache, a fresh group
+        runs the faster kernel over its own K/V (the scheduler puts the
+        fresh ones first)."""
         groups: list[list[Sequence]] = [[]]
         tokens = 0
         for s in seqs:
             n = s.num_tokens - s.num_computed_tokens
-            if groups[-1] and tokens + n > PREFILL_TOKENS_PER_FORWARD:
+            if groups[-1] and (tokens + n > PREFILL_TOKENS_PER_FORWARD
+                               or (s.num_computed_tokens > 0) != (groups[-1][-1].num_computed_tokens > 0)):
                 groups.append([])
                 tokens = 0
             groups[-1].append(s)

@@ -30,6 +30,11 @@ outputs run to max_tokens under KV pressure.
 Numbers: benchmarks/results/scheduler_reserve_2026-12-01_zen4.md (the
 scheduler replayed with this machine's step times, benchmarks/scheduler_sim.py
 --policy) and kv_saturation_engine_2026-12-01_zen4_admission.md (the engine).
+
+With prefix caching (block_manager.py), a waiting sequence shares the
+registered blocks of its longest cached prefix and only its new tokens count
+against the step's token budget; fresh prompts go first in the step, so the
+model runner can prefill them apart from those continuing a cached prefix.
 """
 
 from __future__ import annotations
@@ -127,21 +132,28 @@ class Scheduler:
         growth = 0
         if self.waiting and self.reserve_growth:
             growth = sum(self.expected_growth(s, ratio) for s in self.running)
+        bm = self.block_manager
         while self.waiting and len(self.running) + len(scheduled) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if num_tokens + seq.num_tokens > self.config.max_num_batched_tokens:
+            cached = bm.cached_prefix(seq)  # shared with earlier requests: not recomputed
+            new_tokens = seq.num_tokens - len(cached) * bm.block_size
+            if num_tokens + new_tokens > self.config.max_num_batched_tokens:
                 break
             reserve = max(self._watermark, self.growth_reserve(growth)) if (self.running or scheduled) else 0
-            if not self.block_manager.can_allocate(seq, reserve=reserve):
+            if not bm.can_allocate(seq, reserve=reserve, cached=cached):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            bm.allocate(seq, cached=cached)
             seq.status = SequenceStatus.RUNNING
             scheduled.append(seq)
-            num_tokens += seq.num_tokens
+            num_tokens += new_tokens
             growth += self.expected_growth(seq, ratio) if self.reserve_growth else 0
         if not scheduled:
             return None
+        # Fresh prompts first: the model runner prefills them apart from those
+        # continuing a cached prefix, which attend over the paged cache (the
+        # fresh ones run the faster kernel over their own K/V).
+        scheduled.sort(key=lambda s: s.num_computed_tokens > 0)
         self.running.extend(scheduled)
         return SchedulerOutput(scheduled, is_prefill=True, num_batched_tokens=num_tokens)
 

@@ -27,6 +27,11 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache; 0 again after a preemption.
     num_computed_tokens: int = 0
+    # Prefix caching (block_manager.py): hashes of the full blocks of tokens
+    # (valid for good: tokens are only appended), and how many of
+    # block_table's first blocks are registered in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

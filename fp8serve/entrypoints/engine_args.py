@@ -32,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--enforce-eager", action="store_true",
                    help="always run the model eagerly (no recorded decode forwards; vLLM: no CUDA graphs)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="reuse the KV cache of earlier requests' identical prompt prefixes (a shared system "
+                        "prompt, a chat's earlier turns) instead of prefilling them again")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -50,4 +53,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
     )

@@ -25,6 +25,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache (--enable-prefix-caching): later requests share nothing computed before."""
+        self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptInput | Seq[PromptInput],

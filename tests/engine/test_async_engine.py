@@ -140,3 +140,26 @@ def test_requests_after_shutdown_are_refused_as_shutting_down(engine):
             await _collect(engine, {"prompt_token_ids": [5]}, GREEDY)
 
     asyncio.run(main())
+
+
+def test_prefix_cache_numbers_reach_the_snapshot_and_metrics(llama_dir):
+    from fp8serve.entrypoints.openai.metrics import ServerMetrics
+
+    e = AsyncLLMEngine(LLMEngine.from_args(str(llama_dir), enable_prefix_caching=True, block_size=4,
+                                           **ENGINE_ARGS), stall_timeout=5.0)
+    try:
+        prefix = list(range(20, 33))  # 13 tokens: 3 full blocks
+
+        async def main():
+            await _collect(e, {"prompt_token_ids": prefix + [40]}, GREEDY)
+            await _collect(e, {"prompt_token_ids": prefix + [41, 42]}, GREEDY)
+
+        asyncio.run(main())
+        snap = e.snapshot
+        assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (14 + 15, 12)
+        text = ServerMetrics(e, "tiny").render().decode()
+        assert 'fp8serve:prefix_cache_queries_total{model_name="tiny"} 29.0' in text
+        assert 'fp8serve:prefix_cache_hits_total{model_name="tiny"} 12.0' in text
+        assert 'enable_prefix_caching="True"' in text
+    finally:
+        asyncio.run(e.shutdown(drain_timeout=0))

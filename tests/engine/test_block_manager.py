@@ -190,3 +190,220 @@ def test_most_recently_freed_blocks_are_reused_first():
     bm.allocate(other)
     assert other.block_table == [3]
     assert_accounting(bm, again, other)
+
+
+# ---------------------------------------------------------------- prefix caching
+def seq_of(token_ids: list[int], **params) -> Sequence:
+    return Sequence(f"seq-{next(_ids)}", list(token_ids), SamplingParams(max_tokens=None, **params))
+
+
+def computed(bm: BlockManager, seq: Sequence) -> None:
+    """What the engine does after a step: every token computed, full blocks registered."""
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_computed_blocks(seq)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> list[int]:
+    """What the scheduler does: look up, then allocate with the hits; returns the hits."""
+    cached = bm.cached_prefix(seq)
+    assert bm.can_allocate(seq, cached=cached)
+    bm.allocate(seq, cached=cached)
+    return cached
+
+
+def assert_shared_accounting(bm: BlockManager, *seqs: Sequence) -> None:
+    """Every block is free (uncached or evictable) or used; its reference count is its number of owners."""
+    owners = {}
+    for s in seqs:
+        for b in s.block_table:
+            owners[b] = owners.get(b, 0) + 1
+    free = list(bm._free_block_ids) + list(bm._evictable)
+    assert len(free) == len(set(free)) and set(free).isdisjoint(owners)
+    assert set(free) | set(owners) == set(range(bm.num_blocks))
+    assert all(bm._ref_counts[b] == n for b, n in owners.items())
+    assert all(bm._ref_counts[b] == 0 for b in free)
+    assert bm.num_free_blocks == len(free)
+    assert set(bm._evictable) <= set(bm._hash_of_block)
+    assert {bm._block_of_hash[h] for h in bm._hash_of_block.values()} == set(bm._hash_of_block)
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq_of(range(10))
+    admit(bm, a)
+    computed(bm, a)
+    b = seq_of(range(10))
+    assert bm.cached_prefix(b) == []
+    assert bm.num_cached_blocks == 0 and bm.prefix_cache_queries == 0
+
+
+def test_a_shared_prefix_reuses_full_computed_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq_of(list(range(10)))  # blocks [0-3], [4-7], [8, 9]
+    assert admit(bm, a) == []
+    computed(bm, a)
+    assert bm.num_cached_blocks == 2, "only full blocks are registered"
+    b = seq_of(list(range(9)) + [99, 98])  # shares tokens 0-8: blocks 0 and 1 full
+    hits = admit(bm, b)
+    assert hits == a.block_table[:2]
+    assert b.block_table[:2] == hits and b.block_table[2] not in a.block_table
+    assert b.num_computed_tokens == 8
+    assert bm.num_free_blocks == 8 - 3 - 1
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10 + 11, 8)
+    assert_shared_accounting(bm, a, b)
+
+
+def test_a_hit_leaves_the_last_token_to_compute():
+    """A prompt that is all cached still computes its last block: it gives the
+    next token's logits, and a shared block is never written."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq_of(list(range(8)))
+    admit(bm, a)
+    computed(bm, a)
+    assert bm.num_cached_blocks == 2
+    same = seq_of(list(range(8)))
+    assert admit(bm, same) == a.block_table[:1]
+    assert same.num_computed_tokens == 4 and same.block_table[1] != a.block_table[1]
+    assert_shared_accounting(bm, a, same)
+
+
+def test_blocks_match_only_with_the_same_tokens_before_them():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(bm, a)
+    computed(bm, a)
+    # Same second block, different first one: the chained hash differs.
+    assert bm.cached_prefix(seq_of([0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+    # Same first block only.
+    assert bm.cached_prefix(seq_of([1, 2, 3, 4, 5, 6, 7, 0, 9])) == a.block_table[:1]
+
+
+def test_generated_tokens_are_cached_too():
+    """A preempted sequence resumes from its own blocks (prompt and output)."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq_of(list(range(6)))
+    admit(bm, a)
+    computed(bm, a)  # 1 full block
+    for t in (50, 51, 52):  # decode: 9 tokens, two full blocks computed
+        a.output_token_ids.append(t)
+        bm.append_slot(a)
+        computed(bm, a)
+    a.output_token_ids.append(53)  # sampled, not yet computed
+    bm.append_slot(a)
+    blocks = list(a.block_table)
+    bm.free(a)  # a preemption
+    assert a.num_computed_tokens == 0 and bm.num_free_blocks == 8
+    assert admit(bm, a) == blocks[:2]
+    assert a.num_computed_tokens == 8 and a.num_tokens == 10
+    assert_shared_accounting(bm, a)
+
+
+def test_prompt_logprobs_requests_skip_the_cache():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq_of(list(range(10)))
+    admit(bm, a)
+    computed(bm, a)
+    wants = seq_of(list(range(10)), prompt_logprobs=1)
+    assert bm.cached_prefix(wants) == []
+    wants.prompt_logprobs = [None]  # computed earlier (a resumed request): the cache applies again
+    assert bm.cached_prefix(wants) == a.block_table[:2]
+
+
+def test_shared_blocks_stay_until_their_last_owner_frees_them():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq_of(list(range(10)))
+    admit(bm, a)
+    computed(bm, a)
+    b = seq_of(list(range(12)))
+    shared = admit(bm, b)
+    assert len(shared) == 2
+    bm.free(a)
+    assert all(bm._ref_counts[x] == 1 for x in shared)
+    assert_shared_accounting(bm, b)
+    computed(bm, b)
+    bm.free(b)
+    assert_shared_accounting(bm)
+    assert bm.num_free_blocks == 8 and bm.usage == 0.0
+    assert bm.num_cached_blocks == 3  # a's two, then b's third block
+
+
+def test_freed_cached_blocks_are_handed_out_last_oldest_first():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    a = seq_of(list(range(9)))  # 3 blocks, 2 registered
+    admit(bm, a)
+    computed(bm, a)
+    cached_a = a.block_table[:2]
+    bm.free(a)
+    assert bm.num_free_blocks == 6 and set(bm._evictable) == set(cached_a)
+    # 4 blocks: the 4 uncached ones first, a's prefix survives.
+    c = seq_of([100 + i for i in range(16)])
+    admit(bm, c)
+    assert set(c.block_table).isdisjoint(cached_a)
+    assert bm.cached_prefix(seq_of(list(range(9)))) == cached_a
+    # One more block: the oldest evictable goes, which is a's second block (freed first).
+    d = seq_of([200, 201])
+    admit(bm, d)
+    assert d.block_table == [cached_a[1]]
+    assert bm.cached_prefix(seq_of(list(range(9)))) == cached_a[:1]
+    assert_shared_accounting(bm, c, d)
+
+
+def test_can_allocate_counts_cached_free_blocks_as_taken():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    a = seq_of(list(range(9)))
+    admit(bm, a)
+    computed(bm, a)
+    bm.free(a)  # 2 evictable + 2 uncached
+    b = seq_of(list(range(8)) + [70, 71, 72, 73, 74])  # 4 blocks: 2 hits, 2 new
+    hits = bm.cached_prefix(b)
+    assert len(hits) == 2
+    assert bm.can_allocate(b, cached=hits)
+    assert not bm.can_allocate(b, reserve=1, cached=hits), "the hits are free blocks that become used"
+    bm.allocate(b, cached=hits)
+    assert bm.num_free_blocks == 0
+    assert_shared_accounting(bm, b)
+
+
+def test_a_duplicate_block_stays_private():
+    """Two sequences that generate the same tokens fill equal private blocks: the first one
+    registered keeps the registration, the other stays private and is freed as uncached."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a, b = seq_of(list(range(5))), seq_of(list(range(5)))
+    admit(bm, a)
+    assert admit(bm, b) == a.block_table[:1], "registered at admission: shared in the same step"
+    for s in (a, b):
+        computed(bm, s)
+        for t in (60, 61, 62):
+            s.output_token_ids.append(t)
+            bm.append_slot(s)
+            computed(bm, s)
+    assert a.block_table[1] != b.block_table[1]
+    assert a.block_table[1] in bm._hash_of_block and b.block_table[1] not in bm._hash_of_block
+    private = b.block_table[1]
+    bm.free(b)
+    assert private in bm._free_block_ids and bm.num_free_blocks == 8 - 2
+    assert_shared_accounting(bm, a)
+
+
+def test_reset_prefix_cache_forgets_every_registration():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a, b = seq_of(list(range(9))), seq_of([50 + i for i in range(9)])
+    for s in (a, b):
+        admit(bm, s)
+        computed(bm, s)
+    bm.free(a)  # a's blocks evictable, b's in use
+    bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 0 and not bm._evictable and bm.num_free_blocks == 8 - 3
+    assert bm.cached_prefix(seq_of(list(range(9)))) == [] and bm.cached_prefix(seq_of([50 + i for i in range(9)])) == []
+    assert_shared_accounting(bm, b)
+    bm.free(b)
+    assert sorted(bm._free_block_ids) == list(range(8))
+
+
+def test_block_hash_chains_the_parent():
+    from fp8serve.engine.block_manager import hash_block_tokens
+
+    h = hash_block_tokens(b"", [1, 2, 3, 4])
+    assert h == hash_block_tokens(b"", [1, 2, 3, 4]) and len(h) == 32
+    assert hash_block_tokens(h, [5, 6]) != hash_block_tokens(b"", [5, 6])
+    assert hash_block_tokens(b"", [1, 2, 3, 4]) != hash_block_tokens(b"", [1, 2, 3, 5])

@@ -19,19 +19,22 @@ def make_seq(num_prompt_tokens: int, name: str | None = None) -> Sequence:
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=None, max_model_len=32,
-                   reserve_growth=False):
+                   reserve_growth=False, enable_prefix_caching=False):
     """The admission and preemption mechanics are tested with the watermark only (reserve_growth
     False): the growth reservation has its own tests below."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
-    return Scheduler(config, BlockManager(num_blocks, block_size), reserve_growth=reserve_growth)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+    return Scheduler(config, bm, reserve_growth=reserve_growth)
 
 
-def run_step(out: SchedulerOutput, token: int = 9) -> None:
+def run_step(out: SchedulerOutput, token: int = 9, block_manager: BlockManager | None = None) -> None:
     """What the engine does with a step's output: every scheduled sequence's tokens are now in
-    the cache, and it samples one new token."""
+    the cache (registered for prefix caching), and it samples one new token."""
     for seq in out.seqs:
         seq.num_computed_tokens = seq.num_tokens
+        if block_manager is not None:
+            block_manager.cache_computed_blocks(seq)
         seq.output_token_ids.append(token)
 
 
@@ -293,9 +296,19 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput | None, all_seqs: li
     bm = sched.block_manager
     bs = bm.block_size
     owned = [b for s in sched.running for b in s.block_table]
-    assert len(owned) == len(set(owned)), "a block is owned by two sequences"
-    assert set(owned).isdisjoint(bm._free_block_ids), "a block is both free and owned"
-    assert bm.num_free_blocks + len(owned) == bm.num_blocks
+    if bm.enable_prefix_caching:
+        # Only registered blocks (full, computed, read-only) are shared.
+        shared = {b for b in owned if owned.count(b) > 1}
+        assert shared <= set(bm._hash_of_block), "a block owned by two sequences is not a cached one"
+        assert all(bm._ref_counts[b] == owned.count(b) for b in set(owned))
+        for s in sched.running:
+            assert all(b in bm._hash_of_block for b in s.block_table[:s.num_computed_tokens // bs]
+                       if b in shared)
+    else:
+        assert len(owned) == len(set(owned)), "a block is owned by two sequences"
+    free = list(bm._free_block_ids) + list(bm._evictable)
+    assert set(owned).isdisjoint(free), "a block is both free and owned"
+    assert bm.num_free_blocks == len(free) and bm.num_free_blocks + len(set(owned)) == bm.num_blocks
     assert all(0 <= b < bm.num_blocks for b in owned)
     for s in sched.waiting:
         assert s.block_table == [] and s.status is SequenceStatus.WAITING
@@ -316,13 +329,18 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput | None, all_seqs: li
     assert not set(live) & finished
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("reserve_growth", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_randomized_simulation_keeps_invariants(seed, reserve_growth):
+def test_randomized_simulation_keeps_invariants(seed, reserve_growth, prefix_caching):
+    """make_seq's prompts are 1, 2, 3, ...: every two share a prefix, so with prefix caching many
+    admissions share blocks, and preempted sequences find their own blocks again."""
     rng = random.Random(seed)
     block_size, num_blocks, max_model_len = 4, 12, 24
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6,
-                           max_num_batched_tokens=32, max_model_len=max_model_len, reserve_growth=reserve_growth)
+                           max_num_batched_tokens=32, max_model_len=max_model_len, reserve_growth=reserve_growth,
+                           enable_prefix_caching=prefix_caching)
+    bm = sched.block_manager
     all_seqs: list[Sequence] = []
     target: dict[str, int] = {}
     finished: set[str] = set()
@@ -353,11 +371,17 @@ def test_randomized_simulation_keeps_invariants(seed, reserve_growth):
         if out.is_prefill:
             num_prefills += 1
             assert out.preempted == []
-            assert out.num_batched_tokens == sum(s.num_tokens for s in out.seqs)
+            assert out.num_batched_tokens == sum(s.num_tokens - s.num_computed_tokens for s in out.seqs)
             assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
             for s in out.seqs:
-                assert s.num_computed_tokens == 0  # (re)computed from scratch
+                if prefix_caching:  # whole shared blocks, and at least the newest token computed
+                    assert s.num_computed_tokens % block_size == 0 and s.num_computed_tokens < s.num_tokens
+                else:
+                    assert s.num_computed_tokens == 0  # (re)computed from scratch
                 admitted_at[s.request_id] = next(admissions)
+            # Fresh sequences first (the model runner prefills them apart).
+            has_context = [s.num_computed_tokens > 0 for s in out.seqs]
+            assert has_context == sorted(has_context)
         else:
             num_decodes += 1
             assert out.num_batched_tokens == len(out.seqs)
@@ -378,7 +402,7 @@ def test_randomized_simulation_keeps_invariants(seed, reserve_growth):
                 for s in out.preempted:
                     assert len(s.output_token_ids) == outputs_before[s.request_id]
 
-        run_step(out, token=rng.randrange(1, 500))
+        run_step(out, token=rng.randrange(1, 500), block_manager=bm if prefix_caching else None)
         for s in out.seqs:
             if len(s.output_token_ids) >= target[s.request_id] or s.num_tokens >= max_model_len:
                 sched.finish(s)
@@ -395,8 +419,12 @@ def test_randomized_simulation_keeps_invariants(seed, reserve_growth):
     if not reserve_growth:  # the reservation exists to make preemptions rare
         assert sched.num_preemptions > 0, "the pool is too big to exercise preemption"
     assert num_prefills > 0 and num_decodes > 0
-    assert sched.block_manager.num_free_blocks == num_blocks
-    assert sorted(sched.block_manager._free_block_ids) == list(range(num_blocks))
+    assert bm.num_free_blocks == num_blocks
+    assert sorted(list(bm._free_block_ids) + list(bm._evictable)) == list(range(num_blocks))
+    if prefix_caching:
+        assert bm.prefix_cache_hits > 0 and bm.num_cached_blocks > 0
+    else:
+        assert bm.prefix_cache_queries == 0 and not bm._evictable
 
 
 # ------------------------------------------------------------------ growth reservation at admission
@@ -509,3 +537,40 @@ def test_without_growth_reservation_nothing_is_learned_or_lifted():
     run_step(sched.schedule())
     out = sched.schedule()
     assert names(out.preempted) == ["c"] and sched.reserve_ratio == 0.0
+
+
+# ------------------------------------------------------------------------- prefix caching
+
+
+def test_a_cached_prefix_counts_only_the_new_tokens_against_the_token_budget():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=32, max_model_len=32,
+                           enable_prefix_caching=True)
+    first = make_seq(20, "first")
+    sched.add(first)
+    out = sched.schedule()
+    run_step(out, block_manager=sched.block_manager)
+    sched.finish(first)
+    # Three prompts of 21 tokens (63 > 32) whose first 20 tokens are cached: 1 new token each.
+    others = [make_seq(21, name) for name in ("a", "b", "c")]
+    for s in others:
+        sched.add(s)
+    out = sched.schedule()
+    assert out.is_prefill and names(out.seqs) == ["a", "b", "c"]
+    assert [s.num_computed_tokens for s in out.seqs] == [20, 20, 20]
+    assert out.num_batched_tokens == 3
+    assert all(s.block_table[:5] == out.seqs[0].block_table[:5] for s in out.seqs)
+
+
+def test_fresh_prompts_are_scheduled_before_those_with_a_cached_prefix():
+    sched = make_scheduler(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    first = make_seq(9, "first")
+    sched.add(first)
+    run_step(sched.schedule(), block_manager=sched.block_manager)
+    sched.finish(first)
+    cached = make_seq(10, "cached")  # shares first's two full blocks
+    fresh = Sequence("fresh", [400 + i for i in range(10)], SamplingParams(max_tokens=None))
+    sched.add(cached)
+    sched.add(fresh)
+    out = sched.schedule()
+    assert names(out.seqs) == ["fresh", "cached"]
+    assert [s.num_computed_tokens for s in out.seqs] == [0, 8]

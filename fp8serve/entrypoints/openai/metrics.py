@@ -32,6 +32,7 @@ class _EngineCollector:
             "num_blocks": str(engine.snapshot.num_blocks),
             "block_size": str(spec.block_size),
             "kv_cache_dtype": spec.kv_cache_dtype,
+            "enable_prefix_caching": str(engine.engine.block_manager.enable_prefix_caching),
         }
 
     def collect(self):
@@ -56,6 +57,10 @@ class _EngineCollector:
                       snap.prompt_tokens_total)
         yield counter("generation_tokens", "Generated tokens.", snap.generation_tokens_total)
         yield counter("num_preemptions", "Preemptions by recompute.", snap.num_preemptions)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      snap.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
+                      snap.prefix_cache_hits)
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
         info.add_metric([], self.cache_labels)
         yield info

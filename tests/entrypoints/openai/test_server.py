@@ -282,10 +282,13 @@ def test_metrics_names(server, client):
     for name in ("fp8serve:num_requests_running", "fp8serve:num_requests_waiting", "fp8serve:kv_cache_usage_perc",
                  "fp8serve:prompt_tokens_total", "fp8serve:generation_tokens_total", "fp8serve:num_preemptions_total",
                  "fp8serve:time_to_first_token_seconds_bucket", "fp8serve:inter_token_latency_seconds_bucket",
-                 "fp8serve:e2e_request_latency_seconds_bucket"):
+                 "fp8serve:e2e_request_latency_seconds_bucket", "fp8serve:prefix_cache_queries_total",
+                 "fp8serve:prefix_cache_hits_total"):
         assert re.search(rf"^{name}\{{", text, re.M), name
     info = re.search(r"^fp8serve:cache_config_info\{(.*)\} 1\.0$", text, re.M).group(1)
     assert 'num_blocks="128"' in info and 'block_size="16"' in info and 'kv_cache_dtype="float32"' in info
+    assert 'enable_prefix_caching="False"' in info
+    assert _metric(server, "fp8serve:prefix_cache_queries_total") == 0  # off: nothing is looked up
     assert _metric(server, "fp8serve:generation_tokens_total") >= 3
 
 

@@ -1,0 +1,220 @@
+"""Prefix caching end to end on a tiny Llama (float32): requests that share a prefix with
+earlier ones prefill only their new tokens and generate what an engine without the cache
+generates, for every KV cache dtype, through preemptions, and with prompt logprobs."""
+
+import random
+
+import pytest
+import torch
+from checkpoints import load_hf_model, write_tiny_llama
+
+from fp8serve.engine.llm_engine import LLMEngine
+from fp8serve.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 48
+KV_DTYPES = ["auto", "fp8_e4m3", "fp8_e5m2"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("prefix") / "llama"))
+
+
+def make_engine(model_dir: str, *, prefix_caching: bool, kv_cache_dtype: str = "auto",
+                kv_cache_memory: int | str = "1MiB") -> LLMEngine:
+    return LLMEngine.from_args(
+        model_dir, dtype="float32", device="cpu", block_size=BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory=kv_cache_memory, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+        enable_prefix_caching=prefix_caching,
+    )
+
+
+def run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict:
+    for rid, prompt, params in requests:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    finished = {}
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            return finished
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    pytest.fail("not finished after 2000 steps")
+
+
+def shared_prefix_prompts(seed: int, prefix_len: int = 13, n: int = 6) -> list[list[int]]:
+    """`n` prompts of one `prefix_len`-token prefix and a tail of 1-9 tokens whose first tokens differ."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 512) for _ in range(prefix_len)]
+    firsts = rng.sample(range(3, 512), n)
+    return [prefix + [firsts[i]] + [rng.randrange(3, 512) for _ in range(rng.randint(0, 8))] for i in range(n)]
+
+
+def generated_logprobs(out) -> list[float]:
+    return [lp[t].logprob for t, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+
+
+def run_one_at_a_time(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    finished = {}
+    for i, prompt in enumerate(prompts):
+        finished.update(run(engine, [(f"r{i}", prompt, params)]))
+    return finished
+
+
+def assert_same_generation(ours: dict, reference: dict, atol: float, context) -> None:
+    assert ours.keys() == reference.keys()
+    for rid, ref in reference.items():
+        assert ours[rid].outputs[0].token_ids == ref.outputs[0].token_ids, (rid, context)
+        torch.testing.assert_close(torch.tensor(generated_logprobs(ours[rid])),
+                                   torch.tensor(generated_logprobs(ref)), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_requests_after_a_shared_prefix_generate_what_an_uncached_engine_does(model_dir, kv_cache_dtype, seed):
+    """One request at a time, so both engines run every step at the same batch size: the only
+    difference is the prefix read from the cache. Why that matters for FP8: a K or V value one
+    float32 ulp from a rounding midpoint is stored as the neighbouring code when another batch
+    composition moves it by that ulp (seen: one V code of 512 in layer 0 for 5 prompts batched
+    against one alone, 0.004 in the layer's output), with or without prefix caching."""
+    prompts = shared_prefix_prompts(seed)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    engine = make_engine(model_dir, prefix_caching=True, kv_cache_dtype=kv_cache_dtype)
+    cached = run_one_at_a_time(engine, prompts, params)
+    plain = make_engine(model_dir, prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    reference = run_one_at_a_time(plain, prompts, params)
+
+    bm = engine.block_manager
+    # 13 shared tokens: 3 full blocks of 4 for each of the 5 later requests.
+    assert bm.prefix_cache_hits == 5 * 12, seed
+    assert bm.prefix_cache_queries == sum(len(p) for p in prompts)
+    assert engine.stats.prompt_tokens_total == sum(len(p) for p in prompts) - 5 * 12
+    assert plain.stats.prompt_tokens_total == sum(len(p) for p in prompts)
+    assert plain.block_manager.prefix_cache_queries == 0
+    # Same stored K/V (FP8 codes included), other kernels: float32 rounding only.
+    assert_same_generation(cached, reference, 2e-5, seed)
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks > 0
+
+
+def test_a_batch_mixing_fresh_and_cached_prompts(model_dir, seed, monkeypatch):
+    """Fresh prompts and prompts continuing a cached prefix admitted in one step: the fresh ones
+    are prefilled apart, and every request generates what the uncached engine does (float32
+    cache; batch compositions differ between the engines, so rounding differs a little)."""
+    from fp8serve.engine import model_runner
+
+    groups = []
+    real = model_runner.ModelRunner._prefill_groups
+    monkeypatch.setattr(model_runner.ModelRunner, "_prefill_groups",
+                        lambda self, seqs: groups.append(real(self, seqs)) or groups[-1])
+    computed_at_call = []
+    real_forward = model_runner.ModelRunner._forward
+
+    def forward(self, seqs, is_prefill):
+        out = real_forward(self, seqs, is_prefill)
+        if is_prefill:
+            computed_at_call.append([[s.num_computed_tokens for s in g] for g in groups[-1]])
+        return out
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_forward", forward)
+    rng = random.Random(seed)
+    shared = shared_prefix_prompts(seed, n=4)
+    fresh = [[rng.randrange(3, 512) for _ in range(rng.randint(5, 20))] for _ in range(3)]
+    mixed = [shared[1], fresh[0], shared[2], fresh[1], shared[3], fresh[2]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    results = {}
+    for caching in (False, True):
+        engine = make_engine(model_dir, prefix_caching=caching)
+        first = run(engine, [("warm", shared[0], params)])
+        results[caching] = (engine, {**first, **run(engine, [(f"m{i}", p, params) for i, p in enumerate(mixed)])})
+    engine, cached = results[True]
+    assert engine.block_manager.prefix_cache_hits == 3 * 12
+    # The cached engine's mixed step: the three fresh prompts, then the three with a cached prefix.
+    assert computed_at_call[-1] == [[0, 0, 0], [12, 12, 12]], computed_at_call
+    assert_same_generation(cached, results[False][1], 1e-4, seed)
+
+
+def test_requests_admitted_together_share_a_prefix_in_the_same_step(model_dir, seed):
+    """Blocks are registered when their prefill is scheduled: the first request of a batch
+    computes the shared prefix and the others read it from the cache in the same step."""
+    prompts = shared_prefix_prompts(seed, prefix_len=21, n=5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    requests = [(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    engine = make_engine(model_dir, prefix_caching=True)
+    cached = run(engine, requests)
+    assert engine.stats.num_steps == 6, "one prefill step for all five, then decode"
+    assert engine.block_manager.prefix_cache_hits == 4 * 20
+    assert_same_generation(cached, run(make_engine(model_dir, prefix_caching=False), requests), 1e-4, seed)
+
+
+def test_a_cached_prefix_matches_transformers_in_float64(model_dir, seed):
+    """The next-token distribution after a prompt whose prefix came from the cache is
+    transformers' on the whole prompt."""
+    prompts = shared_prefix_prompts(seed, prefix_len=17, n=3)
+    engine = make_engine(model_dir, prefix_caching=True)
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    run(engine, [("warm", prompts[0], params)])
+    outs = run(engine, [(f"r{i}", p, params) for i, p in enumerate(prompts[1:])])
+    assert engine.block_manager.prefix_cache_hits == 2 * 16
+    hf = load_hf_model(model_dir, torch.float64)
+    for i, prompt in enumerate(prompts[1:]):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+        lps = outs[f"r{i}"].outputs[0].logprobs[0]
+        assert len(lps) >= 5
+        for token, lp in lps.items():
+            assert abs(lp.logprob - ref[token].item()) < 1e-4, (seed, i, token)
+        assert outs[f"r{i}"].outputs[0].token_ids[0] == int(ref.argmax())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_preemption_with_prefix_caching_finishes_every_request_exactly(model_dir, kv_cache_dtype):
+    """A cache too small for the requests: preempted sequences come back through their own cached
+    blocks (when not yet reused) and every output equals a roomy engine's without the cache."""
+    rng = random.Random(1)
+    prefixes = [[rng.randrange(3, 512) for _ in range(9)] for _ in range(2)]
+    requests = []
+    for i in range(10):
+        prompt = prefixes[i % 2] + [rng.randrange(3, 512) for _ in range(rng.randint(1, 6))]
+        params = SamplingParams(max_tokens=rng.randint(6, MAX_MODEL_LEN - len(prompt)), temperature=0.0,
+                                ignore_eos=True)
+        requests.append((f"r{i}", prompt, params))
+    # 12 blocks (K and V of 4 tokens x 2 kv heads x 16 dims x 2 layers each): far fewer token slots
+    # than the requests need together.
+    bytes_per_block = 2 * BLOCK_SIZE * 2 * 16 * 2 * (4 if kv_cache_dtype == "auto" else 1)
+    small = make_engine(model_dir, prefix_caching=True, kv_cache_dtype=kv_cache_dtype,
+                        kv_cache_memory=12 * bytes_per_block)
+    bm = small.block_manager
+    assert bm.num_blocks == 12
+    assert bm.num_blocks < sum(len(p) + s.max_tokens for _, p, s in requests) // BLOCK_SIZE // 3
+    finished = run(small, requests)
+    reference = run(make_engine(model_dir, prefix_caching=False, kv_cache_dtype=kv_cache_dtype), requests)
+    assert small.scheduler.num_preemptions > 0 and bm.prefix_cache_hits > 0
+    for rid, _, params in requests:
+        assert len(finished[rid].outputs[0].token_ids) == params.max_tokens
+        assert finished[rid].outputs[0].token_ids == reference[rid].outputs[0].token_ids, rid
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_prompt_logprobs_are_complete_after_a_cached_prefix(model_dir):
+    prompts = shared_prefix_prompts(3, n=2)
+    want = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    plain = SamplingParams(max_tokens=2, temperature=0.0)
+    engine = make_engine(model_dir, prefix_caching=True)
+    run(engine, [("warm", prompts[0], plain)])
+    ours = run(engine, [("r", prompts[1], want)])["r"].prompt_logprobs
+    assert engine.block_manager.prefix_cache_hits == 0, "a prompt-logprobs request prefills every position"
+    ref = run(make_engine(model_dir, prefix_caching=False), [("r", prompts[1], want)])["r"].prompt_logprobs
+    assert len(ours) == len(prompts[1]) and ours[0] is None
+    for a, b in zip(ours[1:], ref[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+
+
+def test_the_same_prompt_again_recomputes_only_its_last_block(model_dir):
+    prompt = shared_prefix_prompts(4, prefix_len=15, n=1)[0][:16]  # exactly 4 blocks
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model_dir, prefix_caching=True)
+    first = run(engine, [("a", prompt, params)])["a"].outputs[0].token_ids
+    again = run(engine, [("b", prompt, params)])["b"].outputs[0].token_ids
+    assert engine.block_manager.prefix_cache_hits == 12
+    assert again == first
