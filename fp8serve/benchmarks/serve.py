@@ -2,7 +2,9 @@
 
 The workload follows vLLM's benchmark_serving random dataset: `--num-prompts`
 prompts of exactly `--input-len` random token ids (sent as token-id lists so
-the length is exact), arriving as a Poisson process at `--request-rate`
+the length is exact), after a `--random-prefix-len`-token prefix that every
+prompt shares (0 by default; a system prompt, for servers with
+--enable-prefix-caching), arriving as a Poisson process at `--request-rate`
 (inf = all at once), each a streaming completion with temperature 0 and
 `ignore_eos`, so every request generates exactly `--output-len` tokens.
 
@@ -48,6 +50,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
     p.add_argument("--num-prompts", type=int, default=30)
     p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens of one random prefix put before every prompt's --input-len tokens")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
@@ -73,9 +77,10 @@ async def _id_pool(session, base_url: str, model: str) -> list[int]:
         return sorted(set((await r.json())["tokens"]))
 
 
-def make_prompts(pool: list[int], num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
+def make_prompts(pool: list[int], num_prompts: int, input_len: int, seed: int, prefix_len: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.choice(pool) for _ in range(input_len)] for _ in range(num_prompts)]
+    prefix = [rng.choice(pool) for _ in range(prefix_len)]
+    return [prefix + [rng.choice(pool) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
 async def _send(session, url: str, headers: dict, payload: dict, prompt_len: int, t0: float) -> RequestResult:
@@ -118,8 +123,14 @@ async def _send(session, url: str, headers: dict, payload: dict, prompt_len: int
 
 
 async def benchmark(base_url: str, model: str | None, request_rate: float, num_prompts: int, input_len: int,
-                    output_len: int, seed: int = 0, api_key: str | None = None) -> dict:
+                    output_len: int, seed: int = 0, api_key: str | None = None, random_prefix_len: int = 0) -> dict:
     import aiohttp  # here, not at import: every `fp8serve` command builds this parser
+
+    for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if random_prefix_len < 0:
+        raise ValueError(f"--random-prefix-len must be >= 0, got {random_prefix_len}")
 
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -127,7 +138,8 @@ async def benchmark(base_url: str, model: str | None, request_rate: float, num_p
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = model or await _first_model(session, base_url)
-        prompts = make_prompts(await _id_pool(session, base_url, model), num_prompts, input_len, seed)
+        prompts = make_prompts(await _id_pool(session, base_url, model), num_prompts, input_len, seed,
+                               random_prefix_len)
         url = f"{base_url}/v1/completions"
         rng = np.random.default_rng(seed)
         tasks = []
@@ -142,7 +154,8 @@ async def benchmark(base_url: str, model: str | None, request_rate: float, num_p
         duration = time.perf_counter() - start
     return summarize(results, duration, dict(base_url=base_url, model=model, request_rate=request_rate,
                                              num_prompts=num_prompts, input_len=input_len,
-                                             output_len=output_len, seed=seed))
+                                             random_prefix_len=random_prefix_len, output_len=output_len,
+                                             seed=seed))
 
 
 def _stats(values: list[float], scale: float) -> dict:
@@ -233,8 +246,13 @@ def format_results(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = asyncio.run(benchmark(args.base_url, args.model, args.request_rate, args.num_prompts,
-                                    args.input_len, args.output_len, args.seed, args.api_key))
+    try:
+        summary = asyncio.run(benchmark(args.base_url, args.model, args.request_rate, args.num_prompts,
+                                        args.input_len, args.output_len, args.seed, args.api_key,
+                                        args.random_prefix_len))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(format_results(summary))
     if summary["errors"]:
         print("errors:", *summary["errors"], sep="\n  ", file=sys.stderr)

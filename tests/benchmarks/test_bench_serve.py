@@ -24,7 +24,8 @@ def server_url(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "fp8serve.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
-           "--dtype", "float32", "--kv-cache-memory", "1MiB", "--kv-cache-dtype", "fp8"]
+           "--dtype", "float32", "--kv-cache-memory", "1MiB", "--kv-cache-dtype", "fp8", "--enable-prefix-caching",
+           "--block-size", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300  # a cold start may compile the C++ kernels
@@ -59,10 +60,40 @@ def test_bench_serve_exact_lengths(server_url):
     assert s["output_lens"] == [3] * 3
 
 
+def _metric(url: str, name: str) -> float:
+    import re
+
+    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", httpx.get(f"{url}/metrics").text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def test_random_prefix_len_puts_one_prefix_before_every_prompt(server_url):
+    """vLLM's --random-prefix-len: every prompt starts with the same tokens, which a server with
+    --enable-prefix-caching (this one, 4-token blocks) prefills once."""
+    hits0 = _metric(server_url, "fp8serve:prefix_cache_hits_total")
+    s = asyncio.run(benchmark(server_url, None, request_rate=float("inf"), num_prompts=3, input_len=5,
+                              output_len=2, seed=2, random_prefix_len=16))
+    assert s["completed"] == 3 and s["total_input_tokens"] == 3 * 21
+    assert s["config"]["random_prefix_len"] == 16
+    # Prompts of 21 tokens whose first 16 agree: the second and third share 4 blocks.
+    assert _metric(server_url, "fp8serve:prefix_cache_hits_total") - hits0 == 2 * 16
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(num_prompts=0), "--num-prompts must be >= 1, got 0"),
+                                             (dict(random_prefix_len=-1), "--random-prefix-len must be >= 0")])
+def test_bad_workload_is_rejected_before_any_request(kwargs, message):
+    args = dict(request_rate=float("inf"), num_prompts=2, input_len=4, output_len=2) | kwargs
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(benchmark("http://127.0.0.1:9", None, **args))
+
+
 def test_sweep_reads_cache_config_and_formats_table(server_url):
     assert num_preemptions(server_url) == 0  # an idle server has preempted nothing
     cache = cache_config(server_url)
-    assert cache["kv_cache_dtype"] == "fp8_e4m3" and int(cache["num_blocks"]) == 512
+    # 1 MiB of FP8 K/V in 4-token blocks (2 layers x 2 kv heads x 16 dims x 2 bytes per token).
+    assert cache["kv_cache_dtype"] == "fp8_e4m3" and int(cache["num_blocks"]) == 2048
+    assert cache["block_size"] == "4" and cache["enable_prefix_caching"] == "True"
     table = format_table([{"model_dtype": "float32", "kv_cache_dtype": "bfloat16", "num_blocks": 256,
                            "ttft_ms": 12.34, "itl_ms": 5.0, "e2e_s": 1.25, "output_throughput": 40.0,
                            "saturated_output_throughput": 50.0, "num_preemptions": 3},
