@@ -78,14 +78,32 @@ def applies(dtype: torch.dtype, num_tokens: int, num_seqs: int, head_size: int =
     return False
 
 
-def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+def applies_with_context(dtype: torch.dtype, num_keys: int, num_seqs: int, head_size: int = 64) -> bool:
+    """Where the vector kernel's cached-context form replaces the padded SDPA over the gathered
+    context: where `applies` would take the kernel for fresh prompts as long as the sequences'
+    contexts plus new tokens, except for bf16 on AMX (the AMX kernel has no context form and
+    SDPA there uses AMX; not measured)."""
+    if dtype == torch.bfloat16 and amx_available():
+        return False
+    return applies(dtype, num_keys, num_seqs, head_size) and hasattr(load_cpu_ops(), "prefill_attention_with_context")
+
+
+def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+           cu_seqlens_k: torch.Tensor | None = None) -> None:
     if query.dim() != 3 or key.dim() != 3 or key.shape != value.shape:
         raise ValueError(f"query must be [num_tokens, num_heads, head_size] and key/value "
                          f"[num_tokens, num_kv_heads, head_size]; got {tuple(query.shape)}, {tuple(key.shape)}, "
                          f"{tuple(value.shape)}")
     num_tokens, num_heads, head_size = query.shape
-    if key.shape[0] != num_tokens or key.shape[2] != head_size:
+    if (cu_seqlens_k is None and key.shape[0] != num_tokens) or key.shape[2] != head_size:
         raise ValueError(f"key/value {tuple(key.shape)} do not match query {tuple(query.shape)}")
+    if cu_seqlens_k is not None:
+        if cu_seqlens_k.dim() != 1 or cu_seqlens_k.dtype != torch.int64 or cu_seqlens_k.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_k must be an int64 tensor shaped like cu_seqlens {tuple(cu_seqlens.shape)}, "
+                             f"got {tuple(cu_seqlens_k.shape)} {cu_seqlens_k.dtype}")
+        if bool(((cu_seqlens_k[1:] - cu_seqlens_k[:-1]) < (cu_seqlens[1:] - cu_seqlens[:-1])).any()):
+            raise ValueError("cu_seqlens_k: a sequence has fewer keys than queries (its queries are its last "
+                             "positions)")
     if num_heads % key.shape[1]:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {key.shape[1]}")
     if query.dtype not in _DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
@@ -109,19 +127,32 @@ def prefill_attention(
     out_scale: float = 1.0,
     *,
     path: str = "best",  # "amx", "bf16dot", "avx512", "avx2" or "scalar": force one kernel / set of tiles
+    cu_seqlens_k: torch.Tensor | None = None,  # [num_seqs + 1] int64: keys/values per sequence, when they differ
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size], query's dtype
     """softmax(scale * q k^T + causal mask) v * out_scale per sequence.
     FP8 scales fold in: scale = softmax_scale * k_scale, out_scale = v_scale.
     "best" takes, for bf16, the AMX kernel where it is available (head_size a
     multiple of 32), else the vector kernel's bf16 dot products where it was
     built with them (head_size a multiple of 64; P rounded to bf16 as with
-    AMX); float32 and float16 run the vector kernel in float32."""
+    AMX); float32 and float16 run the vector kernel in float32.
+
+    With `cu_seqlens_k`, sequence s has keys/values [cu_k[s], cu_k[s+1]) and
+    its queries are the last of those positions (a prefill continuing a cached
+    context: causal from the bottom right). The vector kernel places rows and
+    key blocks by absolute position, so a query row's output is bit for bit
+    the same as in a fresh prefill of the whole sequence (same path). Not on
+    the AMX kernel: "best" takes the vector kernel's best path then."""
     ops = load_cpu_ops()
     if ops is None or not hasattr(ops, "prefill_attention"):
         raise RuntimeError("C++ CPU kernels are not available")
     if path not in _PATHS and path != "amx":
         raise ValueError(f"unknown path {path!r}; expected one of {[*_PATHS, 'amx']}")
-    _check(query, key, value, cu_seqlens)
+    _check(query, key, value, cu_seqlens, cu_seqlens_k)
+    if cu_seqlens_k is not None:
+        if path == "amx":
+            raise ValueError("prefill_attention path 'amx' has no cached-context form (cu_seqlens_k)")
+        return ops.prefill_attention_with_context(query, key, value, cu_seqlens.contiguous(), cu_seqlens_k.contiguous(),
+                                                  float(scale), float(out_scale), _PATHS[path])
     use_amx = path == "amx" or (path == "best" and query.dtype == torch.bfloat16 and query.shape[2] % 32 == 0
                                 and amx_available())
     if use_amx:
@@ -135,20 +166,22 @@ def prefill_attention(
                                  _PATHS[path])
 
 
-def prefill_attention_ref(query, key, value, cu_seqlens, scale, out_scale=1.0) -> torch.Tensor:
+def prefill_attention_ref(query, key, value, cu_seqlens, scale, out_scale=1.0, cu_seqlens_k=None) -> torch.Tensor:
     """Plain PyTorch reference with the kernel's contract, in float64."""
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty(query.shape, dtype=torch.float64)
     cu = cu_seqlens.tolist()
-    for a, b in zip(cu[:-1], cu[1:]):
+    cu_k = cu if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    for a, b, ka, kb in zip(cu[:-1], cu[1:], cu_k[:-1], cu_k[1:]):
         if a == b:
             continue
         q = query[a:b].double().transpose(0, 1)  # [heads, n, d]
-        k = key[a:b].double().repeat_interleave(group, dim=1).transpose(0, 1)
-        v = value[a:b].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        k = key[ka:kb].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        v = value[ka:kb].double().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q @ k.transpose(1, 2)) * scale
-        causal = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        # Query i sits at position (kb - ka) - (b - a) + i and sees keys up to it.
+        causal = torch.ones(b - a, kb - ka, dtype=torch.bool).tril(diagonal=(kb - ka) - (b - a))
         p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         out[a:b] = (p @ v).transpose(0, 1) * out_scale
     return out

@@ -205,3 +205,67 @@ def test_bf16_fresh_prefill_runs_the_amx_kernel(cpu_paged_backend, seed, kv_cach
     err = ((out.double() - want.double()).abs().max() / want.double().abs().max()).item()
     # Each side rounds its output to bf16 and the kernel P too: a few 2^-9.
     assert err < 2**-6, f"seed={seed}: AMX prefill differs from TorchSDPABackend by {err:.2e} (relative)"
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_prefill_over_a_cached_context(cpu_paged_backend, seed, kv_cache_dtype, compute_dtype, monkeypatch):
+    """Prefix caching: new tokens continuing contexts already in the cache. Where the C++ kernel's
+    context form applies it runs (the context read back from the cache as stored, packed, no
+    padding) and matches the reference backend's padded SDPA over the same cache; the new tokens'
+    cache writes are the same bytes."""
+    from fp8serve.kernels import prefill_attention_ops
+
+    kv = compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv_name = str(kv).removeprefix("torch.") if isinstance(kv, torch.dtype) else kv
+    g = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_size, group = 3, 64, 3
+    num_heads = num_kv_heads * group
+    spec = KVCacheSpec(kv_name, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
+    paged = cpu_paged_backend(spec, compute_dtype)
+    reference = TorchSDPABackend(spec, compute_dtype)
+    cache = paged.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
+    contexts, new = [64, 16, 130, 48], [9, 1, 77, 16]  # whole and partial blocks cached; 1 to 77 new tokens
+    seq_lens = [c + n for c, n in zip(contexts, new)]
+    block_tables = scattered_block_tables(g, seq_lens)
+    # The cached contexts, written as an earlier prefill would have.
+    ctx_slots = torch.tensor([bt[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                              for bt, c in zip(block_tables, contexts) for p in range(c)])
+    ck = (torch.randn(len(ctx_slots), num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+    cv = (torch.randn(len(ctx_slots), num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+    paged.write_kv_cache(ck, cv, cache, ctx_slots, K_SCALE, V_SCALE)
+
+    width = max(len(bt) for bt in block_tables) + 1
+    slots = [bt[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for bt, c, n in zip(block_tables, contexts, new)
+             for p in range(c, c + n)]
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([bt + [NUM_BLOCKS] * (width - len(bt))
+                                                                     for bt in block_tables]),
+        seq_lens=torch.tensor(seq_lens), query_start_loc=torch.tensor([0] + torch.tensor(new).cumsum(0).tolist()),
+        max_query_len=max(new), max_seq_len=max(seq_lens), num_seqs=len(new), num_tokens=sum(new),
+        null_block_id=NUM_BLOCKS,
+    )
+    query = (torch.randn(md.num_tokens, num_heads, head_size, generator=g)).to(compute_dtype)
+    key = (torch.randn(md.num_tokens, num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+    value = (torch.randn(md.num_tokens, num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+    scales = (K_SCALE, V_SCALE) if spec.fp8 is not None else (1.0, 1.0)
+    kwargs = dict(softmax_scale=head_size**-0.5, k_scale=scales[0], v_scale=scales[1])
+
+    cache_ref = cache.clone()
+    paged.build_metadata(md)
+    calls = []
+    real = prefill_attention_ops.prefill_attention
+    monkeypatch.setattr(prefill_attention_ops, "prefill_attention",
+                        lambda *a, **k: calls.append(k.get("cu_seqlens_k") is not None) or real(*a, **k))
+    out = paged.forward(query, key, value, cache, md, **kwargs)
+    expect_kernel = prefill_attention_ops.applies_with_context(compute_dtype, sum(seq_lens), len(new), head_size)
+    assert calls == ([True] if expect_kernel else []), calls
+    md.backend_data = None
+    reference.build_metadata(md)
+    want = reference.forward(query, key, value, cache_ref, md, **kwargs)
+
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8)), f"seed={seed}"
+    assert out.shape == want.shape == (md.num_tokens, num_heads, head_size) and out.dtype == compute_dtype
+    err = ((out.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    # float32: rounding only; bf16: each side rounds its output (and the kernel P) to bf16.
+    assert err < (1e-5 if compute_dtype == torch.float32 else 2**-6), f"seed={seed}: {err:.2e} relative"

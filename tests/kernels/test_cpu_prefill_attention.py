@@ -223,3 +223,55 @@ def test_bf16_dot_path_rejects_what_it_cannot_run(ops):
     q, k, v, cu = _inputs(g, [20], 4, 2, 32, torch.bfloat16)
     with pytest.raises(RuntimeError, match="head_size % 64 == 0"):
         prefill_attention(q, k, v, cu, 0.125, path="bf16dot")
+
+
+# ------------------------------------------------------------------ cached context (cu_seqlens_k)
+
+
+def _vector_best(ops, dtype, head_size) -> str:
+    """The path the vector kernel's "best" runs (the context form never takes the AMX kernel)."""
+    if dtype == torch.bfloat16 and bf16_dot_available() and head_size % 64 == 0:
+        return "bf16dot"
+    if ops.has_avx512() and head_size % 64 == 0:
+        return "avx512"
+    return "avx2" if ops.has_avx2() and head_size % 32 == 0 else "scalar"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+def test_context_rows_equal_the_fresh_prefill_bit_for_bit(ops, seed, dtype, head_size, num_heads, num_kv_heads):
+    """A prefill continuing a cached context: each sequence's last rows, attending to all its
+    keys, give exactly what a fresh prefill of the whole sequence gives for those rows, on every
+    path (rows and key blocks sit at absolute positions); and both match the float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [37, 1, 300, 16, 129, 200]  # whole sequences
+    ctxs = [20, 0, 250, 15, 128, 57]  # cached context of each: 0, mid-tile, at and past key-block edges
+    q, k, v, cu = _inputs(g, lens, num_heads, num_kv_heads, head_size, dtype)
+    rows = torch.cat([torch.arange(a + c, b) for a, b, c in zip(cu[:-1].tolist(), cu[1:].tolist(), ctxs)])
+    cu_q = torch.tensor([0] + torch.tensor([n - c for n, c in zip(lens, ctxs)]).cumsum(0).tolist())
+    scale, out_scale = head_size**-0.5 * 0.7, 1.3
+    want = prefill_attention_ref(q[rows], k, v, cu_q, scale, out_scale, cu_seqlens_k=cu)
+    paths = _paths(ops, head_size) + (["bf16dot"] if _vector_best(ops, dtype, head_size) == "bf16dot" else [])
+    for path in paths:
+        fresh = prefill_attention(q, k, v, cu, scale, out_scale,
+                                  path=_vector_best(ops, dtype, head_size) if path == "best" else path)
+        out = prefill_attention(q[rows], k, v, cu_q, scale, out_scale, path=path, cu_seqlens_k=cu)
+        assert out.shape == (len(rows), num_heads, head_size) and out.dtype == dtype
+        assert torch.equal(out, fresh[rows]), f"seed={seed} path={path}: context rows differ from the fresh ones"
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        err = ((out.double() - want).abs().max() / want.abs().max()).item()
+        assert err < tol, f"seed={seed} path={path}: {err:.2e} relative to the float64 reference"
+
+
+def test_context_form_rejects_inconsistent_lengths(ops, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, cu = _inputs(g, [8, 8], 4, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="fewer keys than queries"):
+        prefill_attention(q, k[:12], v[:12], cu, 0.1, cu_seqlens_k=torch.tensor([0, 4, 12]))
+    with pytest.raises(ValueError, match="cu_seqlens_k must be an int64 tensor shaped like"):
+        prefill_attention(q, k, v, cu, 0.1, cu_seqlens_k=torch.tensor([0, 16]))
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must run from 0 to the number of keys"):
+        prefill_attention(q, k, v, cu, 0.1, cu_seqlens_k=torch.tensor([0, 8, 20]))
+    with pytest.raises(ValueError, match="no cached-context form"):
+        prefill_attention(q, k, v, cu, 0.1, path="amx", cu_seqlens_k=cu)

@@ -166,7 +166,8 @@ struct Avx512 {
 
 struct Problem {
   int64_t num_seqs, num_heads, num_kv_heads, head_size, group;
-  const int64_t* cu;         // [num_seqs + 1]
+  const int64_t* cu;         // [num_seqs + 1] query rows of each sequence
+  const int64_t* cu_k;       // [num_seqs + 1] key/value rows; == cu for a fresh prefill
   float scale, out_scale;
   const void* q;             // rows of num_heads * head_size at stride q_ld elements
   const void* k;
@@ -336,20 +337,27 @@ struct Item {
 std::vector<int64_t> padded_offsets(const Problem& p, int64_t key_tile) {
   std::vector<int64_t> pad_off(p.num_seqs + 1, 0);
   for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t len = p.cu[s + 1] - p.cu[s];
+    const int64_t len = p.cu_k[s + 1] - p.cu_k[s];
     pad_off[s + 1] = pad_off[s] + (len + key_tile - 1) / key_tile * key_tile;
   }
   return pad_off;
 }
 
-// Every (sequence, kv head, block of kQueryTokens tokens), costliest first
-// (a causal block's cost grows with its position).
+// The number of keys before a sequence's first query row: its cached
+// context (0 for a fresh prefill). Query row t sits at position context + t.
+inline int64_t context_len(const Problem& p, int64_t s) {
+  return (p.cu_k[s + 1] - p.cu_k[s]) - (p.cu[s + 1] - p.cu[s]);
+}
+
+// Every (sequence, kv head, block of kQueryTokens query rows), costliest
+// first (a causal block's cost grows with its position).
 std::vector<Item> work_items(const Problem& p) {
   std::vector<Item> items;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t len = p.cu[s + 1] - p.cu[s];
+    const int64_t len = p.cu[s + 1] - p.cu[s], ctx = context_len(p, s);
     for (int64_t t0 = 0; t0 < len; t0 += kQueryTokens)
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({s, h, t0, (t0 + kQueryTokens) * kQueryTokens});
+      for (int64_t h = 0; h < p.num_kv_heads; ++h)
+        items.push_back({s, h, t0, (ctx + t0 + kQueryTokens) * kQueryTokens});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   return items;
@@ -410,7 +418,7 @@ void run_items(const Problem& p, const std::vector<int64_t>& pad_off, const Pack
     typename Tiles::Scratch scratch(max_rows);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const Item& it = items[i];
-      const int64_t base = p.cu[it.seq], len = p.cu[it.seq + 1] - base;
+      const int64_t base = p.cu[it.seq], len = p.cu[it.seq + 1] - base, ctx = context_len(p, it.seq);
       const int64_t ldk = pad_off[it.seq + 1] - pad_off[it.seq] + kRowPad;
       const int64_t n = std::min(kQueryTokens, len - it.t0), rows = n * g;
       // Rows r = token * group + head in group.
@@ -424,13 +432,18 @@ void run_items(const Problem& p, const std::vector<int64_t>& pad_off, const Pack
       std::fill(lsum.begin(), lsum.begin() + rows, V::zero());
       const typename Tiles::E* kt = kv.kt(it.seq, it.kv_head);
       const typename Tiles::E* vv = kv.v(it.seq, it.kv_head);
-      const int64_t kend = it.t0 + n;  // keys [0, kend): the last row's token sees them all
+      // Keys [0, kend): the last row's token sees them all. Rows and key blocks
+      // are placed by absolute position, so a row gets the same arithmetic
+      // whether its sequence's earlier keys came from a cached context or from
+      // this call: a key block past a row's position is fully masked for it,
+      // which leaves its max, sum and output exactly as they were.
+      const int64_t kend = ctx + it.t0 + n;
       for (int64_t k0 = 0; k0 < kend; k0 += kKeyBlock) {
         const int64_t kw = std::min(kKeyBlock, kend - k0);
         const int64_t kwp = (kw + Tiles::kKeyTile - 1) / Tiles::kKeyTile * Tiles::kKeyTile;  // within the padding
         Tiles::qk(rows, qs.data(), qw, kt + k0, ldk, hs, kwp, p.scale, sc.data());
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = it.t0 + r / g;  // the row's token position: it sees keys [0, pos]
+          const int64_t pos = ctx + it.t0 + r / g;  // the row's token position: it sees keys [0, pos]
           const int64_t nvalid = std::min(pos + 1 - k0, kw);
           alpha[r] = softmax_row<V>(sc.data() + r * kKeyBlock, nvalid, kwp, m[r], lsum[r]);
           Tiles::p_row(scratch, r, sc.data() + r * kKeyBlock, kwp);
@@ -494,7 +507,7 @@ void run(const Problem& p) {
 
   at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / nkv, h = i % nkv, base = p.cu[s], len = p.cu[s + 1] - base;
+      const int64_t s = i / nkv, h = i % nkv, base = p.cu_k[s], len = p.cu_k[s + 1] - base;
       const int64_t lpad = pad_off[s + 1] - pad_off[s], ldk = lpad + kRowPad;
       float* kt = kv.kt(s, h);
       float* vv = kv.v(s, h);
@@ -694,7 +707,7 @@ void run_bf16_dot(const Problem& p) {
 
   at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / nkv, h = i % nkv, base = p.cu[s], len = p.cu[s + 1] - base;
+      const int64_t s = i / nkv, h = i % nkv, base = p.cu_k[s], len = p.cu_k[s + 1] - base;
       const int64_t lpad = pad_off[s + 1] - pad_off[s], ldk = lpad + kRowPad;
       uint32_t* kt = kv.kt(s, h);
       uint16_t* v2 = reinterpret_cast<uint16_t*>(kv.v(s, h));  // [lpad / 2][hs][2] halves
@@ -799,28 +812,45 @@ void run_path(const Problem& p, int64_t path) {
 // softmax(scale * q k^T + causal mask) v * out_scale for each sequence of a
 // packed varlen batch; returns [num_tokens, num_heads, head_size] in q's dtype.
 // path: 0 best, 1 AVX2, 2 AVX-512, 3 scalar, 4 bf16 dot products (bf16 inputs, AVX512-BF16 builds).
-at::Tensor prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens, double scale,
-                             double out_scale, int64_t path) {
+// cu_seqlens_k (prefill_attention_with_context): sequence s has keys/values
+// [cu_k[s], cu_k[s + 1]) and its queries are the last cu[s + 1] - cu[s] of
+// those positions (a prefill continuing a cached context: causal from the
+// bottom right, as flash_attn_varlen_func with causal=True).
+at::Tensor prefill_attention_impl(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens,
+                                  const at::Tensor* cu_seqlens_k, double scale, double out_scale, int64_t path) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "prefill_attention: query/key/value must be 3-D");
   TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "prefill_attention: CPU tensors only");
   const auto dt = query.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "prefill_attention: float32, bf16 or fp16 only");
   TORCH_CHECK(key.scalar_type() == dt && value.scalar_type() == dt, "prefill_attention: query, key and value dtypes differ");
   const int64_t num_tokens = query.size(0), nh = query.size(1), hs = query.size(2), nkv = key.size(1);
-  TORCH_CHECK(key.size(0) == num_tokens && value.size(0) == num_tokens && key.size(2) == hs &&
-                  value.sizes() == key.sizes(), "prefill_attention: key/value shapes do not match the query");
+  const int64_t num_keys = key.size(0);
+  TORCH_CHECK(key.size(2) == hs && value.sizes() == key.sizes() && (cu_seqlens_k != nullptr || num_keys == num_tokens),
+              "prefill_attention: key/value shapes do not match the query");
   TORCH_CHECK(nkv > 0 && nh % nkv == 0, "prefill_attention: num_heads must be a multiple of num_kv_heads");
   for (const auto* t : {&query, &key, &value})
     TORCH_CHECK(t->stride(2) == 1 && (t->size(1) <= 1 || t->stride(1) == hs), "prefill_attention: heads must be contiguous");
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() &&
-                  cu_seqlens.size(0) >= 1, "prefill_attention: cu_seqlens must be a contiguous int64 vector");
+  for (const at::Tensor* c : {static_cast<const at::Tensor*>(&cu_seqlens), cu_seqlens_k}) {
+    if (c == nullptr) continue;
+    TORCH_CHECK(c->dim() == 1 && c->scalar_type() == at::kLong && c->is_contiguous() && c->size(0) >= 1,
+                "prefill_attention: cu_seqlens must be a contiguous int64 vector");
+  }
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   const int64_t num_seqs = cu_seqlens.size(0) - 1;
   TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == num_tokens, "prefill_attention: cu_seqlens must run from 0 to num_tokens");
   for (int64_t s = 0; s < num_seqs; ++s) TORCH_CHECK(cu[s + 1] >= cu[s], "prefill_attention: cu_seqlens must not decrease");
+  const int64_t* cu_k = cu;
+  if (cu_seqlens_k != nullptr) {
+    TORCH_CHECK(cu_seqlens_k->size(0) == num_seqs + 1, "prefill_attention: cu_seqlens_k must have num_seqs + 1 entries");
+    cu_k = cu_seqlens_k->data_ptr<int64_t>();
+    TORCH_CHECK(cu_k[0] == 0 && cu_k[num_seqs] == num_keys, "prefill_attention: cu_seqlens_k must run from 0 to the number of keys");
+    for (int64_t s = 0; s < num_seqs; ++s)
+      TORCH_CHECK(cu_k[s + 1] - cu_k[s] >= cu[s + 1] - cu[s],
+                  "prefill_attention: a sequence has fewer keys than queries (its queries are its last positions)");
+  }
 
   at::Tensor out = at::empty({num_tokens, nh, hs}, query.options());
-  Problem p{num_seqs, nh, nkv, hs, nh / nkv, cu, static_cast<float>(scale), static_cast<float>(out_scale),
+  Problem p{num_seqs, nh, nkv, hs, nh / nkv, cu, cu_k, static_cast<float>(scale), static_cast<float>(out_scale),
             query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0), value.stride(0),
             out.data_ptr(), dt == at::kFloat ? 0 : dt == at::kBFloat16 ? 1 : 2};
   if (num_tokens == 0) return out;
@@ -829,6 +859,16 @@ at::Tensor prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value,
   else if (p.dtype == 1) run_path<1>(p, chosen);
   else run_path<2>(p, chosen);
   return out;
+}
+
+at::Tensor prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens, double scale,
+                             double out_scale, int64_t path) {
+  return prefill_attention_impl(query, key, value, cu_seqlens, nullptr, scale, out_scale, path);
+}
+
+at::Tensor prefill_attention_with_context(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens,
+                                          at::Tensor cu_seqlens_k, double scale, double out_scale, int64_t path) {
+  return prefill_attention_impl(query, key, value, cu_seqlens, &cu_seqlens_k, scale, out_scale, path);
 }
 
 // Whether this build has the bf16 dot-product path (AVX512-BF16 at build time).
@@ -842,5 +882,6 @@ bool prefill_attention_has_bf16_dot() {
 
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("prefill_attention", &prefill_attention);
+  m.def("prefill_attention_with_context", &prefill_attention_with_context);
   m.def("prefill_attention_has_bf16_dot", &prefill_attention_has_bf16_dot);
 }
