@@ -195,6 +195,30 @@ def paged_attention_decode_ref(query, key_cache, value_cache, block_tables, seq_
     return out.float()
 
 
+def gather_cache(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size] in kv_format's storage dtype
+    slots: torch.Tensor,  # [n] int64
+    kv_format: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [n, num_kv_heads, head_size] in dtype
+    """The stored rows at `slots`, decoded at scale 1 to `dtype` (float32, bf16 or fp16) in one
+    pass: what reshape_and_cache(..., return_decoded=True) returned when they were written."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("C++ CPU kernels are not available")
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"unknown kv_format {kv_format!r}; expected one of {list(KV_FORMATS)}")
+    if cache.dtype != KV_STORAGE_DTYPES[kv_format]:
+        raise TypeError(f"a {kv_format} cache is stored as {KV_STORAGE_DTYPES[kv_format]}, got {cache.dtype}")
+    if slots.dtype != torch.int64:
+        raise TypeError(f"slots must be int64, got {slots.dtype}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"gather_cache decodes to float32, bfloat16 or float16, not {dtype}")
+    out = torch.empty(slots.shape[0], cache.shape[2], cache.shape[3], dtype=dtype)
+    ops.gather_cache(cache, slots.contiguous(), KV_FORMATS[kv_format], out)
+    return out
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], heads contiguous
     value: torch.Tensor,

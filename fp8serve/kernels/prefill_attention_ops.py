@@ -1,4 +1,5 @@
-"""Causal attention for fresh prefills on CPU: a thin wrapper over the C++
+"""Causal attention for prefills on CPU (fresh, or continuing a cached
+context: `cu_seqlens_k`): a thin wrapper over the C++
 kernels in `cpu/prefill_attention.cpp` (float32, AVX2/AVX-512) and
 `cpu/prefill_attention_amx.cpp` (bf16 on AMX tiles), their float64
 reference, and where they pay.

@@ -343,3 +343,54 @@ def test_wrapper_without_kernels_raises(monkeypatch):
     key, value, kc, vc, slots = _small_case()
     with pytest.raises(RuntimeError, match="not available"):
         reshape_and_cache(key, value, kc, vc, slots, "fp8_e4m3")
+
+
+# -------------------------------------------------------------- reading back: gather_cache
+
+
+@pytest.mark.parametrize("num_kv_heads,head_size", ROW_SHAPES)
+@pytest.mark.parametrize("kv_format", list(KV_FORMATS))
+@pytest.mark.parametrize("dtype", INPUT_DTYPES)
+def test_gather_cache_reads_back_what_the_write_returned(seed, dtype, kv_format, num_kv_heads, head_size):
+    """Every stored bit pattern of a random cache (all 256 FP8 codes among them) read back at
+    scattered slots, repeated slots included: the torch reference decode bit for bit (NaN only
+    as NaN), and the values reshape_and_cache's return_decoded gave when they were written."""
+    g = torch.Generator().manual_seed(seed)
+    storage = KV_STORAGE_DTYPES[kv_format]
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_size)
+    if kv_format.startswith("fp8"):
+        cache = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        cache.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    else:
+        cache = (torch.randn(shape, generator=g) * 100).to(storage)
+    slots = torch.randint(0, NUM_BLOCKS * BLOCK_SIZE, (NUM_TOKENS,), generator=g)
+    slots[:3] = torch.tensor([0, 0, NUM_BLOCKS * BLOCK_SIZE - 1])
+    got = cpu_ops.gather_cache(cache, slots, kv_format, dtype)
+    want = reference_decode(cache.view(-1, num_kv_heads, head_size)[slots], kv_format, dtype)
+    assert_same_values(got, want, f"seed={seed} {kv_format} -> {dtype}")
+
+    # Round trip through the writer: what it returned is what reading back gives.
+    x = torch.randn(NUM_TOKENS, num_kv_heads, head_size, generator=g).to(dtype)
+    k_cache = torch.zeros(shape, dtype=storage)
+    v_cache = torch.zeros_like(k_cache)
+    write_slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=g)[:NUM_TOKENS]
+    fp8 = kv_format.startswith("fp8")
+    dk, _ = reshape_and_cache(x, x, k_cache, v_cache, write_slots, kv_format, FP8_K_SCALE if fp8 else 1.0,
+                              FP8_V_SCALE if fp8 else 1.0, return_decoded=True)
+    assert_same_values(cpu_ops.gather_cache(k_cache, write_slots, kv_format, dtype), dk, f"seed={seed} round trip")
+
+
+def test_gather_cache_rejects_bad_arguments():
+    cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 2, 8, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"slots\[1\] = 72 is outside the cache's 72 slots"):
+        cpu_ops.gather_cache(cache, torch.tensor([0, NUM_BLOCKS * BLOCK_SIZE]), "fp8_e4m3", torch.float32)
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_ops.gather_cache(cache, torch.tensor([-1]), "fp8_e4m3", torch.float32)
+    with pytest.raises(TypeError, match="stored as torch.bfloat16"):
+        cpu_ops.gather_cache(cache, torch.tensor([0]), "bfloat16", torch.float32)
+    with pytest.raises(TypeError, match="slots must be int64"):
+        cpu_ops.gather_cache(cache, torch.tensor([0], dtype=torch.int32), "fp8_e4m3", torch.float32)
+    with pytest.raises(TypeError, match="not torch.float64"):
+        cpu_ops.gather_cache(cache, torch.tensor([0]), "fp8_e4m3", torch.float64)
+    with pytest.raises(ValueError, match="unknown kv_format"):
+        cpu_ops.gather_cache(cache, torch.tensor([0]), "fp4", torch.float32)

@@ -23,6 +23,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -213,9 +214,107 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, a
   run(value, value_cache, vo, static_cast<float>(v_scale));
 }
 
+// ------------------------------------------------------------------ reading back
+
+namespace {
+
+// One slot's row of n stored elements, decoded to Out (0 float32, 1 bf16,
+// 2 fp16) at scale 1: the values reshape_and_cache's key_out / value_out get.
+template <int Out, int64_t F>
+inline void read_row(const void* src, void* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (F == kE4M3 || F == kE5M2) {
+    constexpr bool e4m3 = F == kE4M3;
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+#ifdef FP8SERVE_VEC16
+    for (; i + 16 <= n; i += 16) fp8serve_vec16::store<Out>(dst, i, fp8serve_vec16::fp8_decode<e4m3>(s + i));
+#endif
+#ifdef FP8SERVE_VEC8
+    for (; i + 8 <= n; i += 8) fp8serve_vec8::store<Out>(dst, i, fp8serve_vec8::fp8_decode<e4m3>(s + i));
+#endif
+    for (; i < n; ++i) store_from_f32<Out>(dst, i, e4m3 ? e4m3_to_f32(s[i]) : e5m2_to_f32(s[i]));
+  } else {
+    constexpr int In = F == kF32 ? 0 : (F == kBF16 ? 1 : 2);
+    if constexpr (In == Out) {
+      std::memcpy(dst, src, n * (In == 0 ? 4 : 2));
+    } else {
+#ifdef FP8SERVE_VEC8
+      for (; i + 8 <= n; i += 8) fp8serve_vec8::store<Out>(dst, i, fp8serve_vec8::load<In>(src, i));
+#endif
+      for (; i < n; ++i) store_from_f32<Out>(dst, i, load_as_f32<In>(src, i));
+    }
+  }
+}
+
+template <int Out, int64_t F>
+void gather_impl(const at::Tensor& cache, const int64_t* slots, int64_t n, const at::Tensor& out) {
+  const int64_t row = cache.size(2) * cache.size(3);
+  const int64_t slot_bytes = row * cache.element_size(), out_bytes = row * out.element_size();
+  const char* src = static_cast<const char*>(cache.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, slot_bytes));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+#ifdef FP8SERVE_VEC8
+      // The slots are scattered blocks: ask for a later row's lines early.
+      if (t + 4 < end) {
+        const char* ahead = src + slots[t + 4] * slot_bytes;
+        for (int64_t off = 0; off < slot_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      }
+#endif
+      read_row<Out, F>(src + slots[t] * slot_bytes, dst + t * out_bytes, row);
+    }
+  });
+}
+
+template <int Out>
+void gather_dispatch(const at::Tensor& cache, const int64_t* slots, int64_t n, const at::Tensor& out, int64_t fmt) {
+  switch (fmt) {
+    case kF32: gather_impl<Out, kF32>(cache, slots, n, out); break;
+    case kBF16: gather_impl<Out, kBF16>(cache, slots, n, out); break;
+    case kF16: gather_impl<Out, kF16>(cache, slots, n, out); break;
+    case kE4M3: gather_impl<Out, kE4M3>(cache, slots, n, out); break;
+    case kE5M2: gather_impl<Out, kE5M2>(cache, slots, n, out); break;
+    default: TORCH_CHECK(false, "unknown kv_format ", fmt);
+  }
+}
+
+}  // namespace
+
+// cache: [num_blocks, block_size, num_kv_heads, head_size] contiguous in the
+// storage dtype of kv_format. slots: [n] int64, each < num_blocks * block_size.
+// out: [n, num_kv_heads, head_size] contiguous float32/bf16/fp16: row t gets
+// slot slots[t] decoded at scale 1 (a prefill over a cached context reads
+// its context back this way: one pass, no index_select of codes followed by
+// a table lookup per element).
+void gather_cache(at::Tensor cache, at::Tensor slots, int64_t kv_format, at::Tensor out) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "gather_cache: cache must be a contiguous "
+              "[num_blocks, block_size, num_kv_heads, head_size] tensor");
+  TORCH_CHECK(cache.scalar_type() == storage_type(kv_format), "gather_cache: cache dtype ", cache.scalar_type(),
+              " does not match kv_format ", kv_format);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "gather_cache: slots must be a contiguous int64 vector");
+  const int64_t n = slots.size(0);
+  TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.size(0) == n && out.size(1) == cache.size(2) &&
+                  out.size(2) == cache.size(3),
+              "gather_cache: out must be a contiguous [num_slots, num_kv_heads, head_size] tensor");
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "gather_cache: slots[", t, "] = ", s[t], " is outside the cache's ",
+                num_slots, " slots");
+  switch (in_tag(out)) {
+    case 0: gather_dispatch<0>(cache, s, n, out, kv_format); break;
+    case 1: gather_dispatch<1>(cache, s, n, out, kv_format); break;
+    default: gather_dispatch<2>(cache, s, n, out, kv_format); break;
+  }
+}
+
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
       "int kv_format, float k_scale, float v_scale, Tensor(c!)? key_out=None, Tensor(d!)? value_out=None) -> ()");
   m.impl("reshape_and_cache", c10::DispatchKey::CPU, &reshape_and_cache);
+  m.def("gather_cache(Tensor cache, Tensor slots, int kv_format, Tensor(a!) out) -> ()");
+  m.impl("gather_cache", c10::DispatchKey::CPU, &gather_cache);
 }

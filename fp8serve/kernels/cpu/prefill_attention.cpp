@@ -1,7 +1,11 @@
 // Causal attention for fresh prefills: each sequence's new tokens attend to
 // the K/V of its own tokens (no cached context), packed varlen like
 // flash_attn_varlen_func: query [num_tokens, num_heads, head_size], key/value
-// [num_tokens, num_kv_heads, head_size], cu_seqlens [num_seqs + 1].
+// [num_tokens, num_kv_heads, head_size], cu_seqlens [num_seqs + 1]. The
+// context form (prefill_attention_with_context, for prefix caching) takes
+// keys/values per sequence by cu_seqlens_k, the queries being the last of
+// those positions; rows and key blocks are placed by absolute position, so
+// its rows equal a fresh prefill's of the whole sequence bit for bit.
 //
 // Why not torch's SDPA: its CPU flash kernel runs a 512-token causal float32
 // prompt of the default model (9 heads, 3 KV heads, head 64) at ~110-130
