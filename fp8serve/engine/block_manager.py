@@ -155,8 +155,10 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, cached: list[int] | None = None) -> None:
         """Blocks for all of `seq`'s tokens: `cached` (from cached_prefix,
-        their tokens then count as computed) followed by free ones. A lookup
-        (`cached` given, even empty) counts in the hit-rate numbers."""
+        their tokens then count as computed) followed by free ones. After a
+        lookup (`cached` given, even empty: the scheduler's admissions) the
+        sequence counts in the hit-rate numbers and its full blocks are
+        registered; without one (LLMEngine.prompt_logits) nothing is."""
         assert not seq.block_table, "sequence already holds blocks"
         looked_up = cached is not None
         cached = cached or []
@@ -171,15 +173,15 @@ class BlockManager:
         seq.block_table = list(cached) + [self._pop_free() for _ in range(n)]
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_registered_blocks = len(cached)
-        if self.enable_prefix_caching:
-            if looked_up:
-                self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += seq.num_computed_tokens
+        if self.enable_prefix_caching and looked_up:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed_tokens
             # Registered now, before the prefill that computes them, so that
             # requests admitted in the same step share them: the model runner
             # prefills fresh prompts before those with a cached prefix, and a
             # forward pass writes every token's K/V of a layer before any
-            # attention of that layer reads the cache.
+            # attention of that layer reads the cache. (The engine forgets the
+            # cache if that step fails.)
             self._register_blocks(seq, seq.num_tokens // self.block_size)
 
     def can_append(self, seq: Sequence) -> bool:

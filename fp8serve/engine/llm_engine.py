@@ -168,7 +168,15 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched is None or not sched.seqs:
             return []
-        out = self.model_runner.execute(sched.seqs, sched.is_prefill, self.eos_token_ids[0] if self.eos_token_ids else None)
+        try:
+            out = self.model_runner.execute(sched.seqs, sched.is_prefill,
+                                            self.eos_token_ids[0] if self.eos_token_ids else None)
+        except BaseException:
+            # Blocks registered for prefix caching when this step was scheduled
+            # may hold K/V it never wrote (an interrupted LLM.generate aborts
+            # its requests and the engine lives on): forget them all.
+            self.block_manager.reset_prefix_cache()
+            raise
         self.stats.num_steps += 1
         if sched.is_prefill:
             self.stats.prompt_tokens_total += sched.num_batched_tokens

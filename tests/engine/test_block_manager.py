@@ -407,3 +407,13 @@ def test_block_hash_chains_the_parent():
     assert h == hash_block_tokens(b"", [1, 2, 3, 4]) and len(h) == 32
     assert hash_block_tokens(h, [5, 6]) != hash_block_tokens(b"", [5, 6])
     assert hash_block_tokens(b"", [1, 2, 3, 4]) != hash_block_tokens(b"", [1, 2, 3, 5])
+
+
+def test_an_allocation_without_a_lookup_registers_nothing():
+    """LLMEngine.prompt_logits allocates without looking up: neither counted nor registered."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq_of(list(range(9)))
+    bm.allocate(a)
+    assert bm.num_cached_blocks == 0 and bm.prefix_cache_queries == 0
+    bm.free(a)
+    assert bm.cached_prefix(seq_of(list(range(9)))) == []

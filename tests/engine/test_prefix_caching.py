@@ -218,3 +218,26 @@ def test_the_same_prompt_again_recomputes_only_its_last_block(model_dir):
     again = run(engine, [("b", prompt, params)])["b"].outputs[0].token_ids
     assert engine.block_manager.prefix_cache_hits == 12
     assert again == first
+
+
+def test_a_failed_step_leaves_nothing_cached_that_it_did_not_write(model_dir, monkeypatch):
+    """Blocks are registered when their prefill is scheduled; if that step raises (an interrupted
+    LLM.generate, which then aborts its requests), none of them may be served to a later request."""
+    prompt = shared_prefix_prompts(5, prefix_len=20, n=1)[0]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model_dir, prefix_caching=True)
+    real = engine.model_runner.execute
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.model_runner, "execute", interrupted)
+    engine.add_request("a", {"prompt_token_ids": prompt}, params)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.abort_request("a")
+    assert engine.block_manager.num_cached_blocks == 0
+    monkeypatch.setattr(engine.model_runner, "execute", real)
+    out = run(engine, [("b", prompt, params)])["b"].outputs[0].token_ids
+    assert engine.block_manager.prefix_cache_hits == 0
+    assert out == run(make_engine(model_dir, prefix_caching=False), [("c", prompt, params)])["c"].outputs[0].token_ids
