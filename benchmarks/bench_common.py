@@ -43,6 +43,21 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join(shlex.quote(a) for a in [exe, *args])
 
 
+def require_positive(parser, args, *names: str) -> None:
+    """parser.error unless every option in `names` (argparse dest names) is >= 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def print_header(title: str, argv: list[str] | None) -> None:
+    """The title, the command as typed and the machine: the head of every results file."""
+    print(f"# {title}\n")
+    print(f"command: `{command_line(argv)}`\n")
+    for line in describe_machine(machine_info()):
+        print(line)
+
+
 def machine_info() -> dict:
     """CPU model and features, memory, software versions, whether the C++
     kernels built, and the load average before the run."""

@@ -33,7 +33,7 @@ import sys
 import time
 
 import torch
-from bench_common import command_line, describe_machine, machine_info
+from bench_common import print_header, require_positive
 
 
 def resident_mib() -> float:
@@ -85,16 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     labels = [x.strip() for x in args.engines.split(",") if x.strip()]
     if not labels or any(x not in ("shared", "per-size") for x in labels):
         ap.error(f"--engines takes shared and/or per-size, got {args.engines!r}")
-    for name in ("num_prompts", "input_len", "first_output", "steps_per_size", "rounds"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(ap, args, "num_prompts", "input_len", "first_output", "steps_per_size", "rounds")
 
     from fp8serve import LLM
 
-    print("# New decode batch sizes: compiled per size vs shared\n")
-    print(f"command: `{command_line(argv)}`\n")
-    for line in describe_machine(machine_info()):
-        print(line)
+    print_header("New decode batch sizes: compiled per size vs shared", argv)
     engines = {}
     for label in labels:
         share = label == "shared"

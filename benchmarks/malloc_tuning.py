@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import command_line, describe_machine, machine_info
+from bench_common import print_header, require_positive
 
 
 def child(args) -> dict:
@@ -99,17 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for name in ("prefill_batch", "prefill_len", "steps", "decode_batch", "decode_steps", "rounds"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(ap, args, "prefill_batch", "prefill_len", "steps", "decode_batch", "decode_steps", "rounds")
     if args.child:
         print(json.dumps(child(args)))
         return 0
 
-    print("# Engine steps: glibc's malloc thresholds vs the engine's\n")
-    print(f"command: `{command_line(argv)}`\n")
-    for line in describe_machine(machine_info()):
-        print(line)
+    print_header("Engine steps: glibc's malloc thresholds vs the engine's", argv)
     print(f"- prefill steps of {args.prefill_batch} x {args.prefill_len} tokens (median of {args.steps}"
           f"{'; a 1-prompt prefill before each' if args.mixed else ''}), "
           f"decode steps at batch {args.decode_batch} (median of {args.decode_steps}); one child process per "

@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from bench_common import command_line, describe_machine, machine_info
+from bench_common import print_header, require_positive
 
 WORKLOADS = ("shared-prefix", "multi-turn")
 
@@ -171,17 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not workloads or any(w not in WORKLOADS for w in workloads):
         ap.error(f"--workloads takes {' and/or '.join(WORKLOADS)}, got {args.workloads!r}")
-    for name in ("num_prompts", "prefix_len", "suffix_len", "num_conversations", "turns", "turn_len", "output_len",
-                 "rounds"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(ap, args, "num_prompts", "prefix_len", "suffix_len", "num_conversations", "turns", "turn_len",
+                     "output_len", "rounds")
 
     from fp8serve import LLM
 
-    print("# Prefix caching: off vs on\n")
-    print(f"command: `{command_line(argv)}`\n")
-    for line in describe_machine(machine_info()):
-        print(line)
+    print_header("Prefix caching: off vs on", argv)
     engines = {}
     for label, on in (("off", False), ("on", True)):
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
