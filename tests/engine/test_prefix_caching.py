@@ -241,3 +241,20 @@ def test_a_failed_step_leaves_nothing_cached_that_it_did_not_write(model_dir, mo
     out = run(engine, [("b", prompt, params)])["b"].outputs[0].token_ids
     assert engine.block_manager.prefix_cache_hits == 0
     assert out == run(make_engine(model_dir, prefix_caching=False), [("c", prompt, params)])["c"].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_mixtral_shares_prefixes_too(tmp_path, kv_cache_dtype, seed):
+    """The cache lives in the block manager and the attention backend: a Mixtral (MoE layers,
+    run eagerly) gets it without code of its own."""
+    from checkpoints import write_tiny_mixtral
+
+    model = str(write_tiny_mixtral(tmp_path / "mixtral"))
+    prompts = shared_prefix_prompts(seed, n=3)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+    engine = make_engine(model, prefix_caching=True, kv_cache_dtype=kv_cache_dtype)
+    cached = run_one_at_a_time(engine, prompts, params)
+    reference = run_one_at_a_time(make_engine(model, prefix_caching=False, kv_cache_dtype=kv_cache_dtype), prompts,
+                                  params)
+    assert engine.block_manager.prefix_cache_hits == 2 * 12
+    assert_same_generation(cached, reference, 2e-5, seed)
