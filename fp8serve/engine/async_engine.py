@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fp8serve.engine.llm_engine import LLMEngine, PromptInput
+from fp8serve.engine.stats_logger import StatsLogger
 from fp8serve.errors import UserError
 from fp8serve.outputs import RequestOutput
 from fp8serve.sampling_params import SamplingParams
@@ -91,9 +92,14 @@ class _RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, stall_timeout: float = 120.0) -> None:
+    def __init__(self, engine: LLMEngine, stall_timeout: float = 120.0, log_stats: bool = True,
+                 log_stats_interval: float = 5.0) -> None:
+        """log_stats: a stats line every `log_stats_interval` seconds of work (vLLM's; the server's
+        --disable-log-stats turns it off)."""
         self.engine = engine
         self.stall_timeout = stall_timeout
+        self._stats_logger = StatsLogger(log_stats_interval, engine.block_manager.enable_prefix_caching) \
+            if log_stats else None
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         # Touched only by the engine thread.
         self._streams: dict[str, _RequestStream] = {}
@@ -111,8 +117,9 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_args(cls, model: str | None = None, stall_timeout: float = 120.0, **kwargs) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_args(model, **kwargs), stall_timeout=stall_timeout)
+    def from_args(cls, model: str | None = None, stall_timeout: float = 120.0, log_stats: bool = True,
+                  **kwargs) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_args(model, **kwargs), stall_timeout=stall_timeout, log_stats=log_stats)
 
     # ------------------------------------------------------------ public API
     @property
@@ -220,10 +227,12 @@ class AsyncLLMEngine:
                 if not self.has_work:
                     self.last_progress_time = time.monotonic()
                     self._take_snapshot()
+                    self._log_stats()
                     continue
                 outputs = self.engine.step()
                 self.last_progress_time = time.monotonic()
                 self._take_snapshot()
+                self._log_stats()
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
@@ -238,6 +247,10 @@ class AsyncLLMEngine:
             self._abort_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
         finally:
             self.has_work = False
+
+    def _log_stats(self) -> None:
+        if self._stats_logger is not None:
+            self._stats_logger.maybe_log(self.snapshot, self.last_progress_time)
 
     def _take_snapshot(self) -> None:
         e = self.engine

@@ -11,6 +11,8 @@ scalar path); each target gets its own build directory.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -58,6 +60,25 @@ def _build_dir(parallel: bool = True) -> Path:
     return d
 
 
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path):
+    """Hold an flock on the build directory while torch builds or loads the
+    extension there, and clear torch's own `lock` file first if one is left.
+    Why: torch's cpp_extension marks a build in progress with a plain `lock`
+    file and waits, forever, for it to disappear; a process killed during the
+    first build (Ctrl-C during start-up) leaves it behind and every later
+    start hangs silently. An flock dies with its process: whoever holds it is
+    the only fp8serve process building here, so a `lock` file it finds is
+    stale."""
+    with open(build_dir / "fp8serve.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # waits while another process builds here
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("C++ CPU kernels: removing %s, left by a build that was interrupted", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def load_cpu_ops():
     """`torch.ops.fp8serve` once the library is built and loaded, or None
@@ -75,17 +96,19 @@ def load_cpu_ops():
     attempts = (("-fopenmp",), ())
     for i, omp in enumerate(attempts):
         try:
-            load(
-                name="fp8serve_cpu_ops" + ("_serial" if not omp else ""),
-                sources=[str(s) for s in _SOURCES],
-                # fp-contract=off: no silent FMA fusion, so float32 results round
-                # like torch's (the kernels ask for FMAs explicitly where wanted).
-                extra_cflags=["-O3", f"-march={_march()}", "-fopenmp-simd", "-ffp-contract=off", *omp],
-                extra_ldflags=list(omp),
-                build_directory=str(_build_dir(parallel=bool(omp))),
-                is_python_module=False,
-                verbose=False,
-            )
+            build_dir = _build_dir(parallel=bool(omp))
+            with _exclusive_build(build_dir):
+                load(
+                    name="fp8serve_cpu_ops" + ("_serial" if not omp else ""),
+                    sources=[str(s) for s in _SOURCES],
+                    # fp-contract=off: no silent FMA fusion, so float32 results round
+                    # like torch's (the kernels ask for FMAs explicitly where wanted).
+                    extra_cflags=["-O3", f"-march={_march()}", "-fopenmp-simd", "-ffp-contract=off", *omp],
+                    extra_ldflags=list(omp),
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=False,
+                )
             module = torch.ops.fp8serve
             break
         except Exception as e:  # a missing compiler or ninja must not stop the engine

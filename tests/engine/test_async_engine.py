@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -161,5 +162,22 @@ def test_prefix_cache_numbers_reach_the_snapshot_and_metrics(llama_dir):
         assert 'fp8serve:prefix_cache_queries_total{model_name="tiny"} 29.0' in text
         assert 'fp8serve:prefix_cache_hits_total{model_name="tiny"} 12.0' in text
         assert 'enable_prefix_caching="True"' in text
+    finally:
+        asyncio.run(e.shutdown(drain_timeout=0))
+
+
+@pytest.mark.parametrize("log_stats", [True, False])
+def test_stats_lines_while_working_unless_disabled(llama_dir, caplog, log_stats):
+    e = AsyncLLMEngine(LLMEngine.from_args(str(llama_dir), **ENGINE_ARGS), stall_timeout=5.0, log_stats=log_stats,
+                       log_stats_interval=0.0)
+    try:
+        with caplog.at_level(logging.INFO, logger="fp8serve.engine.stats_logger"):
+            asyncio.run(_collect(e, {"prompt_token_ids": [5, 6, 7, 8]}, GREEDY))
+            time.sleep(0.5)  # an idle poll reports the last interval
+        lines = [m for m in caplog.messages if m.startswith("Avg prompt throughput:")]
+        if log_stats:
+            assert lines and all("KV cache usage:" in m and "Prefix cache" not in m for m in lines)
+        else:
+            assert lines == []
     finally:
         asyncio.run(e.shutdown(drain_timeout=0))

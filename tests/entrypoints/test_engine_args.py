@@ -25,3 +25,12 @@ def test_every_flag_reaches_the_engine_config():
 
     params = set(inspect.signature(EngineConfig.create).parameters) - {"cls", "model"}
     assert set(parse()) == params
+
+
+def test_serve_takes_vllm_disable_log_stats():
+    from fp8serve.entrypoints import cli
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["serve", "--disable-log-stats"]).disable_log_stats is True
+    assert parser.parse_args(["serve"]).disable_log_stats is False
+    assert parser.parse_args(["serve", "--enable-prefix-caching"]).enable_prefix_caching is True

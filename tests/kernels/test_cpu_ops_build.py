@@ -20,3 +20,44 @@ def test_kernels_build_where_a_compiler_exists():
         f"a C++ compiler exists ({compiler}) but the kernels did not build: "
         "see the WARNING from fp8serve.kernels.cpu_ops for the compiler error"
     )
+
+
+def test_a_lock_left_by_an_interrupted_build_is_removed(tmp_path, caplog):
+    """torch's cpp_extension waits forever for its `lock` file to go; one left by a killed
+    build must not hang the next start."""
+    import logging
+
+    from fp8serve.kernels.cpu_ops import _exclusive_build
+
+    (tmp_path / "lock").touch()
+    with caplog.at_level(logging.WARNING, logger="fp8serve.kernels.cpu_ops"), _exclusive_build(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert any("left by a build that was interrupted" in m for m in caplog.messages)
+
+
+def test_builds_in_one_directory_take_turns(tmp_path):
+    """While one process builds (holding the flock, torch's `lock` file present), another waits
+    instead of treating that live `lock` as stale."""
+    import threading
+    import time
+
+    from fp8serve.kernels.cpu_ops import _exclusive_build
+
+    events = []
+    inside = threading.Event()
+
+    def first():
+        with _exclusive_build(tmp_path):
+            (tmp_path / "lock").touch()  # torch's marker of a build in progress
+            inside.set()
+            time.sleep(0.3)
+            events.append("first done")
+            (tmp_path / "lock").unlink()
+
+    t = threading.Thread(target=first)
+    t.start()
+    inside.wait(5)
+    with _exclusive_build(tmp_path):
+        events.append("second in")
+    t.join()
+    assert events == ["first done", "second in"]

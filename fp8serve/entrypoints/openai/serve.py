@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                    help="seconds running requests may take to finish after SIGTERM")
     g.add_argument("--stall-timeout", type=float, default=120.0,
                    help="/health turns 503 when there is work but no step finished for this long")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (prompt and generation throughput, running and waiting requests, "
+                        "KV cache usage, prefix cache hit rate) every 5 s of work")
     g.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=run)
 
@@ -94,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         max_body = parse_size(args.max_request_body_size)
     except ValueError as e:
         raise UserError(f"--max-request-body-size: {e}") from None
-    engine = AsyncLLMEngine.from_args(model, stall_timeout=args.stall_timeout, **engine_kwargs(args))
+    engine = AsyncLLMEngine.from_args(model, stall_timeout=args.stall_timeout, log_stats=not args.disable_log_stats,
+                                      **engine_kwargs(args))
     name = args.served_model_name or model or DEFAULT_MODEL_NAME
     app = build_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
