@@ -285,23 +285,45 @@ class CacheConfig:
         return self.kv_cache_dtype
 
 
+# --max-num-batched-tokens when chunked prefill is on and the flag is not given
+# (vLLM's V0 default for chunked prefill): see engine/scheduler.py for what a
+# step of this many tokens costs here.
+DEFAULT_CHUNKED_PREFILL_TOKENS = 512
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
     max_model_len: int = 2048
+    # Split long prefills into chunks and run them in the same steps as the
+    # running sequences' decodes (engine/scheduler.py).
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ConfigError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_model_len, 4096)
+            self.max_num_batched_tokens = (max(DEFAULT_CHUNKED_PREFILL_TOKENS, self.max_num_seqs)
+                                           if self.enable_chunked_prefill else max(self.max_model_len, 4096))
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.enable_chunked_prefill:
+            # Every running sequence's decode token counts against the budget.
+            if self.max_num_batched_tokens < self.max_num_seqs:
+                raise ConfigError(
+                    f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least --max-num-seqs "
+                    f"({self.max_num_seqs}) with --enable-chunked-prefill: each running sequence's decode "
+                    f"takes one token of every step's budget"
+                )
         # Without chunked prefill a whole prompt is one prefill, so the token
         # budget must hold the longest prompt the engine accepts.
-        if self.max_num_batched_tokens < self.max_model_len:
+        elif self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
-                f"({self.max_model_len}); raise it or lower --max-model-len"
+                f"({self.max_model_len}); raise it, lower --max-model-len, or add --enable-chunked-prefill"
             )
 
 
@@ -342,6 +364,7 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         enable_prefix_caching: bool = False,
+        enable_chunked_prefill: bool = False,
     ) -> "EngineConfig":
         if model is None:
             from fp8serve.default_model import ensure_default_model
@@ -362,6 +385,7 @@ class EngineConfig:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
         )
         return cls(model_config, cache_config, scheduler_config, parallel_config)
 

@@ -128,8 +128,25 @@ def test_max_num_batched_tokens_below_max_model_len_says_what_to_change():
         SchedulerConfig(max_num_batched_tokens=512, max_model_len=2048)
     msg = str(e.value)
     assert "--max-num-batched-tokens (512)" in msg and "--max-model-len (2048)" in msg
-    assert "raise it or lower --max-model-len" in msg
+    assert "raise it, lower --max-model-len, or add --enable-chunked-prefill" in msg
     SchedulerConfig(max_num_batched_tokens=2048, max_model_len=2048)  # equal is fine
+
+
+def test_chunked_prefill_budget_holds_a_decode_per_sequence_and_may_be_below_max_model_len():
+    with pytest.raises(ConfigError, match=r"--max-num-batched-tokens \(4\) must be at least --max-num-seqs \(8\)"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4, max_model_len=32, enable_chunked_prefill=True)
+    # Without chunked prefill the budget must hold a whole prompt; the message names the flag that lifts that.
+    with pytest.raises(ConfigError, match="--enable-chunked-prefill"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=32)
+    assert SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=32,
+                           enable_chunked_prefill=True).max_num_batched_tokens == 16
+    assert SchedulerConfig(max_model_len=8192, enable_chunked_prefill=True).max_num_batched_tokens == 512
+    assert SchedulerConfig(max_num_seqs=1024, max_model_len=8192,
+                           enable_chunked_prefill=True).max_num_batched_tokens == 1024
+    with pytest.raises(ConfigError, match="enable_chunked_prefill must be True or False"):
+        SchedulerConfig(enable_chunked_prefill="yes")
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens must be >= 1"):
+        SchedulerConfig(max_num_batched_tokens=0, max_model_len=32, enable_chunked_prefill=True)
 
 
 def test_max_num_seqs_must_be_positive():

@@ -153,12 +153,13 @@ class BlockManager:
         needed = seq.num_blocks_needed(self.block_size) - len(cached) + taken_free
         return needed + reserve <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, cached: list[int] | None = None) -> None:
+    def allocate(self, seq: Sequence, cached: list[int] | None = None, num_new_tokens: int | None = None) -> None:
         """Blocks for all of `seq`'s tokens: `cached` (from cached_prefix,
         their tokens then count as computed) followed by free ones. After a
         lookup (`cached` given, even empty: the scheduler's admissions) the
-        sequence counts in the hit-rate numbers and its full blocks are
-        registered; without one (LLMEngine.prompt_logits) nothing is."""
+        sequence counts in the hit-rate numbers and the full blocks its first
+        step computes (`num_new_tokens` after the cached ones, default all)
+        are registered; without one (LLMEngine.prompt_logits) nothing is."""
         assert not seq.block_table, "sequence already holds blocks"
         looked_up = cached is not None
         cached = cached or []
@@ -182,7 +183,17 @@ class BlockManager:
             # forward pass writes every token's K/V of a layer before any
             # attention of that layer reads the cache. (The engine forgets the
             # cache if that step fails.)
-            self._register_blocks(seq, seq.num_tokens // self.block_size)
+            computed = seq.num_tokens if num_new_tokens is None else seq.num_computed_tokens + num_new_tokens
+            self._register_blocks(seq, computed // self.block_size)
+
+    def register_scheduled_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Chunked prefill: register `seq`'s full blocks within its first
+        `num_tokens` tokens when the step computing them is scheduled (as
+        allocate does for a first chunk). The scheduler puts this sequence
+        before any admitted later in the step, so the forward pass writes
+        these blocks before another sequence reads them."""
+        if self.enable_prefix_caching:
+            self._register_blocks(seq, num_tokens // self.block_size)
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the slot for `seq`'s newest token exists or a block is free."""

@@ -17,7 +17,7 @@ import torch
 from fp8serve.config import EngineConfig
 from fp8serve.engine.block_manager import BlockManager
 from fp8serve.engine.detokenizer import IncrementalDetokenizer
-from fp8serve.engine.model_runner import ModelRunner, ModelRunnerOutput
+from fp8serve.engine.model_runner import ModelRunner, ModelRunnerOutput, PromptLogprobs
 from fp8serve.engine.scheduler import Scheduler
 from fp8serve.engine.sequence import Sequence
 from fp8serve.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -48,6 +48,10 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, cc.block_size,
                                           enable_prefix_caching=cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        sc = config.scheduler_config
+        if sc.enable_chunked_prefill:
+            logger.info("Chunked prefill is enabled with max_num_batched_tokens=%d (prompts run in chunks next to "
+                        "the running requests' decodes)", sc.max_num_batched_tokens)
         if cc.enable_prefix_caching:
             logger.info("Prefix caching: on (full blocks of %d tokens are shared between requests with the same "
                         "prefix)", cc.block_size)
@@ -166,11 +170,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs for every request that advanced."""
         sched = self.scheduler.schedule()
-        if sched is None or not sched.seqs:
+        if sched is None or not (sched.seqs or sched.decode_seqs):
             return []
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
         try:
-            out = self.model_runner.execute(sched.seqs, sched.is_prefill,
-                                            self.eos_token_ids[0] if self.eos_token_ids else None)
+            # Chunked prefill: the running sequences' decodes and the prefill
+            # chunks of the same step run as two forward passes (the decode one
+            # through the recorded decode path and the paged decode kernel).
+            decode_out = (self.model_runner.execute(sched.decode_seqs, False, eos)
+                          if sched.decode_seqs else None)
+            out = (self.model_runner.execute(sched.seqs, sched.is_prefill, eos, sched.num_new_tokens)
+                   if sched.seqs else None)
         except BaseException:
             # Blocks registered for prefix caching when this step was scheduled
             # may hold K/V it never wrote (an interrupted LLM.generate aborts
@@ -178,11 +188,34 @@ class LLMEngine:
             self.block_manager.reset_prefix_cache()
             raise
         self.stats.num_steps += 1
-        if sched.is_prefill:
-            self.stats.prompt_tokens_total += sched.num_batched_tokens
-        return self._process(sched.seqs, out)
+        self.stats.prompt_tokens_total += sched.num_prefill_tokens
+        outputs = self._process(sched.decode_seqs, decode_out) if decode_out is not None else []
+        if out is not None:
+            outputs += self._process(sched.seqs, out, sched.num_new_tokens)
+        return outputs
 
-    def _process(self, seqs: list[Sequence], out: ModelRunnerOutput) -> list[RequestOutput]:
+    def _process(self, seqs: list[Sequence], out: ModelRunnerOutput,
+                 num_new_tokens: list[int] | None = None) -> list[RequestOutput]:
+        """Apply one forward pass's results. With `num_new_tokens` (chunked
+        prefill) a sequence whose chunk ends before its last token only
+        advances: nothing was sampled for it and it has no output yet."""
+        outputs = []
+        sampled = seqs
+        if num_new_tokens is not None:
+            sampled = [seqs[r] for r in out.sampled_rows]
+            done = set(out.sampled_rows)
+            for row, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+                if row in out.prompt_logprobs:
+                    seq.prompt_logprob_parts.append(out.prompt_logprobs[row])
+                if row in done:
+                    continue
+                seq.num_computed_tokens += n
+                if self.block_manager.enable_prefix_caching:
+                    self.block_manager.cache_computed_blocks(seq)
+                # The rest of a prompt may be its last token alone, which runs as a decode.
+                self._finish_prompt_logprobs(seq)
+        if not sampled:
+            return outputs
         so = out.sampler_output
         token_ids = so.sampled_token_ids.tolist()
         want_lp = so.logprobs is not None
@@ -190,15 +223,17 @@ class LLMEngine:
             lps, ranks = so.logprobs.tolist(), so.ranks.tolist()
             top_lps, top_ids = so.top_logprobs.tolist(), so.top_token_ids.tolist()
         now = time.monotonic()
-        outputs = []
         mc = self.config.model_config
         cache_blocks = self.block_manager.enable_prefix_caching
-        for row, seq in enumerate(seqs):
+        rows = out.sampled_rows if num_new_tokens is not None else range(len(seqs))
+        for row, seq in enumerate(sampled):
             seq.num_computed_tokens = seq.num_tokens
             if cache_blocks:  # before a finish frees them
                 self.block_manager.cache_computed_blocks(seq)
-            if row in out.prompt_logprobs:
-                seq.prompt_logprobs = self._prompt_logprobs(seq, out.prompt_logprobs[row])
+            if num_new_tokens is not None:
+                self._finish_prompt_logprobs(seq)
+            elif rows[row] in out.prompt_logprobs:
+                seq.prompt_logprobs = self._prompt_logprobs(seq, out.prompt_logprobs[rows[row]])
             token = token_ids[row]
             seq.output_token_ids.append(token)
             self.stats.generation_tokens_total += 1
@@ -239,6 +274,19 @@ class LLMEngine:
 
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _finish_prompt_logprobs(self, seq: Sequence) -> None:
+        """Chunked prefill: once the chunks hold every prompt position's
+        logprobs, join them into the sequence's prompt_logprobs."""
+        parts = seq.prompt_logprob_parts
+        if not parts or seq.prompt_logprobs is not None:
+            return
+        if sum(p.logprobs.shape[0] for p in parts) < seq.num_prompt_tokens - 1:
+            return
+        joined = PromptLogprobs(*(torch.cat([getattr(p, f) for p in parts])
+                                  for f in ("logprobs", "ranks", "top_logprobs", "top_token_ids")))
+        parts.clear()
+        seq.prompt_logprobs = self._prompt_logprobs(seq, joined)
 
     def _prompt_logprobs(self, seq: Sequence, plp) -> list[dict | None]:
         k = seq.sampling_params.prompt_logprobs

@@ -56,8 +56,11 @@ class PromptLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    sampler_output: SamplerOutput
-    prompt_logprobs: dict[int, PromptLogprobs]  # row -> logprobs, for rows that asked
+    # One row per sampled sequence: every row of the step, or with chunked
+    # prefill only those of `sampled_rows` (None when no chunk reached its end).
+    sampler_output: SamplerOutput | None
+    prompt_logprobs: dict[int, PromptLogprobs]  # row -> logprobs of this step's positions, for rows that asked
+    sampled_rows: list[int] | None = None  # None: every row was sampled
 
 
 class ModelRunner:
@@ -167,7 +170,10 @@ class ModelRunner:
         return num_blocks
 
     # ------------------------------------------------------------------- step
-    def _prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, seqs: list[Sequence], is_prefill: bool, num_new_tokens: list[int] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """`num_new_tokens`: how many uncomputed tokens of each sequence this
+        pass computes (chunked prefill); default all of them."""
         if not is_prefill:
             return self._prepare_decode(seqs)
         bs = self.kv_cache_spec.block_size
@@ -176,11 +182,14 @@ class ModelRunner:
         block_tables = torch.tensor(
             [s.block_table + [self.num_blocks] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.int64
         )
-        seq_lens_list = [s.num_tokens for s in seqs]
+        if num_new_tokens is None:
+            num_new_tokens = [s.num_tokens - s.num_computed_tokens for s in seqs]
+        # Context length of each sequence once this pass's tokens are in.
+        seq_lens_list = [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)]
         seq_lens = torch.tensor(seq_lens_list, dtype=torch.int64)
         token_ids, q_lens = [], []
-        for s in seqs:
-            new = s.token_ids[s.num_computed_tokens:]
+        for s, end in zip(seqs, seq_lens_list):
+            new = s.token_ids[s.num_computed_tokens:end]
             token_ids.extend(new)
             q_lens.append(len(new))
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
@@ -256,26 +265,28 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         return self.model.compute_logits(hidden)
 
-    def _prefill_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """Consecutive groups of sequences of at most PREFILL_TOKENS_PER_FORWARD
-        new tokens each (a longer prompt is a group of its own). Sequences
-        with a cached prefix never share a group with fresh ones: a group
-        with any cached context attends over the paged cache, a fresh group
-        runs the faster kernel over its own K/V (the scheduler puts the
-        fresh ones first)."""
-        groups: list[list[Sequence]] = [[]]
+    def _prefill_groups(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[tuple[list[Sequence], list[int]]]:
+        """Consecutive groups (sequences, their new tokens) of at most
+        PREFILL_TOKENS_PER_FORWARD new tokens each (a longer prompt is a group
+        of its own). Sequences with a cached prefix never share a group with
+        fresh ones: a group with any cached context attends over the paged
+        cache, a fresh group runs the faster kernel over its own K/V (the
+        scheduler puts the fresh ones first)."""
+        groups: list[tuple[list[Sequence], list[int]]] = [([], [])]
         tokens = 0
-        for s in seqs:
-            n = s.num_tokens - s.num_computed_tokens
-            if groups[-1] and (tokens + n > PREFILL_TOKENS_PER_FORWARD
-                               or (s.num_computed_tokens > 0) != (groups[-1][-1].num_computed_tokens > 0)):
-                groups.append([])
+        for s, n in zip(seqs, num_new_tokens):
+            last = groups[-1][0]
+            if last and (tokens + n > PREFILL_TOKENS_PER_FORWARD
+                         or (s.num_computed_tokens > 0) != (last[-1].num_computed_tokens > 0)):
+                groups.append(([], []))
                 tokens = 0
-            groups[-1].append(s)
+            groups[-1][0].append(s)
+            groups[-1][1].append(n)
             tokens += n
         return groups
 
-    def _forward(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, seqs: list[Sequence], is_prefill: bool,
+                 num_new_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of every new token ([num_tokens, hidden_size]) and
         query_start_loc ([num_seqs + 1]) for `seqs`. On CPU a big prefill runs
         as several forward passes over groups of sequences: the result is the
@@ -284,10 +295,11 @@ class ModelRunner:
         if not is_prefill:  # one forward, one token per sequence
             input_ids, positions, md = self._prepare(seqs, is_prefill)
             return self.decode_captures.forward(input_ids, positions, md), md.query_start_loc
-        groups = self._prefill_groups(seqs) if self.device.type == "cpu" else [seqs]
+        groups = (self._prefill_groups(seqs, num_new_tokens) if self.device.type == "cpu"
+                  else [(seqs, num_new_tokens)])
         hiddens, starts, offset = [], [torch.zeros(1, dtype=torch.int64, device=self.device)], 0
-        for group in groups:
-            input_ids, positions, md = self._prepare(group, is_prefill)
+        for group, group_new_tokens in groups:
+            input_ids, positions, md = self._prepare(group, is_prefill, group_new_tokens)
             with set_forward_context(md):
                 hiddens.append(self.model(input_ids, positions))
             starts.append(md.query_start_loc[1:] + offset)
@@ -320,28 +332,51 @@ class ModelRunner:
         return md
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_id: int | None) -> ModelRunnerOutput:
-        hidden, query_start_loc = self._forward(seqs, is_prefill)  # [num_tokens, hidden_size]
+    def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_id: int | None,
+                num_new_tokens: list[int] | None = None) -> ModelRunnerOutput:
+        """One forward pass and sampling. `num_new_tokens` (chunked prefill):
+        how many uncomputed tokens of each sequence to compute; only the rows
+        whose chunk reaches the sequence's last token are sampled."""
+        sampled_rows = None
+        if num_new_tokens is None:
+            num_new_tokens = [s.num_tokens - s.num_computed_tokens for s in seqs] if is_prefill else [1] * len(seqs)
+        else:
+            sampled_rows = [r for r, (s, n) in enumerate(zip(seqs, num_new_tokens))
+                            if s.num_computed_tokens + n == s.num_tokens]
+        hidden, query_start_loc = self._forward(seqs, is_prefill, num_new_tokens)  # [num_tokens, hidden_size]
         if self._scales_pending_log:
             self._scales_pending_log = False
             for i, layer in enumerate(self.attn_layers):
                 logger.info("calculated KV scales: layer %d k_scale=%.6g v_scale=%.6g", i, layer._k_scale, layer._v_scale)
-        # A decode step's hidden states are already one row per sequence.
-        last_hidden = hidden.index_select(0, query_start_loc[1:] - 1) if is_prefill else hidden
-        logits = self.model.compute_logits(last_hidden)  # [num_seqs, vocab]
 
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         if is_prefill:
-            for row, s in enumerate(seqs):
+            for row, (s, n) in enumerate(zip(seqs, num_new_tokens)):
                 k = s.sampling_params.prompt_logprobs
                 # A resumed sequence (preempted earlier) already has them.
                 if k is None or s.prompt_logprobs is not None or s.num_prompt_tokens < 2:
                     continue
+                # The logits at position p score prompt token p + 1, for p < num_prompt_tokens - 1.
+                first = s.num_computed_tokens
+                count = min(first + n, s.num_prompt_tokens - 1) - first
+                if count <= 0:
+                    continue
                 start = int(query_start_loc[row])
-                h = hidden[start: start + s.num_prompt_tokens - 1]
-                targets = torch.tensor(s.prompt_token_ids[1:], device=self.device)
+                h = hidden[start: start + count]
+                targets = torch.tensor(s.prompt_token_ids[first + 1: first + 1 + count], device=self.device)
                 lp, rk, top, top_ids = compute_prompt_logprobs(self.model.compute_logits(h), targets, k)
                 prompt_logprobs[row] = PromptLogprobs(lp.cpu(), rk.cpu(), top.cpu(), top_ids.cpu())
 
-        out = self.sampler(logits, self._sampling_metadata(seqs, eos_token_id))
-        return ModelRunnerOutput(out, prompt_logprobs)
+        if sampled_rows is not None and len(sampled_rows) < len(seqs):
+            if not sampled_rows:
+                return ModelRunnerOutput(None, prompt_logprobs, sampled_rows)
+            rows = torch.tensor(sampled_rows, dtype=torch.int64, device=query_start_loc.device)
+            last_hidden = hidden.index_select(0, query_start_loc[rows + 1] - 1)
+            sample_seqs = [seqs[r] for r in sampled_rows]
+        else:
+            # A decode step's hidden states are already one row per sequence.
+            last_hidden = hidden.index_select(0, query_start_loc[1:] - 1) if is_prefill else hidden
+            sample_seqs = seqs
+        logits = self.model.compute_logits(last_hidden)  # [num_sampled, vocab]
+        out = self.sampler(logits, self._sampling_metadata(sample_seqs, eos_token_id))
+        return ModelRunnerOutput(out, prompt_logprobs, sampled_rows)

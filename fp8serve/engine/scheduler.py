@@ -35,6 +35,18 @@ With prefix caching (block_manager.py), a waiting sequence shares the
 registered blocks of its longest cached prefix and only its new tokens count
 against the step's token budget; fresh prompts go first in the step, so the
 model runner can prefill them apart from those continuing a cached prefix.
+
+Chunked prefill (vLLM's --enable-chunked-prefill): a step no longer chooses
+between prefill and decode. It takes every running sequence's next decode
+token first (one token of the budget each), then prefill chunks within what
+is left of --max-num-batched-tokens: the running sequences still in their
+prefill continue, oldest first, then waiting ones are admitted with a first
+chunk. A sequence holds blocks for its whole prompt from admission, so a
+chunk never waits for blocks. Why: without it one step prefills every newly
+admitted prompt while all running requests wait; a burst of 16 prompts of
+512 tokens is a 5 s step here (~0.64 ms per prompt token, bf16). A chunk of
+512 tokens bounds that wait to ~0.35 s, at the cost of prefill passes of
+fewer tokens (the model runner's PREFILL_TOKENS_PER_FORWARD).
 """
 
 from __future__ import annotations
@@ -64,6 +76,17 @@ class SchedulerOutput:
     is_prefill: bool
     num_batched_tokens: int
     preempted: list[Sequence] = field(default_factory=list)
+    # Chunked prefill only: how many of each of `seqs`' uncomputed tokens this
+    # step computes (a chunk that ends before the last token samples nothing),
+    # and the running sequences that decode one token in the same step.
+    num_new_tokens: list[int] | None = None
+    decode_seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        if not self.is_prefill:
+            return 0
+        return sum(self.num_new_tokens) if self.num_new_tokens is not None else self.num_batched_tokens
 
 
 class Scheduler:
@@ -99,6 +122,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput | None:
+        if self.config.enable_chunked_prefill:
+            return self._schedule_chunked()
         return self._schedule_prefill() or self._schedule_decode()
 
     @property
@@ -157,6 +182,98 @@ class Scheduler:
         self.running.extend(scheduled)
         return SchedulerOutput(scheduled, is_prefill=True, num_batched_tokens=num_tokens)
 
+    def _schedule_chunked(self) -> SchedulerOutput | None:
+        """A step of decodes and prefill chunks (module docstring)."""
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        decodes, continuing, preempted = self._reserve_decode_slots()
+        budget -= len(decodes)  # >= 0: the config keeps the budget >= max_num_seqs
+        prefills: list[Sequence] = []
+        chunks: list[int] = []
+        for seq in continuing:
+            chunk = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            if chunk == 0:
+                break
+            bm.register_scheduled_blocks(seq, seq.num_computed_tokens + chunk)
+            prefills.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        ratio = self.reserve_ratio
+        growth = 0
+        if self.waiting and self.reserve_growth:
+            growth = sum(self.expected_growth(s, ratio) for s in self.running)
+        admitted: list[Sequence] = []
+        while budget > 0 and self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.cached_prefix(seq)
+            reserve = max(self._watermark, self.growth_reserve(growth)) if (self.running or admitted) else 0
+            chunk = self._chunk(seq.num_tokens - len(cached) * bm.block_size, budget)
+            if chunk == 0 or not bm.can_allocate(seq, reserve=reserve, cached=cached):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, cached=cached, num_new_tokens=chunk)
+            seq.status = SequenceStatus.RUNNING
+            admitted.append(seq)
+            prefills.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+            growth += self.expected_growth(seq, ratio) if self.reserve_growth else 0
+        self.running.extend(admitted)
+        if preempted:
+            self.preemption_floor = RESERVE_RATIO_AFTER_PREEMPTION
+        elif decodes:
+            self.preemption_floor = max(0.0, self.preemption_floor - RESERVE_FLOOR_DECAY)
+        if not prefills:
+            if not decodes:
+                return SchedulerOutput([], is_prefill=False, num_batched_tokens=0,
+                                       preempted=preempted) if preempted else None
+            return SchedulerOutput(decodes, is_prefill=False, num_batched_tokens=len(decodes), preempted=preempted)
+        # Fresh prompts first (see _schedule_prefill); stable, so a sequence whose
+        # blocks another one shares in this step still comes before it.
+        order = sorted(range(len(prefills)), key=lambda i: prefills[i].num_computed_tokens > 0)
+        return SchedulerOutput([prefills[i] for i in order], is_prefill=True,
+                               num_batched_tokens=sum(chunks) + len(decodes), preempted=preempted,
+                               num_new_tokens=[chunks[i] for i in order], decode_seqs=decodes)
+
+    @staticmethod
+    def _chunk(remaining: int, budget: int) -> int:
+        """The tokens of a prefill to compute within `budget`: all that remain
+        if they fit, else as many as fit but never leaving just one: a running
+        sequence with one uncomputed token is a decode (_reserve_decode_slots)."""
+        if remaining <= budget:
+            return remaining
+        return budget if remaining - budget > 1 else budget - 1
+
+    def _reserve_decode_slots(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+        """Chunked prefill: a slot for the next token of every running sequence
+        whose prefill is done, preempting the most recently admitted ones when
+        blocks run out (as _schedule_decode). Returns (decodes, sequences still
+        in their prefill, preempted). A prefill chunk never leaves one token
+        (_chunk), so one uncomputed token is the one sampled last step."""
+        decodes: list[Sequence] = []
+        continuing: list[Sequence] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                continuing.append(seq)  # its blocks were allocated at admission
+                i += 1
+                continue
+            while not self.block_manager.can_append(seq):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slot(seq)
+                decodes.append(seq)
+                i += 1
+                continue
+            break
+        return decodes, continuing, preempted
+
     def _schedule_decode(self) -> SchedulerOutput | None:
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
@@ -185,6 +302,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.prompt_logprob_parts.clear()  # its prefill starts over
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

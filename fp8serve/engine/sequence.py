@@ -38,6 +38,8 @@ class Sequence:
     # Per generated token: {token_id: Logprob}; None unless requested.
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict | None] | None = None
+    # Chunked prefill: the prompt logprobs of the chunks computed so far.
+    prompt_logprob_parts: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     detokenizer: object | None = None
     first_token_time: float | None = None

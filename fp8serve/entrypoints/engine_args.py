@@ -35,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="reuse the KV cache of earlier requests' identical prompt prefixes (a shared system "
                         "prompt, a chat's earlier turns) instead of prefilling them again")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
+                   help="split long prompts into chunks of at most --max-num-batched-tokens (default 512 with "
+                        "this flag) that run in the same steps as the running requests' decodes, so a long "
+                        "prompt no longer stalls them; prompts may then be longer than that budget")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -54,4 +58,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
     )

@@ -105,14 +105,14 @@ def test_a_batch_mixing_fresh_and_cached_prompts(model_dir, seed, monkeypatch):
     groups = []
     real = model_runner.ModelRunner._prefill_groups
     monkeypatch.setattr(model_runner.ModelRunner, "_prefill_groups",
-                        lambda self, seqs: groups.append(real(self, seqs)) or groups[-1])
+                        lambda self, *args: groups.append(real(self, *args)) or groups[-1])
     computed_at_call = []
     real_forward = model_runner.ModelRunner._forward
 
-    def forward(self, seqs, is_prefill):
-        out = real_forward(self, seqs, is_prefill)
+    def forward(self, seqs, is_prefill, *args):
+        out = real_forward(self, seqs, is_prefill, *args)
         if is_prefill:
-            computed_at_call.append([[s.num_computed_tokens for s in g] for g in groups[-1]])
+            computed_at_call.append([[s.num_computed_tokens for s in g] for g, _ in groups[-1]])
         return out
 
     monkeypatch.setattr(model_runner.ModelRunner, "_forward", forward)

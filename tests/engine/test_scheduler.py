@@ -574,3 +574,188 @@ def test_fresh_prompts_are_scheduled_before_those_with_a_cached_prefix():
     out = sched.schedule()
     assert names(out.seqs) == ["fresh", "cached"]
     assert [s.num_computed_tokens for s in out.seqs] == [0, 8]
+
+
+# ------------------------------------------------------------------------------- chunked prefill
+
+
+def make_chunked_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32,
+                           reserve_growth=False, enable_prefix_caching=False):
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len, enable_chunked_prefill=True)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+    return Scheduler(config, bm, reserve_growth=reserve_growth)
+
+
+def run_chunked_step(out: SchedulerOutput, token: int = 9, block_manager: BlockManager | None = None) -> list:
+    """What the engine does with a chunked-prefill step: every decode and every chunk that reaches
+    its sequence's last token samples one token; an earlier chunk only advances. Returns the
+    sequences that got a token."""
+    sampled = []
+    chunks = out.num_new_tokens if out.is_prefill else [1] * len(out.seqs)
+    for seq, n in zip(out.seqs, chunks):
+        assert 1 <= n <= seq.num_tokens - seq.num_computed_tokens
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            sampled.append(seq)
+    for seq in out.decode_seqs:
+        assert seq.num_tokens - seq.num_computed_tokens == 1 and seq.output_token_ids
+        seq.num_computed_tokens = seq.num_tokens
+        sampled.append(seq)
+    for seq in out.seqs + out.decode_seqs:
+        if block_manager is not None:
+            block_manager.cache_computed_blocks(seq)
+    for seq in sampled:
+        seq.output_token_ids.append(token)
+    return sampled
+
+
+def test_chunked_a_long_prompt_is_prefilled_in_chunks_of_the_budget():
+    sched = make_chunked_scheduler(max_num_batched_tokens=8)
+    a = make_seq(21, "a")
+    sched.add(a)
+    chunks = []
+    while not a.output_token_ids:
+        out = sched.schedule()
+        assert out.is_prefill and names(out.seqs) == ["a"] and out.decode_seqs == []
+        chunks.append(out.num_new_tokens[0])
+        assert out.num_batched_tokens == out.num_prefill_tokens == chunks[-1]
+        run_chunked_step(out)
+    assert chunks == [8, 8, 5]
+    assert len(a.block_table) == 6  # blocks for the whole prompt from admission on
+    out = sched.schedule()
+    assert not out.is_prefill and names(out.seqs) == ["a"] and out.num_batched_tokens == 1
+
+
+def test_chunked_decodes_come_first_then_the_running_prefills_then_new_admissions():
+    sched = make_chunked_scheduler(max_num_batched_tokens=8)
+    a = make_seq(3, "a")
+    sched.add(a)
+    run_chunked_step(sched.schedule())  # a: prefilled, one token
+    b, c = make_seq(12, "b"), make_seq(6, "c")
+    sched.add(b)
+    sched.add(c)
+    out = sched.schedule()
+    # a decodes (1 token of 8), b gets the other 7; c waits: no budget left.
+    assert names(out.decode_seqs) == ["a"] and names(out.seqs) == ["b"] and out.num_new_tokens == [7]
+    assert out.num_batched_tokens == 8 and out.num_prefill_tokens == 7
+    assert names(sched.waiting) == ["c"]
+    run_chunked_step(out)
+    out = sched.schedule()
+    # a decodes, b finishes its prompt (5 tokens), c starts with the 2 left; fresh prompts run
+    # first in the pass (c has nothing computed yet, b continues its cached context).
+    assert names(out.decode_seqs) == ["a"]
+    assert names(out.seqs) == ["c", "b"] and out.num_new_tokens == [2, 5]
+    sampled = run_chunked_step(out)
+    assert sorted(names(sampled)) == ["a", "b"]
+    out = sched.schedule()
+    assert names(out.decode_seqs) == ["a", "b"] and names(out.seqs) == ["c"] and out.num_new_tokens == [4]
+    run_chunked_step(out)
+    out = sched.schedule()
+    assert not out.is_prefill and names(out.seqs) == ["a", "b", "c"]
+
+
+def test_chunked_a_chunk_never_leaves_a_single_token():
+    """One uncomputed token marks a decode, so a chunk stops two tokens short instead."""
+    sched = make_chunked_scheduler(max_num_batched_tokens=8)
+    a = make_seq(9, "a")
+    sched.add(a)
+    out = sched.schedule()
+    assert out.num_new_tokens == [7]
+    run_chunked_step(out)
+    out = sched.schedule()
+    assert out.is_prefill and names(out.seqs) == ["a"] and out.num_new_tokens == [2]
+    run_chunked_step(out)
+    assert a.output_token_ids == [9] and a.num_computed_tokens == 9
+
+
+def test_chunked_prefix_blocks_are_registered_only_as_far_as_the_step_computes():
+    """A block is shared only once the step that writes it is scheduled: a request admitted
+    while the first one is still in its prefill finds just the blocks computed by then."""
+    sched = make_chunked_scheduler(max_num_batched_tokens=12, enable_prefix_caching=True)
+    bm = sched.block_manager
+    first = make_seq(20, "first")
+    sched.add(first)
+    out = sched.schedule()
+    assert out.num_new_tokens == [12]
+    assert bm.num_cached_blocks == 3  # tokens 0-11, computed by this step; not the two after
+    run_chunked_step(out, block_manager=bm)
+    second = make_seq(20, "second")
+    sched.add(second)
+    out = sched.schedule()
+    # first finishes (tokens 12-19: blocks 3 and 4 registered now); second, admitted after it in
+    # the same step, shares four blocks (a hit leaves its last token to compute): the forward
+    # pass writes first's block 3 before second's attention reads it.
+    assert names(out.seqs) == ["first", "second"] and out.num_new_tokens == [8, 4]
+    assert bm.num_cached_blocks == 5
+    assert second.num_computed_tokens == 16 and second.block_table[:4] == first.block_table[:4]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("reserve_growth", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunked_randomized_simulation_keeps_invariants(seed, reserve_growth, prefix_caching):
+    rng = random.Random(seed)
+    block_size, num_blocks, max_model_len, budget = 4, 12, 24, 7
+    sched = make_chunked_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=5,
+                                   max_num_batched_tokens=budget, max_model_len=max_model_len,
+                                   reserve_growth=reserve_growth, enable_prefix_caching=prefix_caching)
+    bm = sched.block_manager
+    all_seqs: list[Sequence] = []
+    target: dict[str, int] = {}
+    finished: set[str] = set()
+    num_chunked = num_mixed = 0
+    for step in range(3000):
+        if step < 300 and rng.random() < 0.35:
+            for _ in range(rng.choice([1, 1, 2])):
+                seq = make_seq(rng.randint(1, 16))
+                target[seq.request_id] = rng.randint(1, max_model_len - seq.num_prompt_tokens)
+                all_seqs.append(seq)
+                sched.add(seq)
+        if step >= 300 and not sched.has_unfinished():
+            break
+        running_before = names(sched.running)
+        out = sched.schedule()
+        check_invariants(sched, None, all_seqs, finished)
+        if out is None:
+            assert not sched.has_unfinished(), f"step {step}: stalled with work left"
+            continue
+        assert out.num_batched_tokens <= budget
+        decodes = out.decode_seqs if out.is_prefill else out.seqs
+        prefills = out.seqs if out.is_prefill else []
+        chunks = out.num_new_tokens or []
+        assert out.num_batched_tokens == len(decodes) + sum(chunks)
+        for s in decodes:
+            assert s.num_tokens - s.num_computed_tokens == 1 and len(s.block_table) * block_size >= s.num_tokens
+        for s, n in zip(prefills, chunks):
+            assert 1 <= n and s.num_computed_tokens + n <= s.num_tokens
+            num_chunked += s.num_computed_tokens + n < s.num_tokens
+        num_mixed += bool(prefills and decodes)
+        # Every running sequence either decodes or is preempted; none that can decode waits.
+        assert set(names(decodes)) | set(names(out.preempted)) >= {
+            r for r in running_before if r not in names(prefills)
+            and next(s for s in all_seqs if s.request_id == r).num_tokens
+            - next(s for s in all_seqs if s.request_id == r).num_computed_tokens == 1}
+        has_context = [s.num_computed_tokens > 0 for s in prefills]
+        assert has_context == sorted(has_context)
+        for s in run_chunked_step(out, token=rng.randrange(1, 500), block_manager=bm if prefix_caching else None):
+            if len(s.output_token_ids) >= target[s.request_id] or s.num_tokens >= max_model_len:
+                sched.finish(s)
+                finished.add(s.request_id)
+        check_invariants(sched, None, all_seqs, finished)
+        # A registered block that a running sequence holds has been computed.
+        for s in sched.running:
+            for i, b in enumerate(s.block_table):
+                if b in bm._hash_of_block:
+                    assert (i + 1) * block_size <= s.num_computed_tokens
+    else:
+        pytest.fail("not done after 3000 steps")
+    assert finished == {s.request_id for s in all_seqs}
+    for s in all_seqs:
+        assert len(s.output_token_ids) == target[s.request_id], "recompute must not lose or repeat tokens"
+    assert num_chunked > 0 and num_mixed > 0
+    if prefix_caching:
+        assert bm.prefix_cache_hits > 0
+    if not reserve_growth:
+        assert sched.num_preemptions > 0, "the pool is too big to exercise preemption"
+    assert bm.num_free_blocks == num_blocks

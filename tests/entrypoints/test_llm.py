@@ -309,10 +309,11 @@ def test_cpu_prefill_in_token_groups_matches_transformers(llm, hf_model, monkeyp
     real = model_runner.ModelRunner._prefill_groups
     monkeypatch.setattr(model_runner, "PREFILL_TOKENS_PER_FORWARD", 16)
     monkeypatch.setattr(model_runner.ModelRunner, "_prefill_groups",
-                        lambda self, seqs: groups.append(g := real(self, seqs)) or g)
+                        lambda self, *args: groups.append(g := real(self, *args)) or g)
     grouped = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     # All five prompts are one scheduled prefill step; 9+14, 14+5 and 5+21 exceed 16.
-    assert [[s.num_prompt_tokens for s in g] for g in groups[0]] == [[9], [14], [5], [21], [3]]
+    assert [[s.num_prompt_tokens for s in g] for g, _ in groups[0]] == [[9], [14], [5], [21], [3]]
+    assert [n for _, n in groups[0]] == [[9], [14], [5], [21], [3]]
     for a, b, p in zip(one_pass, grouped, prompts):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         ref = _hf_log_softmax(hf_model, p)
