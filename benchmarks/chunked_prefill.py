@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--budgets", default="512,256",
                     help="comma-separated --max-num-batched-tokens values to run with chunked prefill")
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="at most the smallest budget")
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--request-rate", type=float, default=1.5, help="requests per second (Poisson arrivals)")
     ap.add_argument("--input-len", type=int, default=512)
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    require_positive(ap, args, "num_prompts", "input_len", "output_len", "rounds")
+    require_positive(ap, args, "max_num_seqs", "num_prompts", "input_len", "output_len", "rounds")
     if not args.request_rate > 0:
         ap.error(f"--request-rate must be > 0, got {args.request_rate}")
     try:
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {}
     for label, budget in [("off", None)] + [(f"chunked:{b}", b) for b in budgets]:
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
-                  kv_cache_memory=args.kv_cache_memory, enable_chunked_prefill=budget is not None,
+                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                  enable_chunked_prefill=budget is not None,
                   max_num_batched_tokens=budget)
         engines[label] = llm.llm_engine
     print(f"- {args.num_prompts} requests x {args.input_len} prompt tokens ({args.tokens}) -> {args.output_len} "
