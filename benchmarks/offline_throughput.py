@@ -95,9 +95,9 @@ class _StepTimer:
         self.prefill_steps = self.decode_steps = 0
         self.max_decode_batch = 0
 
-    def __call__(self, seqs, is_prefill, eos_token_id):
+    def __call__(self, seqs, is_prefill, eos_token_id, *args):
         t = time.perf_counter()
-        out = self.orig(seqs, is_prefill, eos_token_id)
+        out = self.orig(seqs, is_prefill, eos_token_id, *args)
         dt = time.perf_counter() - t
         if is_prefill:
             self.prefill_s += dt

@@ -185,17 +185,3 @@ def test_prompts_longer_than_the_budget_are_accepted_only_with_chunking(model_di
     assert engine.config.scheduler_config.max_num_batched_tokens == 16
     out = run(engine, [("r", list(range(3, 3 + MAX_MODEL_LEN - 1)), SamplingParams(max_tokens=1))])["r"]
     assert len(out.outputs[0].token_ids) == 1
-
-
-def test_cli_flag(model_dir):
-    import argparse
-
-    from fp8serve.entrypoints.engine_args import add_engine_args, engine_kwargs
-
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    args = parser.parse_args(["--enable-chunked-prefill", "--max-num-batched-tokens", "64"])
-    kwargs = engine_kwargs(args)
-    assert kwargs["enable_chunked_prefill"] is True and kwargs["max_num_batched_tokens"] == 64
-    assert engine_kwargs(parser.parse_args([]))["enable_chunked_prefill"] is False
-    assert engine_kwargs(parser.parse_args(["--no-enable-chunked-prefill"]))["enable_chunked_prefill"] is False

@@ -17,6 +17,13 @@ def test_enable_prefix_caching_both_spellings():
     assert parse()["enable_prefix_caching"] is False
 
 
+def test_enable_chunked_prefill_both_spellings():
+    kwargs = parse("--enable-chunked-prefill", "--max-num-batched-tokens", "64")
+    assert kwargs["enable_chunked_prefill"] is True and kwargs["max_num_batched_tokens"] == 64
+    assert parse("--no-enable-chunked-prefill")["enable_chunked_prefill"] is False
+    assert parse()["enable_chunked_prefill"] is False
+
+
 def test_every_flag_reaches_the_engine_config():
     """engine_kwargs' keys are EngineConfig.create's parameters: a flag added to one and not the other fails here."""
     import inspect

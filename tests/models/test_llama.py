@@ -65,9 +65,9 @@ class LogitsRecorder:
                         logits[row].detach().to("cpu", copy=True), is_prefill, len(seqs), seq.num_preemptions)
             return logits
 
-        def execute(seqs, is_prefill, eos_token_id):
+        def execute(seqs, is_prefill, eos_token_id, *args):
             pending[:] = [(list(seqs), is_prefill)]
-            out = real_execute(seqs, is_prefill, eos_token_id)
+            out = real_execute(seqs, is_prefill, eos_token_id, *args)
             assert not pending, "execute did not compute logits"
             return out
 

@@ -41,9 +41,9 @@ def record_logits(llm: LLM) -> dict[str, dict[int, torch.Tensor]]:
                 rows[seq.request_id][seq.num_tokens] = logits[row].detach().to("cpu", copy=True)
         return logits
 
-    def execute(seqs, is_prefill, eos_token_id):
+    def execute(seqs, is_prefill, eos_token_id, *args):
         pending[:] = [list(seqs)]
-        return real_execute(seqs, is_prefill, eos_token_id)
+        return real_execute(seqs, is_prefill, eos_token_id, *args)
 
     runner.model.compute_logits = compute_logits
     runner.execute = execute

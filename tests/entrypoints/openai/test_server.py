@@ -353,3 +353,40 @@ def test_disconnect_non_streaming_aborts(server):
     _wait_kv_free(server)
     assert _metric(server, "fp8serve:kv_cache_usage_perc") == 0.0
     assert _metric(server, "fp8serve:generation_tokens_total") - before < 8 * prompts * 110 // 2
+
+
+# ------------------------------------------------------------------ chunked prefill
+def test_chunked_prefill_server_serves_prompts_longer_than_its_budget(model_dir, llm):
+    """`serve --enable-chunked-prefill --max-num-batched-tokens 16 --max-num-seqs 8`: streams and
+    echo logprobs over prompts of ~90 tokens (6+ chunks each, next to each other's decodes)
+    equal the offline engine's, which prefills them whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = ServerProcess(model_dir, "--enable-chunked-prefill", "--max-num-batched-tokens", "16", "--max-num-seqs", "8",
+                      "--served-model-name", MODEL)
+    try:
+        prompts = [" ".join(f"w{i}x{j}" for j in range(20)) for i in range(4)]
+        lens = [len(llm.get_tokenizer().encode(p)) for p in prompts]
+        assert min(lens) > 16 * 4 and max(lens) + 8 <= MAX_MODEL_LEN, lens
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def stream(prompt: str) -> str:
+            chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks)
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(stream, prompts))
+        refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert texts == [r.outputs[0].text for r in refs]
+        r = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=0, echo=True, logprobs=1,
+                                      temperature=0)
+        ref = llm.generate(prompts[0], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+        got = r.choices[0].logprobs.token_logprobs
+        assert got[0] is None and len(got) == len(ref.prompt_token_ids)
+        for i in range(1, len(got)):
+            assert got[i] == pytest.approx(ref.prompt_logprobs[i][ref.prompt_token_ids[i]].logprob, abs=1e-4)
+    finally:
+        rc, out = s.stop()
+    assert rc == 0, out
+    assert "Chunked prefill is enabled with max_num_batched_tokens=16" in out
