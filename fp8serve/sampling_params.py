@@ -39,6 +39,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the logits of these token ids before penalties and sampling (OpenAI's
+    # logit_bias; -100 bans a token in practice, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -61,6 +64,11 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParameterError(
+                    f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}.", "logit_bias")
+            self.logit_bias = dict(self.logit_bias) or None
 
     def _verify(self) -> None:
         if self.n != 1:
@@ -103,6 +111,10 @@ class SamplingParams:
             _check(isinstance(s, str) and len(s) > 0, "stop", f"stop must contain only non-empty strings, got {s!r}.")
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", f"stop_token_ids must be non-negative ints, got {t!r}.")
+        for t, bias in (self.logit_bias or {}).items():
+            _check(_is_int(t) and t >= 0, "logit_bias", f"logit_bias keys must be non-negative token ids, got {t!r}.")
+            _check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100.0 <= bias <= 100.0,
+                   "logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {t}.")
 
     @property
     def is_greedy(self) -> bool:

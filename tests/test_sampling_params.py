@@ -54,6 +54,14 @@ def test_greedy_forces_filters_off():
         (dict(stop=["ok", ""]), "stop"),
         (dict(stop=""), "stop"),
         (dict(stop_token_ids=[-3]), "stop_token_ids"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={True: 1.0}), "logit_bias"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias={5: 100.5}), "logit_bias"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias"),
+        (dict(logit_bias={5: "1"}), "logit_bias"),
+        (dict(logit_bias={5: True}), "logit_bias"),
+        (dict(logit_bias=[(5, 1.0)]), "logit_bias"),
     ],
 )
 def test_validation_error_names_field_and_value(kwargs, field):
@@ -63,7 +71,7 @@ def test_validation_error_names_field_and_value(kwargs, field):
     assert message.startswith(field + " ")
     assert excinfo.value.parameter == field  # the server's OpenAI error `param`
     bad = kwargs[field] if field in kwargs else None
-    if field not in ("stop", "stop_token_ids"):
+    if field not in ("stop", "stop_token_ids", "logit_bias"):
         assert repr(bad) in message or str(bad) in message
 
 
@@ -76,3 +84,9 @@ def test_boundaries_accepted():
     SamplingParams(top_p=1.0, min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0,
                    logprobs=0, prompt_logprobs=MAX_LOGPROBS, max_tokens=None, min_tokens=100, seed=0)
     SamplingParams(min_tokens=5, max_tokens=5)
+
+
+def test_logit_bias_kept_and_empty_means_none():
+    assert SamplingParams(logit_bias={5: -100, 7: 2.5}).logit_bias == {5: -100, 7: 2.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams().logit_bias is None

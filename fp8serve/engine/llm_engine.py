@@ -21,7 +21,7 @@ from fp8serve.engine.model_runner import ModelRunner, ModelRunnerOutput, PromptL
 from fp8serve.engine.scheduler import Scheduler
 from fp8serve.engine.sequence import Sequence
 from fp8serve.engine.tokenizer import eos_token_ids, load_tokenizer
-from fp8serve.errors import UserError
+from fp8serve.errors import InvalidParameterError, UserError
 from fp8serve.outputs import CompletionOutput, Logprob, RequestOutput
 from fp8serve.sampling_params import SamplingParams
 
@@ -104,6 +104,16 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, more than --max-model-len {mc.max_model_len}"
             )
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Token ids in the sampling parameters must be in the vocabulary: the sampler
+        indexes the logits with them (a bad one would fail the whole step's batch)."""
+        vocab = self.config.model_config.arch.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = sorted(t for t in ids if not 0 <= t < vocab)
+            if bad:
+                raise InvalidParameterError(f"{name}: token id(s) {bad[:8]} out of range for a vocabulary of {vocab}",
+                                            name)
+
     def add_request(
         self,
         request_id: str | None,
@@ -118,6 +128,7 @@ class LLMEngine:
         params = copy.deepcopy(params) if params is not None else SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids)
+        self.validate_params(params)
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.seqs:
             raise UserError(f"request id '{request_id}' is already in use")

@@ -5,7 +5,7 @@ noise for rows that carry their own seed, so a seeded request samples the same t
 matter which other requests share its batch.
 
 Order of operations (vLLM v1 semantics): logprobs come from the raw model logits, then
-penalties, then banned tokens, then greedy argmax or temperature -> top-k -> top-p ->
+logit_bias, penalties, banned tokens, then greedy argmax or temperature -> top-k -> top-p ->
 min-p -> softmax -> exponential-race sampling.
 """
 
@@ -48,6 +48,8 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None = None  # [num_seqs] float32
     # Token ids masked to -inf this step, per row (min_tokens not yet reached); None if none.
     banned_token_ids: list[list[int]] | None = None
+    # Every row's logit_bias as (rows, token ids, biases), flattened; None if no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         num_seqs = self.temperature.shape[0]
@@ -133,6 +135,11 @@ class SamplingMetadata:
             )
 
         banned = [_banned_ids(p, len(out), eos_token_id) for p, out in zip(params, output_token_ids)]
+        bias = None
+        if any(p.logit_bias for p in params):
+            entries = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+            bias = (column([e[0] for e in entries], torch.int64), column([e[1] for e in entries], torch.int64),
+                    column([e[2] for e in entries], torch.float32))
 
         return cls(
             temperature=column([0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
@@ -147,6 +154,7 @@ class SamplingMetadata:
             no_top_k=all(p.top_k == 0 for p in params),
             no_min_p=all(p.min_p <= 0.0 for p in params),
             banned_token_ids=banned if any(banned) else None,
+            logit_bias=bias,
             **penalties,
         )
 
@@ -217,12 +225,15 @@ class Sampler(torch.nn.Module):
         if logits.dim() != 2 or logits.shape[0] != metadata.num_seqs:
             raise ValueError(f"logits must be [{metadata.num_seqs}, vocab], got {tuple(logits.shape)}.")
         raw_logits = logits
-        plain_greedy = metadata.all_greedy and not metadata.has_penalties and metadata.banned_token_ids is None
+        plain_greedy = (metadata.all_greedy and not metadata.has_penalties and metadata.banned_token_ids is None
+                        and metadata.logit_bias is None)
         if not plain_greedy:
             # Penalties and sampling work on a float32 copy; plain greedy reads
             # the logits as they are (the argmax of a float32 copy is the same).
             logits = logits.to(torch.float32, copy=True)
 
+        if metadata.logit_bias is not None:
+            logits = apply_logit_bias(logits, metadata.logit_bias)
         if metadata.has_penalties:
             logits = apply_penalties(logits, metadata)
         if metadata.banned_token_ids is not None:
@@ -286,6 +297,17 @@ def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     index = torch.where(token_ids == PAD_TOKEN_ID, vocab_size, token_ids)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    rows, token_ids, values = bias
+    vocab_size = logits.shape[-1]
+    if token_ids.numel() and not (0 <= int(token_ids.min()) and int(token_ids.max()) < vocab_size):
+        # The engine rejects such requests; checked here too because an out-of-range
+        # index is a device-side assert on CUDA.
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {sorted(set(token_ids.tolist()))}.")
+    logits.index_put_((rows, token_ids), values, accumulate=True)
+    return logits
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:

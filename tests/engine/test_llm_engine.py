@@ -164,3 +164,40 @@ def test_changing_params_after_a_request_reaches_only_later_requests(model_dir, 
                       SamplingParams(temperature=5.0, seed=params.seed, max_tokens=6, ignore_eos=True))
     assert hot == run_to_completion(fresh)["ref"].outputs[0].token_ids, seed
     assert hot != greedy, seed  # temperature 5 over a random tiny model: not the argmax path
+
+
+def test_logit_bias_steers_generation_and_bad_token_ids_are_refused(model_dir):
+    """+100 on one token makes a greedy request generate only it, in a batch with an unbiased
+    one that generates what it generates alone; token ids outside the vocabulary (in logit_bias,
+    or stop_token_ids that min_tokens would ban) are refused at add_request, naming the field,
+    and the engine keeps serving."""
+    from fp8serve.errors import UserError
+
+    engine = make_engine(model_dir, 64)
+    prompt = [5, 6, 7, 8]
+    plain = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("alone", {"prompt_token_ids": prompt}, plain)
+    alone = run_to_end(engine)["alone"]
+    engine.add_request("biased", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logit_bias={77: 100.0}))
+    engine.add_request("plain", {"prompt_token_ids": prompt}, plain)
+    done = run_to_end(engine)
+    assert done["biased"] == [77] * 5
+    assert done["plain"] == alone and alone != [77] * 5
+    vocab = engine.config.model_config.arch.vocab_size
+    with pytest.raises(UserError, match=rf"logit_bias: token id\(s\) \[{vocab}\] out of range for a vocabulary of {vocab}"):
+        engine.add_request("bad1", {"prompt_token_ids": prompt}, SamplingParams(logit_bias={vocab: 1.0}))
+    with pytest.raises(UserError, match=r"stop_token_ids: token id\(s\) \[100000\] out of range"):
+        engine.add_request("bad2", {"prompt_token_ids": prompt}, SamplingParams(stop_token_ids=[100000], min_tokens=2))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("after", {"prompt_token_ids": prompt}, plain)
+    assert run_to_end(engine)["after"] == alone
+
+
+def run_to_end(engine: LLMEngine) -> dict[str, list[int]]:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done

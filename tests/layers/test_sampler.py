@@ -229,3 +229,58 @@ def test_metadata_validation():
         SamplingMetadata(**{**md.__dict__, "top_p": torch.ones(3)})
     with pytest.raises(ValueError, match="equal lengths"):
         SamplingMetadata.from_params([SamplingParams()], [[1], [2]], [[]], EOS, "cpu")
+
+
+def test_logit_bias_moves_greedy_and_random_choices_but_not_logprobs():
+    logits = random_logits(3, seed=11)
+    top = logits.argmax(-1)
+    params = [SamplingParams(temperature=0.0, logprobs=1, logit_bias={5: 100.0}),
+              SamplingParams(temperature=0.0, logprobs=1, logit_bias={int(top[1]): -100.0}),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    md = metadata_for(params)
+    assert md.logit_bias[0].tolist() == [0, 1] and md.logit_bias[1].tolist() == [5, int(top[1])]
+    before = logits.clone()
+    out = Sampler()(logits, md)
+    biased = logits.clone()
+    biased[0, 5] += 100.0
+    biased[1, top[1]] -= 100.0
+    assert out.sampled_token_ids.tolist() == biased.argmax(-1).tolist()
+    assert out.sampled_token_ids[0] == 5 and out.sampled_token_ids[1] != top[1] and out.sampled_token_ids[2] == top[2]
+    assert torch.equal(logits, before)
+    # Logprobs are the model's (vLLM's raw logprobs), not the biased distribution's.
+    raw = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(out.logprobs, raw.gather(-1, out.sampled_token_ids[:, None]).squeeze(-1))
+
+
+def test_logit_bias_sampling_matches_the_biased_softmax():
+    torch.manual_seed(4321)
+    num = 20000
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    bias = {0: -2.0, 5: 4.0}
+    out = sample(base.expand(num, -1).contiguous(), [SamplingParams(temperature=1.0, logit_bias=bias)] * num)
+    observed = torch.bincount(out.sampled_token_ids, minlength=6).double()
+    biased = base.double().clone()
+    for t, b in bias.items():
+        biased[t] += b
+    expected = torch.softmax(biased, -1) * num
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5, (observed, expected)  # 5 degrees of freedom; P(chi2 > 20.5) ~ 0.001
+
+
+def test_logit_bias_comes_before_the_repetition_penalty():
+    """vLLM v1's order: the bias is added to the model's logits, the penalty divides the sum."""
+    logits = torch.zeros(1, 8)
+    logits[0, 4] = 1.0  # seen in the prompt
+    logits[0, 5] = 1.4
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={4: 1.5})]
+    # (1.0 + 1.5) / 2 = 1.25 < 1.4 -> token 5 (penalty first would give 0.5 + 1.5 = 2.0 -> token 4).
+    assert Sampler()(logits.clone(), metadata_for(params, prompts=[[4]])).sampled_token_ids.tolist() == [5]
+    # Without the penalty the bias alone lifts token 4 to 2.5.
+    params = [SamplingParams(temperature=0.0, logit_bias={4: 1.5})]
+    assert Sampler()(logits.clone(), metadata_for(params, prompts=[[4]])).sampled_token_ids.tolist() == [4]
+
+
+def test_logit_bias_out_of_vocab_rejected():
+    md = metadata_for([SamplingParams(temperature=0.0, logit_bias={100: 1.0})])
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        Sampler()(torch.zeros(1, 8), md)

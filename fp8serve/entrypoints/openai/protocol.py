@@ -47,6 +47,7 @@ class _SamplingFields(OpenAIBaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -56,6 +57,18 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys, i.e. strings."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidParameterError(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
+        return bias
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -74,6 +87,7 @@ class _SamplingFields(OpenAIBaseModel):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(),
         )
 
 
@@ -84,7 +98,6 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """`max_tokens` is the resolved budget (>= 1); prompt logprobs are

@@ -163,6 +163,20 @@ def test_echo_logprobs_for_loglikelihood(client, llm):
     assert "".join(lp.tokens) == prompt
 
 
+def test_logit_bias(client, llm):
+    """OpenAI's logit_bias (token ids as string keys): +100 makes greedy decoding pick that token
+    every time, -100 keeps the unbiased greedy choice out, in completions and chat alike."""
+    kw = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    forced = client.completions.create(prompt="The quick brown fox", logit_bias={"77": 100}, **kw)
+    assert forced.choices[0].text == llm.get_tokenizer().decode([77] * 4) and forced.usage.completion_tokens == 4
+    plain = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    first = plain.outputs[0].token_ids[0]
+    banned = client.completions.create(prompt="The quick brown fox", logit_bias={str(first): -100}, logprobs=1, **kw)
+    assert banned.choices[0].logprobs.tokens[0] != llm.get_tokenizer().decode([first])
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logit_bias={"77": 100}, **kw)
+    assert chat.choices[0].message.content == llm.get_tokenizer().decode([77] * 4)
+
+
 def test_generated_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, logprobs=2, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -243,6 +257,15 @@ def test_validation_errors(server, client):
                   "logprobs", param="top_logprobs")
     _assert_error(_post(server, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "requires logprobs",
                   param="top_logprobs")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}), 400,
+                  "logit_bias keys must be token ids", param="logit_bias")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}), 400,
+                  "[-100, 100]", param="logit_bias")
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "logit_bias": {"99999": 1}}), 400,
+                  "out of range for a vocabulary", param="logit_bias")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "min_tokens": 2,
+                                                    "stop_token_ids": [99999]}), 400, "out of range",
+                  param="stop_token_ids")
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10_000)
     # The server is still fine.
