@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from fp8serve.benchmarks.serve import benchmark, format_results
+from fp8serve.errors import UserError
 
 # The seed PR's workload (QPS 1, 30 requests, 512 in / 256 out), and one that
 # takes a minute or two per configuration on a two-core CPU.
@@ -46,6 +47,12 @@ def register(subparsers) -> None:
     p.add_argument("--kv-cache-memory", default="128MiB", help="the same budget for every configuration")
     p.add_argument("--dtype", default="auto", help="compute dtype passed to every server")
     p.add_argument("--num-prompts", type=int, default=None, help="override the workload's request count")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens of one random prefix before every prompt (bench serve's flag; pair it with "
+                        "--enable-prefix-caching)")
+    p.add_argument("--enable-prefix-caching", action="store_true", help="passed to every server")
+    p.add_argument("--enable-chunked-prefill", action="store_true", help="passed to every server")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="passed to every server")
     p.add_argument("--out-dir", default="benchmarks/results/sweep")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -99,16 +106,31 @@ def _weights_dtype(log_path: Path) -> str:
     return m.group(1) if m else "?"
 
 
+def server_command(model: str, kv_dtype: str, workload: dict, args, port: int) -> list[str]:
+    """The `fp8serve serve` command line of one configuration: the sweep's shared flags, and a
+    --max-model-len that holds the workload's prefix, prompt and output."""
+    cmd = [sys.executable, "-m", "fp8serve.entrypoints.cli", "serve"]
+    if model != "default":
+        cmd.append(model)
+    max_model_len = max(workload["max_model_len"],
+                        args.random_prefix_len + workload["input_len"] + workload["output_len"])
+    cmd += ["--kv-cache-dtype", kv_dtype, "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype,
+            "--max-model-len", str(max_model_len), "--port", str(port), "--seed", str(args.seed)]
+    if args.enable_prefix_caching:
+        cmd.append("--enable-prefix-caching")
+    if args.enable_chunked_prefill:
+        cmd.append("--enable-chunked-prefill")
+    if args.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return cmd
+
+
 def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> dict:
     model, _, kv_dtype = spec.partition("@")
     kv_dtype = kv_dtype or "auto"
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "fp8serve.entrypoints.cli", "serve"]
-    if model != "default":
-        cmd.append(model)
-    cmd += ["--kv-cache-dtype", kv_dtype, "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype,
-            "--max-model-len", str(workload["max_model_len"]), "--port", str(port), "--seed", str(args.seed)]
+    cmd = server_command(model, kv_dtype, workload, args, port)
     log_path = out_dir / f"server_{index}_{kv_dtype}.log"
     print(f"[{spec}] starting: {' '.join(cmd)}", flush=True)
     with open(log_path, "w") as log:
@@ -118,7 +140,7 @@ def run_config(spec: str, workload: dict, args, out_dir: Path, index: int) -> di
         cache = cache_config(base_url)
         summary = asyncio.run(benchmark(
             base_url, None, workload["request_rate"], workload["num_prompts"], workload["input_len"],
-            workload["output_len"], seed=args.seed))
+            workload["output_len"], seed=args.seed, random_prefix_len=args.random_prefix_len))
         preemptions = num_preemptions(base_url)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -197,11 +219,22 @@ def run(args: argparse.Namespace) -> int:
     workload = dict(WORKLOADS[args.workload])
     if args.num_prompts:
         workload["num_prompts"] = args.num_prompts
+    if args.random_prefix_len < 0:
+        raise UserError(f"--random-prefix-len must be >= 0, got {args.random_prefix_len}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise UserError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    max_model_len = max(workload["max_model_len"],
+                        args.random_prefix_len + workload["input_len"] + workload["output_len"])
+    prefix = f"{args.random_prefix_len} shared prefix + " if args.random_prefix_len else ""
+    engine_flags = "".join(f", --{name.replace('_', '-')}" for name in ("enable_prefix_caching", "enable_chunked_prefill")
+                           if getattr(args, name))
+    if args.max_num_batched_tokens is not None:
+        engine_flags += f", --max-num-batched-tokens {args.max_num_batched_tokens}"
     desc = (f"workload '{args.workload}': QPS {workload['request_rate']}, {workload['num_prompts']} requests, "
-            f"{workload['input_len']} in / {workload['output_len']} out (ignore_eos, temperature 0), "
-            f"--kv-cache-memory {args.kv_cache_memory}, --max-model-len {workload['max_model_len']}")
+            f"{prefix}{workload['input_len']} in / {workload['output_len']} out (ignore_eos, temperature 0), "
+            f"--kv-cache-memory {args.kv_cache_memory}, --max-model-len {max_model_len}{engine_flags}")
     print(desc, flush=True)
     rows = [run_config(spec.strip(), workload, args, out_dir, i)
             for i, spec in enumerate(args.configs.split(",")) if spec.strip()]
@@ -210,8 +243,10 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     (out_dir / "sweep.md").write_text(f"{desc}\n\n{table}\n")
     with open(out_dir / "sweep.json", "w") as f:
-        json.dump({"workload": args.workload, **workload, "kv_cache_memory": args.kv_cache_memory, "rows": rows},
-                  f, indent=1)
+        json.dump({"workload": args.workload, **workload, "kv_cache_memory": args.kv_cache_memory,
+                   "random_prefix_len": args.random_prefix_len, "enable_prefix_caching": args.enable_prefix_caching,
+                   "enable_chunked_prefill": args.enable_chunked_prefill,
+                   "max_num_batched_tokens": args.max_num_batched_tokens, "rows": rows}, f, indent=1)
     plot(rows, out_dir / "sweep.png", desc)
     print(f"wrote {out_dir}/sweep.md, sweep.json, sweep.png")
     return 0 if all(r["failed"] == 0 for r in rows) else 1

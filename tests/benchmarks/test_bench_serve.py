@@ -14,7 +14,7 @@ import pytest
 
 from checkpoints import write_tiny_llama
 from fp8serve.benchmarks.serve import benchmark, format_results
-from fp8serve.benchmarks.sweep import cache_config, format_table, num_preemptions
+from fp8serve.benchmarks.sweep import cache_config, format_table, num_preemptions, server_command
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,37 @@ def test_saturated_throughput_stops_at_the_last_first_token():
     ]
     assert saturated_output_throughput(results) == (6 + 3 + 1) / 3.0
     assert saturated_output_throughput([RequestResult(success=False)]) is None
+
+
+def test_sweep_passes_the_engine_flags_to_every_server():
+    """--enable-prefix-caching, --enable-chunked-prefill and --max-num-batched-tokens reach each
+    server's command line; --max-model-len grows to hold --random-prefix-len + prompt + output."""
+    from fp8serve.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    workload = {"max_model_len": 512, "input_len": 128, "output_len": 32}
+    plain = parser.parse_args(["bench", "sweep"])
+    cmd = server_command("default", "fp8", workload, plain, 8123)
+    assert cmd[cmd.index("--max-model-len") + 1] == "512" and cmd[cmd.index("--port") + 1] == "8123"
+    assert "--enable-prefix-caching" not in cmd and "--enable-chunked-prefill" not in cmd
+    assert "--max-num-batched-tokens" not in cmd and cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
+    args = parser.parse_args(["bench", "sweep", "--random-prefix-len", "512", "--enable-prefix-caching",
+                              "--enable-chunked-prefill", "--max-num-batched-tokens", "256"])
+    cmd = server_command("/models/x", "auto", workload, args, 8124)
+    assert cmd[4] == "/models/x" and cmd[cmd.index("--max-model-len") + 1] == str(512 + 128 + 32)
+    assert "--enable-prefix-caching" in cmd and "--enable-chunked-prefill" in cmd
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "256"
+    # The server's own parser accepts the command line the sweep builds.
+    served = parser.parse_args(cmd[3:])
+    assert served.enable_prefix_caching and served.enable_chunked_prefill and served.max_num_batched_tokens == 256
+
+
+def test_sweep_rejects_a_negative_prefix_before_starting_servers(tmp_path):
+    from fp8serve.benchmarks.sweep import run
+    from fp8serve.entrypoints.cli import build_parser
+    from fp8serve.errors import UserError
+
+    args = build_parser().parse_args(["bench", "sweep", "--random-prefix-len", "-1", "--out-dir", str(tmp_path / "o")])
+    with pytest.raises(UserError, match="--random-prefix-len must be >= 0, got -1"):
+        run(args)
+    assert not (tmp_path / "o").exists()
