@@ -47,7 +47,7 @@ admitted prompt while all running requests wait; a burst of 16 prompts of
 512 tokens is a 5 s step here (~0.64 ms per prompt token, bf16). Chunks bound
 that wait to about one chunk's prefill: the longest gap between two tokens of
 a request fell from 1.1-3.5 s to 0.4-0.6 s with chunks of 512 tokens, while
-time to first token rose 1.07-1.5x and throughput stayed the same
+time to first token rose 1.09-1.5x and throughput stayed the same
 (benchmarks/results/chunked_prefill_2026-12-01_zen4.md).
 """
 
