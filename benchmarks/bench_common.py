@@ -1,5 +1,5 @@
 """Helpers the benchmark scripts share: timing, the machine description
-every results file starts with, and the exact command line.
+every results file starts with, the exact command line, and prompt tokens.
 
 Scripts import it as a sibling (`python benchmarks/X.py` puts benchmarks/
 first on sys.path; tests/benchmark_scripts.py does the same)."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import random
 import shlex
 import sys
 import time
@@ -165,3 +166,20 @@ def alternate(measures: dict, rounds: int) -> dict[str, float]:
             res[side].append(measures[side]())
     return {k: statistics.median(v) for k, v in res.items()}
 
+
+def token_source(engine, kind: str):
+    """draw(n, rng): n prompt tokens. "text": a window of the built-in calibration text (English
+    prose, dialogue, lists, code), so greedy continuations are not the near-ties of random ids;
+    "random": uniform token ids."""
+    vocab = engine.model_runner.config.model_config.arch.vocab_size
+    if kind == "random" or engine.tokenizer is None:
+        return lambda n, rng: [rng.randrange(10, vocab) for _ in range(n)]
+    from fp8serve.calibration.default_text import DEFAULT_CALIBRATION_TEXT
+
+    ids = engine.tokenizer.encode(DEFAULT_CALIBRATION_TEXT, add_special_tokens=False)
+
+    def draw(n: int, rng: random.Random) -> list[int]:
+        start = rng.randrange(len(ids))
+        return [ids[(start + i) % len(ids)] for i in range(n)]
+
+    return draw

@@ -27,28 +27,12 @@ import sys
 import time
 
 import torch
-from bench_common import print_header, require_positive
+from bench_common import print_header, require_positive, token_source
 
 
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
-
-
-def token_source(engine, kind: str):
-    """draw(n, rng): n prompt tokens (windows of the calibration text, or uniform ids)."""
-    vocab = engine.model_runner.config.model_config.arch.vocab_size
-    if kind == "random" or engine.tokenizer is None:
-        return lambda n, rng: [rng.randrange(10, vocab) for _ in range(n)]
-    from fp8serve.calibration.default_text import DEFAULT_CALIBRATION_TEXT
-
-    ids = engine.tokenizer.encode(DEFAULT_CALIBRATION_TEXT, add_special_tokens=False)
-
-    def draw(n: int, rng: random.Random) -> list[int]:
-        start = rng.randrange(len(ids))
-        return [ids[(start + i) % len(ids)] for i in range(n)]
-
-    return draw
 
 
 def workload(engine, args, seed: int) -> list[tuple[float, list[int]]]:

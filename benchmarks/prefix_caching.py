@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from bench_common import print_header, require_positive
+from bench_common import print_header, require_positive, token_source
 
 WORKLOADS = ("shared-prefix", "multi-turn")
 
@@ -62,24 +62,6 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
     return {"outputs": [outputs[i] for i in ids], "ttft": [first_token[i] for i in ids], "prefill_s": prefill_s}
-
-
-def token_source(engine, kind: str):
-    """draw(n, rng): n prompt tokens. "text": a window of the built-in calibration text (English
-    prose, dialogue, lists, code), so greedy continuations are not the near-ties of random ids;
-    "random": uniform token ids."""
-    vocab = engine.model_runner.config.model_config.arch.vocab_size
-    if kind == "random" or engine.tokenizer is None:
-        return lambda n, rng: [rng.randrange(10, vocab) for _ in range(n)]
-    from fp8serve.calibration.default_text import DEFAULT_CALIBRATION_TEXT
-
-    ids = engine.tokenizer.encode(DEFAULT_CALIBRATION_TEXT, add_special_tokens=False)
-
-    def draw(n: int, rng: random.Random) -> list[int]:
-        start = rng.randrange(len(ids))
-        return [ids[(start + i) % len(ids)] for i in range(n)]
-
-    return draw
 
 
 def run_workload(engine, workload: str, args, rng_seed: int) -> dict:

@@ -246,19 +246,20 @@ class Scheduler:
             return remaining
         return budget if remaining - budget > 1 else budget - 1
 
-    def _reserve_decode_slots(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
-        """Chunked prefill: a slot for the next token of every running sequence
-        whose prefill is done, preempting the most recently admitted ones when
-        blocks run out (as _schedule_decode). Returns (decodes, sequences still
-        in their prefill, preempted). A prefill chunk never leaves one token
-        (_chunk), so one uncomputed token is the one sampled last step."""
+    def _reserve_decode_slots(self, chunked: bool = True) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+        """A slot for the next token of every running sequence whose prefill is
+        done (without chunking: of every running sequence; a prefill step
+        computes whole prompts), preempting the most recently admitted ones
+        when blocks run out. Returns (decodes, sequences still in their
+        prefill, preempted). A prefill chunk never leaves one token (_chunk),
+        so one uncomputed token is the one sampled last step."""
         decodes: list[Sequence] = []
         continuing: list[Sequence] = []
         preempted: list[Sequence] = []
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if seq.num_tokens - seq.num_computed_tokens > 1:
+            if chunked and seq.num_tokens - seq.num_computed_tokens > 1:
                 continuing.append(seq)  # its blocks were allocated at admission
                 i += 1
                 continue
@@ -277,23 +278,7 @@ class Scheduler:
         return decodes, continuing, preempted
 
     def _schedule_decode(self) -> SchedulerOutput | None:
-        scheduled: list[Sequence] = []
-        preempted: list[Sequence] = []
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
-            while not self.block_manager.can_append(seq):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self.block_manager.append_slot(seq)
-                scheduled.append(seq)
-                i += 1
-                continue
-            break
+        scheduled, _, preempted = self._reserve_decode_slots(chunked=False)
         if preempted:
             self.preemption_floor = RESERVE_RATIO_AFTER_PREEMPTION
         elif scheduled:
