@@ -223,8 +223,6 @@ class LLMEngine:
                 seq.num_computed_tokens += n
                 if self.block_manager.enable_prefix_caching:
                     self.block_manager.cache_computed_blocks(seq)
-                # The rest of a prompt may be its last token alone, which runs as a decode.
-                self._finish_prompt_logprobs(seq)
         if not sampled:
             return outputs
         so = out.sampler_output
