@@ -16,6 +16,8 @@ from fp8serve.errors import InvalidParameterError
 SAMPLING_EPS = 1e-5
 
 # Upper bound on logprobs / prompt_logprobs per position; vLLM's default max_logprobs.
+# Most samples one request may ask for (OpenAI's limit for `n`).
+MAX_N = 128
 MAX_LOGPROBS = 20
 
 
@@ -71,8 +73,7 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias) or None
 
     def _verify(self) -> None:
-        if self.n != 1:
-            raise InvalidParameterError(f"n must be 1 (fp8serve supports one sequence per request), got {self.n}.", "n")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be an int in [1, {MAX_N}], got {self.n!r}.")
         _check(self.temperature >= 0.0, "temperature", f"temperature must be non-negative, got {self.temperature}.")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         _check(

@@ -1,6 +1,6 @@
 import pytest
 
-from fp8serve.sampling_params import MAX_LOGPROBS, SamplingParams
+from fp8serve.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -33,7 +33,10 @@ def test_greedy_forces_filters_off():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
+        (dict(n=129), "n"),
+        (dict(n=1.5), "n"),
+        (dict(n=True), "n"),
         (dict(temperature=-0.1), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
@@ -75,9 +78,10 @@ def test_validation_error_names_field_and_value(kwargs, field):
         assert repr(bad) in message or str(bad) in message
 
 
-def test_n_message_says_only_one_supported():
-    with pytest.raises(ValueError, match="n must be 1"):
-        SamplingParams(n=3)
+def test_n_up_to_openais_limit():
+    assert SamplingParams(n=3).n == 3 and SamplingParams(n=MAX_N).n == MAX_N == 128
+    with pytest.raises(ValueError, match=r"n must be an int in \[1, 128\], got 129"):
+        SamplingParams(n=129)
 
 
 def test_boundaries_accepted():

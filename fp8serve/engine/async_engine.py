@@ -295,12 +295,12 @@ class AsyncLLMEngine:
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
-        seq = self.engine.seqs.get(request_id)
+        request = self.engine.get_request(request_id)
         if self.engine.abort_request(request_id):
             logger.debug("aborted %s", request_id)
         if stream is not None:
-            if seq is not None:
-                stream.put(self.engine.make_output(seq))
+            if request is not None:
+                stream.put(self.engine.make_output(request))
             else:
                 stream.put(EngineDeadError(f"request {request_id} was aborted"))
 

@@ -19,7 +19,7 @@ from fp8serve.engine.block_manager import BlockManager
 from fp8serve.engine.detokenizer import IncrementalDetokenizer
 from fp8serve.engine.model_runner import ModelRunner, ModelRunnerOutput, PromptLogprobs
 from fp8serve.engine.scheduler import Scheduler
-from fp8serve.engine.sequence import Sequence
+from fp8serve.engine.sequence import ParentRequest, Sequence
 from fp8serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from fp8serve.errors import InvalidParameterError, UserError
 from fp8serve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -56,6 +56,7 @@ class LLMEngine:
             logger.info("Prefix caching: on (full blocks of %d tokens are shared between requests with the same "
                         "prefix)", cc.block_size)
         self.seqs: dict[str, Sequence] = {}
+        self.parents: dict[str, ParentRequest] = {}  # requests for n > 1 samples, by request id
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -120,7 +121,9 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
-    ) -> Sequence:
+    ) -> Sequence | ParentRequest:
+        """Queue a request; its Sequence, or for `params.n > 1` the ParentRequest
+        of its n sequences (both have `request_id`)."""
         # The request keeps its own copy, as vLLM's clone() does: a caller
         # changing or reusing the object afterwards does not reach a running
         # request, and per-row metadata cached on the object's identity (the
@@ -130,8 +133,31 @@ class LLMEngine:
         self.validate_prompt(ids)
         self.validate_params(params)
         request_id = request_id if request_id is not None else self.new_request_id()
-        if request_id in self.seqs:
+        if request_id in self.seqs or request_id in self.parents:
             raise UserError(f"request id '{request_id}' is already in use")
+        if params.n == 1:
+            return self._add_sequence(request_id, ids, params, text, arrival_time)
+        # Parallel sampling as in vLLM: one sequence per sample, id "{i}_{request_id}",
+        # sample i seeded with seed + i, so seeded samples differ and stay reproducible.
+        # With prefix caching they share the prompt's full blocks.
+        child_ids = [f"{i}_{request_id}" for i in range(params.n)]
+        taken = [c for c in child_ids if c in self.seqs or c in self.parents]
+        if taken:
+            raise UserError(f"request id '{taken[0]}' (sample of '{request_id}') is already in use")
+        parent = ParentRequest(request_id, [])
+        for i, child_id in enumerate(child_ids):
+            child = copy.deepcopy(params)
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + i
+            seq = self._add_sequence(child_id, ids, child, text, arrival_time)
+            seq.parent, seq.index = parent, i
+            parent.children.append(seq)
+        self.parents[request_id] = parent
+        return parent
+
+    def _add_sequence(self, request_id: str, ids: list[int], params: SamplingParams, text: str | None,
+                      arrival_time: float | None) -> Sequence:
         seq = Sequence(request_id, ids, params, prompt=text)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
@@ -144,7 +170,19 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request and free its KV blocks; False if it is unknown or done."""
+        """Stop a request (every sample of an n > 1 one) and free its KV blocks;
+        False if it is unknown or done."""
+        parent = self.parents.pop(request_id, None)
+        if parent is not None:
+            aborted = [self._abort_sequence(c.request_id) for c in parent.children]
+            return any(aborted)
+        return self._abort_sequence(request_id)
+
+    def get_request(self, request_id: str) -> Sequence | ParentRequest | None:
+        """The running or waiting request with this id (for make_output), or None."""
+        return self.parents.get(request_id) or self.seqs.get(request_id)
+
+    def _abort_sequence(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
         if seq is None or seq.is_finished:
             return False
@@ -200,17 +238,32 @@ class LLMEngine:
             raise
         self.stats.num_steps += 1
         self.stats.prompt_tokens_total += sched.num_prefill_tokens
-        outputs = self._process(sched.decode_seqs, decode_out) if decode_out is not None else []
+        advanced = self._process(sched.decode_seqs, decode_out) if decode_out is not None else []
         if out is not None:
-            outputs += self._process(sched.seqs, out, sched.num_new_tokens)
+            advanced += self._process(sched.seqs, out, sched.num_new_tokens)
+        return self._outputs(advanced)
+
+    def _outputs(self, advanced: list[Sequence]) -> list[RequestOutput]:
+        """One output per request that advanced: the samples of an n > 1 request
+        are reported together, once per step, with every sample's state."""
+        outputs, seen = [], set()
+        for seq in advanced:
+            owner = seq.parent or seq
+            if id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            outputs.append(self.make_output(owner))
+            if seq.parent is not None and owner.is_finished:
+                self.parents.pop(owner.request_id, None)
         return outputs
 
     def _process(self, seqs: list[Sequence], out: ModelRunnerOutput,
-                 num_new_tokens: list[int] | None = None) -> list[RequestOutput]:
-        """Apply one forward pass's results. With `num_new_tokens` (chunked
-        prefill) a sequence whose chunk ends before its last token only
-        advances: nothing was sampled for it and it has no output yet."""
-        outputs = []
+                 num_new_tokens: list[int] | None = None) -> list[Sequence]:
+        """Apply one forward pass's results; the sequences that got a token.
+        With `num_new_tokens` (chunked prefill) a sequence whose chunk ends
+        before its last token only advances: nothing was sampled for it and it
+        has no output yet."""
+        advanced = []
         sampled = seqs
         if num_new_tokens is not None:
             sampled = [seqs[r] for r in out.sampled_rows]
@@ -224,7 +277,7 @@ class LLMEngine:
                 if self.block_manager.enable_prefix_caching:
                     self.block_manager.cache_computed_blocks(seq)
         if not sampled:
-            return outputs
+            return advanced
         so = out.sampler_output
         token_ids = so.sampled_token_ids.tolist()
         want_lp = so.logprobs is not None
@@ -264,8 +317,8 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self.seqs.pop(seq.request_id, None)
-            outputs.append(self.make_output(seq))
-        return outputs
+            advanced.append(seq)
+        return advanced
 
     def _check_stop(self, seq: Sequence, token: int, max_model_len: int) -> None:
         p = seq.sampling_params
@@ -310,22 +363,40 @@ class LLMEngine:
             result.append(entry)
         return result
 
-    def make_output(self, seq: Sequence) -> RequestOutput:
+    def make_output(self, request: Sequence | ParentRequest) -> RequestOutput:
+        """The request's output so far; a sample of an n > 1 request gives its parent's."""
+        if isinstance(request, Sequence) and request.parent is not None:
+            request = request.parent
+        if isinstance(request, ParentRequest):
+            first = request.children[0]
+            prompt_logprobs = next((c.prompt_logprobs for c in request.children if c.prompt_logprobs is not None),
+                                   None)
+            return RequestOutput(
+                request_id=request.request_id,
+                prompt=first.prompt,
+                prompt_token_ids=first.prompt_token_ids,
+                prompt_logprobs=prompt_logprobs,
+                outputs=[self._completion(c) for c in request.children],
+                finished=request.is_finished,
+            )
+        seq = request
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            prompt_logprobs=seq.prompt_logprobs,
+            outputs=[self._completion(seq)],
+            finished=seq.finish_reason is not None,
+        )
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
         text = seq.detokenizer.text if seq.detokenizer is not None else ""
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=seq.index,
             text=text,
             token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             logprobs=seq.logprobs,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            prompt_logprobs=seq.prompt_logprobs,
-            outputs=[completion],
-            finished=seq.finish_reason is not None,
         )

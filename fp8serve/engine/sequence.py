@@ -44,6 +44,9 @@ class Sequence:
     detokenizer: object | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # Parallel sampling (n > 1): the request this sequence is sample `index` of.
+    parent: "ParentRequest | None" = None
+    index: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -68,3 +71,16 @@ class Sequence:
     def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
         n = self.num_tokens if num_tokens is None else num_tokens
         return (n + block_size - 1) // block_size
+
+
+@dataclass(eq=False)
+class ParentRequest:
+    """A request for n > 1 samples (vLLM's parallel sampling): one sequence per
+    sample, each scheduled on its own, reported together under this id."""
+
+    request_id: str
+    children: list[Sequence]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)

@@ -201,3 +201,82 @@ def run_to_end(engine: LLMEngine) -> dict[str, list[int]]:
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     return done
+
+
+def test_n_samples_are_the_requests_seeded_seed_plus_i(model_dir, seed):
+    """vLLM's parallel sampling: n=3 with seed s samples what three requests seeded s, s+1, s+2
+    sample, reported as one request (one output per step, completions in index order)."""
+    engine = make_engine(model_dir, 64)
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(n=3, temperature=1.0, top_k=50, seed=seed % 10_000, max_tokens=6, ignore_eos=True,
+                            logprobs=1)
+    parent = engine.add_request("p", {"prompt_token_ids": prompt}, params)
+    assert parent.request_id == "p" and [c.request_id for c in parent.children] == ["0_p", "1_p", "2_p"]
+    outs = []
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        assert [o.request_id for o in step] == ["p"]
+        outs += step
+    final = outs[-1]
+    assert final.finished and not any(o.finished for o in outs[:-1])
+    assert [c.index for c in final.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" and len(c.logprobs) == 6 for c in final.outputs)
+    assert engine.parents == {} and engine.seqs == {}
+    for i in range(3):
+        engine.add_request(f"s{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=1.0, top_k=50, seed=seed % 10_000 + i, max_tokens=6,
+                                          ignore_eos=True))
+    alone = run_to_end(engine)
+    assert [c.token_ids for c in final.outputs] == [alone[f"s{i}"] for i in range(3)]
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1, "the samples must differ"
+
+
+def test_n_abort_and_request_ids(model_dir):
+    """Aborting an n > 1 request aborts every sample and frees their blocks; the samples' ids
+    ("{i}_{id}") may not collide with a request already queued."""
+    from fp8serve.errors import UserError
+
+    engine = make_engine(model_dir, 64)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("1_q", {"prompt_token_ids": [5]}, SamplingParams(max_tokens=1))
+    with pytest.raises(UserError, match=r"request id '1_q' \(sample of 'q'\) is already in use"):
+        engine.add_request("q", {"prompt_token_ids": [5, 6]}, params)
+    assert "0_q" not in engine.seqs and "q" not in engine.parents  # nothing half-added
+    engine.abort_request("1_q")
+    engine.add_request("p", {"prompt_token_ids": [5, 6, 7]}, params)
+    with pytest.raises(UserError, match="request id 'p' is already in use"):
+        engine.add_request("p", {"prompt_token_ids": [5]}, SamplingParams())
+    engine.step()
+    engine.step()
+    request = engine.get_request("p")
+    out = engine.make_output(request)
+    assert len(out.outputs) == 4 and not out.finished
+    assert engine.abort_request("p") is True
+    assert engine.abort_request("p") is False
+    final = engine.make_output(request)
+    assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"] * 4
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == 64
+
+
+def test_n_with_prefix_caching_prefills_the_prompt_once(model_dir):
+    """Samples admitted together share the prompt's full blocks (registered when the step that
+    computes them is scheduled): 4 samples of a 21-token prompt prefill 21 + 3 x 1 tokens."""
+    bytes_per_block = 2 * BLOCK_SIZE * 2 * 16 * 4 * 2
+    engine = LLMEngine.from_args(model_dir, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+                                 kv_cache_memory=64 * bytes_per_block, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                                 enable_prefix_caching=True)
+    prompt = list(range(10, 31))
+    engine.add_request("p", {"prompt_token_ids": prompt}, SamplingParams(n=4, temperature=0.0, max_tokens=3,
+                                                                         ignore_eos=True))
+    outs = run_to_end_outputs(engine)
+    assert engine.stats.prompt_tokens_total == 21 + 3 * 1
+    assert len({tuple(c.token_ids) for c in outs["p"].outputs}) == 1  # greedy: the same sample four times
+
+
+def run_to_end_outputs(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done

@@ -320,3 +320,17 @@ def test_cpu_prefill_in_token_groups_matches_transformers(llm, hf_model, monkeyp
         for i, (ea, eb) in enumerate(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]), start=1):
             assert abs(eb[p[i]].logprob - ref[i - 1, p[i]].item()) <= 1e-3
             assert abs(ea[p[i]].logprob - eb[p[i]].logprob) <= 1e-4
+
+
+def test_n_samples_per_prompt_in_input_order(llm):
+    """SamplingParams(n=3): each RequestOutput holds three completions (index 0-2); with a seed
+    they are reproducible and, sampled at temperature 1, not all the same."""
+    sp = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    prompts = [_ids(7, seed=1), _ids(12, seed=2)]
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for out, p in zip(first, prompts):
+        assert out.prompt_token_ids == p and [c.index for c in out.outputs] == [0, 1, 2]
+        assert all(len(c.token_ids) == 6 for c in out.outputs)
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert [[c.token_ids for c in o.outputs] for o in first] == [[c.token_ids for c in o.outputs] for o in again]

@@ -30,8 +30,6 @@ class ChatServer:
         return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
 
     def prepare(self, request: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-        if request.n != 1:
-            raise RequestError("only n=1 is supported", param="n")
         mc = self.state.engine.config.model_config
         ids = self.apply_chat_template(request)
         check_prompt(ids, mc.arch.vocab_size, mc.max_model_len)
@@ -53,12 +51,12 @@ class ChatServer:
         async for out in self.state.engine.generate({"prompt_token_ids": ids}, params, request_id):
             timer.on_output(out)
             final = out
-        c = final.outputs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.state.model_name, "choices": [choice], "usage": usage(len(ids), len(c.token_ids))}
+                "model": self.state.model_name, "choices": choices,
+                "usage": usage(len(ids), sum(len(c.token_ids) for c in final.outputs))}
 
     async def stream(self, request: ChatCompletionRequest, prepared) -> AsyncIterator[str]:
         ids, params = prepared
@@ -70,25 +68,30 @@ class ChatServer:
             return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                         "model": self.state.model_name, "choices": choices, **extra})
 
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
-        sent_chars = sent_tokens = num_tokens = 0
+        n = request.n
+        for j in range(n):
+            yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        sent_chars, sent_tokens, finished = [0] * n, [0] * n, [False] * n
         async for out in self.state.engine.generate({"prompt_token_ids": ids}, params, request_id):
             timer.on_output(out)
-            c = out.outputs[0]
-            end = len(c.text) if out.finished else stream_safe_len(c.text, params.stop,
-                                                                   params.include_stop_str_in_output)
-            delta = c.text[sent_chars:end] if end > sent_chars else ""
-            logprobs = self._logprobs(request, c.token_ids[sent_tokens:], (c.logprobs or [])[sent_tokens:])
-            sent_chars = max(sent_chars, end)
-            sent_tokens = num_tokens = len(c.token_ids)
-            finish = c.finish_reason if out.finished else None
-            if delta or finish or (logprobs and logprobs["content"]):
-                yield chunk([{"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                              "finish_reason": finish, "stop_reason": c.stop_reason if finish else None}])
+            for c in out.outputs:
+                j = c.index
+                if finished[j]:
+                    continue
+                done = finished[j] = c.finish_reason is not None
+                end = len(c.text) if done else stream_safe_len(c.text, params.stop, params.include_stop_str_in_output)
+                delta = c.text[sent_chars[j]:end] if end > sent_chars[j] else ""
+                logprobs = self._logprobs(request, c.token_ids[sent_tokens[j]:], (c.logprobs or [])[sent_tokens[j]:])
+                sent_chars[j] = max(sent_chars[j], end)
+                sent_tokens[j] = len(c.token_ids)
+                finish = c.finish_reason if done else None
+                if delta or finish or (logprobs and logprobs["content"]):
+                    yield chunk([{"index": j, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                                  "finish_reason": finish, "stop_reason": c.stop_reason if finish else None}])
         opts = request.stream_options
         if opts is not None and opts.include_usage:
-            yield chunk([], usage=usage(len(ids), num_tokens))
+            yield chunk([], usage=usage(len(ids), sum(sent_tokens)))
         yield sse("[DONE]")
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int], per_position: list) -> dict | None:

@@ -49,8 +49,9 @@ class CompletionServer:
         return prompts
 
     def prepare(self, request: CompletionRequest) -> tuple[list[_Prompt], list[SamplingParams], bool]:
-        if request.n != 1 or (request.best_of not in (None, 1)):
-            raise RequestError("only n=1 (and best_of=1) is supported", param="n")
+        if request.best_of not in (None, request.n):
+            raise RequestError(f"best_of must equal n ({request.n}) or be left out: fp8serve returns every sample",
+                               param="best_of")
         if request.suffix:
             raise RequestError("suffix is not supported", param="suffix")
         mc = self.state.engine.config.model_config
@@ -79,20 +80,21 @@ class CompletionServer:
             timers[i].on_output(out)
             finals[i] = out
         choices, num_prompt, num_completion = [], 0, 0
+        n = request.n
         for i, (p, out) in enumerate(zip(prompts, finals)):
-            c = out.outputs[0]
-            token_ids = [] if hide_output else c.token_ids
-            text = "" if hide_output else c.text
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = self._logprobs(p, out, request.echo, hide_output)
-            if request.echo:
-                text = self._prompt_text(p) + text
-            choices.append({"index": i, "text": text, "logprobs": logprobs,
-                            "finish_reason": "length" if hide_output else c.finish_reason,
-                            "stop_reason": c.stop_reason})
+            for c in out.outputs:  # n samples of prompt i: choices i * n .. i * n + n - 1, as in vLLM
+                token_ids = [] if hide_output else c.token_ids
+                text = "" if hide_output else c.text
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(p, out, c, request.echo, hide_output)
+                if request.echo:
+                    text = self._prompt_text(p) + text
+                choices.append({"index": i * n + c.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": "length" if hide_output else c.finish_reason,
+                                "stop_reason": c.stop_reason})
+                num_completion += len(token_ids)
             num_prompt += len(p.token_ids)
-            num_completion += len(token_ids)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.state.model_name, "choices": choices, "usage": usage(num_prompt, num_completion)}
 
@@ -101,10 +103,13 @@ class CompletionServer:
         request_id = random_id("cmpl")
         created = int(time.time())
         timers = [RequestTimer(self.state.metrics) for _ in prompts]
-        sent_chars = [0] * len(prompts)
-        sent_tokens = [0] * len(prompts)
-        echoed = [not request.echo] * len(prompts)
-        num_completion = [0] * len(prompts)
+        n = request.n
+        # Per choice (prompt i, sample j) at index i * n + j.
+        sent_chars = [0] * (len(prompts) * n)
+        sent_tokens = [0] * (len(prompts) * n)
+        echoed = [not request.echo] * (len(prompts) * n)
+        finished = [False] * (len(prompts) * n)
+        num_completion = [0] * (len(prompts) * n)
         iterators = [self._generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
 
         def chunk(choices: list, **extra) -> str:
@@ -113,30 +118,34 @@ class CompletionServer:
 
         async for i, out in merge(iterators):
             timers[i].on_output(out)
-            c = out.outputs[0]
-            text, token_ids = ("", []) if hide_output else (c.text, c.token_ids)
-            end = len(text) if out.finished else stream_safe_len(text, params[i].stop,
-                                                                 params[i].include_stop_str_in_output)
-            delta = text[sent_chars[i]:end] if end > sent_chars[i] else ""
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = _legacy_logprobs(token_ids[sent_tokens[i]:], (c.logprobs or [])[sent_tokens[i]:],
-                                            self.state.engine.tokenizer)
-            if not echoed[i]:
-                echoed[i] = True
-                delta = self._prompt_text(prompts[i]) + delta
+            for c in out.outputs:
+                k = i * n + c.index
+                if finished[k]:
+                    continue
+                done = c.finish_reason is not None
+                text, token_ids = ("", []) if hide_output else (c.text, c.token_ids)
+                end = len(text) if done else stream_safe_len(text, params[i].stop, params[i].include_stop_str_in_output)
+                delta = text[sent_chars[k]:end] if end > sent_chars[k] else ""
+                logprobs = None
                 if request.logprobs is not None:
-                    logprobs = _concat_logprobs(self._prompt_logprobs(prompts[i], out), logprobs)
-            sent_chars[i] = max(sent_chars[i], end)
-            # One chunk per step that produced tokens, even when its text is
-            # held back or empty, so clients can time every token.
-            has_new_tokens = len(token_ids) > sent_tokens[i]
-            sent_tokens[i] = len(token_ids)
-            num_completion[i] = len(token_ids)
-            finish = ("length" if hide_output else c.finish_reason) if out.finished else None
-            if delta or finish or has_new_tokens or (logprobs and logprobs["tokens"]):
-                yield chunk([{"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish,
-                              "stop_reason": c.stop_reason if out.finished else None}])
+                    logprobs = _legacy_logprobs(token_ids[sent_tokens[k]:], (c.logprobs or [])[sent_tokens[k]:],
+                                                self.state.engine.tokenizer)
+                if not echoed[k]:
+                    echoed[k] = True
+                    delta = self._prompt_text(prompts[i]) + delta
+                    if request.logprobs is not None:
+                        logprobs = _concat_logprobs(self._prompt_logprobs(prompts[i], out), logprobs)
+                sent_chars[k] = max(sent_chars[k], end)
+                # One chunk per step that produced tokens, even when its text is
+                # held back or empty, so clients can time every token.
+                has_new_tokens = len(token_ids) > sent_tokens[k]
+                sent_tokens[k] = len(token_ids)
+                num_completion[k] = len(token_ids)
+                finished[k] = done
+                finish = ("length" if hide_output else c.finish_reason) if done else None
+                if delta or finish or has_new_tokens or (logprobs and logprobs["tokens"]):
+                    yield chunk([{"index": k, "text": delta, "logprobs": logprobs, "finish_reason": finish,
+                                  "stop_reason": c.stop_reason if done else None}])
         opts = request.stream_options
         if opts is not None and opts.include_usage:
             yield chunk([], usage=usage(sum(len(p.token_ids) for p in prompts), sum(num_completion)))
@@ -153,8 +162,7 @@ class CompletionServer:
         per_pos = out.prompt_logprobs or [None] * len(p.token_ids)
         return _legacy_logprobs(p.token_ids, per_pos, self.state.engine.tokenizer)
 
-    def _logprobs(self, p: _Prompt, out: RequestOutput, echo: bool, hide_output: bool) -> dict:
-        c = out.outputs[0]
+    def _logprobs(self, p: _Prompt, out: RequestOutput, c, echo: bool, hide_output: bool) -> dict:
         gen = _legacy_logprobs([] if hide_output else c.token_ids, [] if hide_output else (c.logprobs or []),
                                self.state.engine.tokenizer)
         if not echo:

@@ -177,6 +177,44 @@ def test_logit_bias(client, llm):
     assert chat.choices[0].message.content == llm.get_tokenizer().decode([77] * 4)
 
 
+def test_n_choices_completions_and_chat(client, server, llm):
+    """n samples per prompt (vLLM's indices: prompt i's samples are choices i*n .. i*n+n-1);
+    streamed choices equal the non-streamed ones; usage counts each prompt once and every
+    sample's tokens; chat numbers its n choices 0..n-1."""
+    kw = dict(model=MODEL, max_tokens=5, temperature=1.0, seed=3, n=3, extra_body={"ignore_eos": True})
+    prompts = ["Once upon a time", "The quick brown fox"]
+    r = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    lens = [len(llm.get_tokenizer().encode(p)) for p in prompts]
+    assert r.usage.prompt_tokens == sum(lens) and r.usage.completion_tokens == 6 * 5
+    offline = llm.generate(prompts, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True),
+                           use_tqdm=False)
+    assert [c.text for c in r.choices] == [c.text for o in offline for c in o.outputs]
+    assert len({c.text for c in r.choices[:3]}) > 1
+    texts = [""] * 6
+    finishes = [None] * 6
+    for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                assert finishes[c.index] is None, "a choice finished twice"
+                finishes[c.index] = c.finish_reason
+    assert texts == [c.text for c in r.choices] and finishes == ["length"] * 6
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens == 15
+    streamed = [""] * 3
+    for chunk in client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in chat.choices]
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}), 400, "n must be",
+                  param="n")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}), 400,
+                  "best_of must equal n", param="best_of")
+    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                         "n": 129}), 400, "n must be", param="n")
+
+
 def test_generated_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, logprobs=2, temperature=0,
                                   extra_body={"ignore_eos": True})
