@@ -183,3 +183,11 @@ def token_source(engine, kind: str):
         return [ids[(start + i) % len(ids)] for i in range(n)]
 
     return draw
+
+
+def add_model_args(parser, dtype: str = "bfloat16") -> None:
+    """--model, --dtype, --kv-cache-dtype and --kv-cache-memory of the engine benchmarks."""
+    parser.add_argument("--model", default=None, help="default: the built-in model")
+    parser.add_argument("--dtype", default=dtype)
+    parser.add_argument("--kv-cache-dtype", default="fp8")
+    parser.add_argument("--kv-cache-memory", default="1GiB")

@@ -27,7 +27,7 @@ import sys
 import time
 
 import torch
-from bench_common import print_header, require_positive, token_source
+from bench_common import add_model_args, print_header, require_positive, token_source
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -86,10 +86,7 @@ def replay(engine, requests: list[tuple[float, list[int]]], output_len: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the built-in model")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-cache-dtype", default="fp8")
-    ap.add_argument("--kv-cache-memory", default="1GiB")
+    add_model_args(ap)
     ap.add_argument("--budgets", default="512,256",
                     help="comma-separated --max-num-batched-tokens values to run with chunked prefill")
     ap.add_argument("--max-num-seqs", type=int, default=128, help="at most the smallest budget")

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import print_header, require_positive
+from bench_common import add_model_args, print_header, require_positive
 
 
 def child(args) -> dict:
@@ -84,10 +84,7 @@ def child(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the built-in model")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--kv-cache-dtype", default="fp8")
-    ap.add_argument("--kv-cache-memory", default="1GiB")
+    add_model_args(ap, dtype="auto")
     ap.add_argument("--prefill-batch", type=int, default=16)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3, help="timed prefill steps per child")

@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from bench_common import print_header, require_positive, token_source
+from bench_common import add_model_args, print_header, require_positive, token_source
 
 WORKLOADS = ("shared-prefix", "multi-turn")
 
@@ -130,10 +130,7 @@ def first_token_accuracy(engines: dict, args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the built-in model")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-cache-dtype", default="fp8")
-    ap.add_argument("--kv-cache-memory", default="1GiB")
+    add_model_args(ap)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     ap.add_argument("--num-prompts", type=int, default=32, help="shared-prefix: requests")
     ap.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: shared prompt tokens")
