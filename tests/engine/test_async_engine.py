@@ -89,6 +89,28 @@ def test_consumer_leaving_aborts_and_frees_blocks(engine):
     assert asyncio.run(main())
 
 
+def test_n_samples_stream_together_and_abort_together(engine):
+    """An n = 3 request streams one output per step with all three samples; aborting it ends
+    the stream with every sample's finish_reason "abort" and frees all their blocks."""
+    async def main():
+        params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)
+        outs = []
+        async for out in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "many"):
+            outs.append(out)
+            assert out.request_id == "many" and [c.index for c in out.outputs] == [0, 1, 2]
+            if len(outs) == 3:
+                engine.abort("many")
+        assert outs[-1].finished and [c.finish_reason for c in outs[-1].outputs] == ["abort"] * 3
+        assert [len(c.token_ids) for c in outs[1].outputs] == [2, 2, 2]
+        for _ in range(100):
+            if engine.snapshot.num_free_blocks == engine.snapshot.num_blocks and engine.snapshot.num_running == 0:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    assert asyncio.run(main())
+
+
 def test_step_failure_fails_requests_and_marks_unhealthy(engine):
     def broken_step():
         raise RuntimeError("kernel exploded")
