@@ -17,6 +17,11 @@ Freed blocks that hold registered K/V stay registered, in least recently
 freed order, and are the last to be handed out: blocks with nothing cached
 first (the most recently freed first, see below), then the cached ones, the
 oldest first, each losing its registration as it is taken.
+
+The samples of one n > 1 request share their prompt's full blocks the same
+way even without prefix caching: their chains start from a root of their
+own (the request id), so only they can find each other's blocks, and n
+samples prefill the prompt once.
 """
 
 from __future__ import annotations
@@ -74,6 +79,17 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     # ---------------------------------------------------------- prefix cache
+    def _shares(self, seq: Sequence) -> bool:
+        """Whether `seq`'s blocks are registered and looked up: with prefix
+        caching every sequence's, without it a sample's of an n > 1 request."""
+        return self.enable_prefix_caching or seq.parent is not None
+
+    def _root_hash(self, seq: Sequence) -> bytes:
+        if self.enable_prefix_caching or seq.parent is None:
+            return _ROOT_HASH
+        # Without prefix caching only the samples of one request find each other's blocks.
+        return b"samples of " + seq.parent.request_id.encode()
+
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Hashes of `seq`'s first `num_blocks` full blocks, kept on the
         sequence: its tokens only ever grow, so they stay valid."""
@@ -81,7 +97,7 @@ class BlockManager:
         if len(hashes) < num_blocks:
             bs = self.block_size
             token_ids = seq.token_ids
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else self._root_hash(seq)
             for i in range(len(hashes), num_blocks):
                 parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
                 hashes.append(parent)
@@ -89,9 +105,10 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Registered blocks holding `seq`'s first tokens, to share instead of
-        recomputing; [] without prefix caching, and for a sequence that still
-        needs prompt logprobs (they come from the prefill of every position)."""
-        if not self.enable_prefix_caching:
+        recomputing; [] without prefix caching (but for the samples of an n > 1
+        request), and for a sequence that still needs prompt logprobs (they
+        come from the prefill of every position)."""
+        if not self._shares(seq):
             return []
         if seq.sampling_params.prompt_logprobs is not None and seq.prompt_logprobs is None:
             return []
@@ -174,9 +191,10 @@ class BlockManager:
         seq.block_table = list(cached) + [self._pop_free() for _ in range(n)]
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_registered_blocks = len(cached)
-        if self.enable_prefix_caching and looked_up:
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += seq.num_computed_tokens
+        if self._shares(seq) and looked_up:
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed_tokens
             # Registered now, before the prefill that computes them, so that
             # requests admitted in the same step share them: the model runner
             # prefills fresh prompts before those with a cached prefix, and a
@@ -192,7 +210,7 @@ class BlockManager:
         allocate does for a first chunk). The scheduler puts this sequence
         before any admitted later in the step, so the forward pass writes
         these blocks before another sequence reads them."""
-        if self.enable_prefix_caching:
+        if self._shares(seq):
             self._register_blocks(seq, num_tokens // self.block_size)
 
     def can_append(self, seq: Sequence) -> bool:

@@ -417,3 +417,33 @@ def test_an_allocation_without_a_lookup_registers_nothing():
     assert bm.num_cached_blocks == 0 and bm.prefix_cache_queries == 0
     bm.free(a)
     assert bm.cached_prefix(seq_of(list(range(9)))) == []
+
+
+def test_samples_of_one_request_share_their_prompt_without_prefix_caching():
+    """The samples of an n > 1 request find each other's full prompt blocks; another request's
+    samples with the same tokens, and plain requests, do not (their chains start elsewhere)."""
+    from fp8serve.engine.sequence import ParentRequest
+
+    bm = BlockManager(num_blocks=32, block_size=4)
+
+    def samples(request_id: str, n: int) -> list[Sequence]:
+        parent = ParentRequest(request_id, [])
+        for i in range(n):
+            seq = Sequence(f"{i}_{request_id}", list(range(10)), SamplingParams(max_tokens=None))
+            seq.parent, seq.index = parent, i
+            parent.children.append(seq)
+        return parent.children
+
+    a0, a1, a2 = samples("a", 3)
+    bm.allocate(a0, cached=bm.cached_prefix(a0))
+    assert a0.num_computed_tokens == 0 and bm.num_cached_blocks == 2
+    for s in (a1, a2):
+        bm.allocate(s, cached=bm.cached_prefix(s))
+        assert s.block_table[:2] == a0.block_table[:2] and s.num_computed_tokens == 8
+    (b0,) = samples("b", 1)
+    plain = Sequence("plain", list(range(10)), SamplingParams(max_tokens=None))
+    assert bm.cached_prefix(b0) == [] and bm.cached_prefix(plain) == []
+    assert bm.prefix_cache_queries == bm.prefix_cache_hits == 0  # the prefix-cache counters: off
+    for s in (a0, a1, a2):
+        bm.free(s)
+    assert bm.num_free_blocks == 32

@@ -258,19 +258,32 @@ def test_n_abort_and_request_ids(model_dir):
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == 64
 
 
-def test_n_with_prefix_caching_prefills_the_prompt_once(model_dir):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_n_samples_prefill_the_prompt_once(model_dir, prefix_caching):
     """Samples admitted together share the prompt's full blocks (registered when the step that
-    computes them is scheduled): 4 samples of a 21-token prompt prefill 21 + 3 x 1 tokens."""
+    computes them is scheduled), with or without prefix caching: 4 samples of a 21-token prompt
+    prefill 21 + 3 x 1 tokens. Without prefix caching no other request finds those blocks, and
+    the prefix-cache counters stay 0."""
     bytes_per_block = 2 * BLOCK_SIZE * 2 * 16 * 4 * 2
     engine = LLMEngine.from_args(model_dir, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
                                  kv_cache_memory=64 * bytes_per_block, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                                 enable_prefix_caching=True)
+                                 enable_prefix_caching=prefix_caching)
     prompt = list(range(10, 31))
-    engine.add_request("p", {"prompt_token_ids": prompt}, SamplingParams(n=4, temperature=0.0, max_tokens=3,
-                                                                         ignore_eos=True))
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1)
+    engine.add_request("p", {"prompt_token_ids": prompt}, params)
     outs = run_to_end_outputs(engine)
     assert engine.stats.prompt_tokens_total == 21 + 3 * 1
-    assert len({tuple(c.token_ids) for c in outs["p"].outputs}) == 1  # greedy: the same sample four times
+    samples = outs["p"].outputs
+    assert len({tuple(c.token_ids) for c in samples}) == 1  # greedy: the same sample four times
+    lps = [[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in samples]
+    assert all(max(abs(a - b) for a, b in zip(lps[0], other)) < 1e-5 for other in lps[1:])
+    bm = engine.block_manager
+    assert bm.prefix_cache_hits == (3 * 20 if prefix_caching else 0)
+    # Another request with the same prompt: shares them only with prefix caching.
+    engine.add_request("q", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    run_to_end_outputs(engine)
+    assert engine.stats.prompt_tokens_total == 24 + (1 if prefix_caching else 21)
+    assert bm.num_free_blocks == 64
 
 
 def run_to_end_outputs(engine: LLMEngine) -> dict:
