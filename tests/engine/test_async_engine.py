@@ -31,6 +31,15 @@ def engine(llama_dir):
         asyncio.run(e.shutdown(drain_timeout=0))
 
 
+async def _all_blocks_free(engine, tries: int = 100) -> bool:
+    """Whether the engine loop gets back to no running sequence and a free cache within ~2 s."""
+    for _ in range(tries):
+        if engine.snapshot.num_free_blocks == engine.snapshot.num_blocks and engine.snapshot.num_running == 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 async def _collect(engine, prompt, params, request_id=None):
     return [out async for out in engine.generate(prompt, params, request_id)]
 
@@ -80,11 +89,7 @@ def test_consumer_leaving_aborts_and_frees_blocks(engine):
             if len(outs) == 2:
                 engine.abort("aborted")
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-        for _ in range(100):
-            if engine.snapshot.num_free_blocks == engine.snapshot.num_blocks and engine.snapshot.num_running == 0:
-                return True
-            await asyncio.sleep(0.02)
-        return False
+        return await _all_blocks_free(engine)
 
     assert asyncio.run(main())
 
@@ -102,11 +107,7 @@ def test_n_samples_stream_together_and_abort_together(engine):
                 engine.abort("many")
         assert outs[-1].finished and [c.finish_reason for c in outs[-1].outputs] == ["abort"] * 3
         assert [len(c.token_ids) for c in outs[1].outputs] == [2, 2, 2]
-        for _ in range(100):
-            if engine.snapshot.num_free_blocks == engine.snapshot.num_blocks and engine.snapshot.num_running == 0:
-                return True
-            await asyncio.sleep(0.02)
-        return False
+        return await _all_blocks_free(engine)
 
     assert asyncio.run(main())
 
