@@ -327,6 +327,74 @@ class SchedulerConfig:
             )
 
 
+# Speculative decoding methods that need no second model (vLLM's names).
+SPECULATIVE_METHODS = ("ngram",)
+# A verify pass computes 1 + num_speculative_tokens positions of a sequence;
+# beyond this many drafts the pass costs more than the tokens it can win here.
+MAX_NUM_SPECULATIVE_TOKENS = 16
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's --speculative-config for n-gram (prompt lookup) drafts: after
+    each token, the longest suffix of the sequence of prompt_lookup_max down
+    to prompt_lookup_min tokens is looked up earlier in the sequence and the
+    num_speculative_tokens tokens that followed it there are proposed; one
+    forward pass then checks them all (fp8serve/spec_decode/). Defaults as in
+    vLLM: both lookup bounds 5 when neither is given, else the given one."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        where = "--speculative-config"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"{where}: method {self.method!r} is not supported (choices: "
+                              f"{', '.join(SPECULATIVE_METHODS)}; draft models are not)")
+        k = self.num_speculative_tokens
+        if k is None:
+            raise ConfigError(f"{where}: 'num_speculative_tokens' is required (the drafts proposed per step, "
+                              f"1-{MAX_NUM_SPECULATIVE_TOKENS})")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ConfigError(f"{where}: 'num_speculative_tokens' must be an integer in "
+                              f"[1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{where}: '{name}' must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"{where}: 'prompt_lookup_min' ({self.prompt_lookup_min}) must not exceed "
+                              f"'prompt_lookup_max' ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From the flag's JSON text, a dict (LLM(speculative_config=...)), or None (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config must be a JSON object such as "
+                                  f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {value!r} ({e})') from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ConfigError(f"--speculative-config: unsupported field(s) {unknown} (supported: "
+                              f"{', '.join(_SPECULATIVE_KEYS)})")
+        return cls(**value)
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -344,6 +412,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def create(
@@ -365,12 +434,14 @@ class EngineConfig:
         enforce_eager: bool = False,
         enable_prefix_caching: bool = False,
         enable_chunked_prefill: bool = False,
+        speculative_config: SpeculativeConfig | dict | str | None = None,
     ) -> "EngineConfig":
         if model is None:
             from fp8serve.default_model import ensure_default_model
 
             model = str(ensure_default_model())
         parallel_config = ParallelConfig(tensor_parallel_size)
+        spec_config = SpeculativeConfig.parse(speculative_config)
         cache_config = CacheConfig(
             block_size=block_size,
             kv_cache_dtype=kv_cache_dtype,
@@ -387,7 +458,7 @@ class EngineConfig:
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
         )
-        return cls(model_config, cache_config, scheduler_config, parallel_config)
+        return cls(model_config, cache_config, scheduler_config, parallel_config, spec_config)
 
     def default_kv_cache_memory(self) -> int:
         """A quarter of the memory available now (CPU), or 90% of free device

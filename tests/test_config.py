@@ -345,3 +345,40 @@ def test_config_json_is_left_untouched(model_dir):
     before = (model_dir / "config.json").read_text()
     model_config(model_dir)
     assert json.loads((model_dir / "config.json").read_text()) == json.loads(before)
+
+
+# ------------------------------------------------------------------ --speculative-config
+def test_speculative_config_lookup_bounds_default_as_vllm():
+    from fp8serve.config import SpeculativeConfig
+
+    def bounds(**kw):
+        c = SpeculativeConfig.parse(dict(method="ngram", num_speculative_tokens=3, **kw))
+        return c.prompt_lookup_min, c.prompt_lookup_max
+
+    assert bounds() == (5, 5)
+    assert bounds(prompt_lookup_max=4) == (4, 4)
+    assert bounds(prompt_lookup_min=2) == (2, 2)
+    assert bounds(prompt_lookup_min=2, prompt_lookup_max=4) == (2, 4)
+    assert SpeculativeConfig.parse(None) is None
+    c = SpeculativeConfig(num_speculative_tokens=2)
+    assert SpeculativeConfig.parse(c) is c and c.method == "ngram"
+    assert SpeculativeConfig.parse('{"num_speculative_tokens": 2}') == c
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"num_speculative_tokens": True}, "'num_speculative_tokens' must be an integer in [1, 16], got True"),
+    ({"num_speculative_tokens": 17}, "got 17"),
+    ({"num_speculative_tokens": "4"}, "got '4'"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "'prompt_lookup_min' must be an integer >= 1, got 0"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 2.5}, "'prompt_lookup_max' must be an integer >= 1"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must not exceed"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "method 'draft_model' is not supported"),
+    ("[]", "must be a JSON object, got []"),
+    ("{'method': 'ngram'}", "must be a JSON object such as"),
+])
+def test_speculative_config_errors_name_the_flag_and_field(value, words):
+    from fp8serve.config import SpeculativeConfig
+
+    with pytest.raises(ConfigError) as e:
+        SpeculativeConfig.parse(value)
+    assert words in str(e.value) and str(e.value).startswith("--speculative-config")

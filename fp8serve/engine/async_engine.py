@@ -68,6 +68,9 @@ class EngineSnapshot:
     generation_tokens_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -98,7 +101,8 @@ class AsyncLLMEngine:
         --disable-log-stats turns it off)."""
         self.engine = engine
         self.stall_timeout = stall_timeout
-        self._stats_logger = StatsLogger(log_stats_interval, engine.block_manager.enable_prefix_caching) \
+        self._stats_logger = StatsLogger(log_stats_interval, engine.block_manager.enable_prefix_caching,
+                                                 spec_decode=engine.proposer is not None) \
             if log_stats else None
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         # Touched only by the engine thread.
@@ -264,6 +268,9 @@ class AsyncLLMEngine:
             generation_tokens_total=e.stats.generation_tokens_total,
             prefix_cache_queries=e.block_manager.prefix_cache_queries,
             prefix_cache_hits=e.block_manager.prefix_cache_hits,
+            spec_decode_num_drafts=e.stats.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=e.stats.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=e.stats.spec_decode_num_accepted_tokens,
         )
 
     def _apply_commands(self, block: bool) -> None:

@@ -213,12 +213,20 @@ class BlockManager:
         if self._shares(seq):
             self._register_blocks(seq, num_tokens // self.block_size)
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the slot for `seq`'s newest token exists or a block is free."""
-        return len(seq.block_table) * self.block_size >= seq.num_tokens or self.num_free_blocks > 0
+    def blocks_to_append(self, seq: Sequence, num_lookahead: int = 0) -> int:
+        """New blocks `seq` needs for its newest token and `num_lookahead` more
+        (speculative decoding's drafts, computed in the same pass)."""
+        needed = -(-(seq.num_tokens + num_lookahead) // self.block_size)
+        return max(0, needed - len(seq.block_table))
 
-    def append_slot(self, seq: Sequence) -> None:
-        if len(seq.block_table) * self.block_size < seq.num_tokens:
+    def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
+        """Whether the slots for `seq`'s newest token (and `num_lookahead` more) exist or can be had."""
+        return self.blocks_to_append(seq, num_lookahead) <= self.num_free_blocks
+
+    def append_slot(self, seq: Sequence, num_lookahead: int = 0) -> None:
+        """Blocks for `seq`'s newest token and `num_lookahead` more. Blocks a
+        rejected draft's slots took stay with the sequence: it grows into them."""
+        for _ in range(self.blocks_to_append(seq, num_lookahead)):
             seq.block_table.append(self._pop_free())
 
     def free(self, seq: Sequence) -> None:

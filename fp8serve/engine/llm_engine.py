@@ -24,6 +24,7 @@ from fp8serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from fp8serve.errors import InvalidParameterError, UserError
 from fp8serve.outputs import CompletionOutput, Logprob, RequestOutput
 from fp8serve.sampling_params import SamplingParams
+from fp8serve.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
+    # Speculative decoding (vLLM's spec_decode_* counters): verify passes of a
+    # sequence with drafts, the drafts checked, and those kept.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -55,6 +61,13 @@ class LLMEngine:
         if cc.enable_prefix_caching:
             logger.info("Prefix caching: on (full blocks of %d tokens are shared between requests with the same "
                         "prefix)", cc.block_size)
+        spec = config.speculative_config
+        self.proposer = None
+        if spec is not None:
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+            logger.info("Speculative decoding: %s, up to %d draft tokens per step from earlier occurrences of the "
+                        "last %d-%d tokens", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                        spec.prompt_lookup_max)
         self.seqs: dict[str, Sequence] = {}
         self.parents: dict[str, ParentRequest] = {}  # requests for n > 1 samples, by request id
         self.stats = EngineStats()
@@ -241,6 +254,8 @@ class LLMEngine:
         advanced = self._process(sched.decode_seqs, decode_out) if decode_out is not None else []
         if out is not None:
             advanced += self._process(sched.seqs, out, sched.num_new_tokens)
+        if self.proposer is not None:
+            self._propose_drafts(advanced)
         return self._outputs(advanced)
 
     def _outputs(self, advanced: list[Sequence]) -> list[RequestOutput]:
@@ -288,37 +303,67 @@ class LLMEngine:
         mc = self.config.model_config
         cache_blocks = self.block_manager.enable_prefix_caching
         rows = out.sampled_rows if num_new_tokens is not None else range(len(seqs))
+        counts = out.num_sampled_tokens
+        i = 0  # into the sampler output's tokens
         for row, seq in enumerate(sampled):
-            seq.num_computed_tokens = seq.num_tokens
-            if cache_blocks:  # before a finish frees them
-                self.block_manager.cache_computed_blocks(seq)
             if num_new_tokens is not None:
                 self._finish_prompt_logprobs(seq)
             elif rows[row] in out.prompt_logprobs:
                 seq.prompt_logprobs = self._prompt_logprobs(seq, out.prompt_logprobs[rows[row]])
-            token = token_ids[row]
-            seq.output_token_ids.append(token)
-            self.stats.generation_tokens_total += 1
+            count = counts[row] if counts is not None else 1
+            if seq.spec_token_ids:
+                st = self.stats
+                st.spec_decode_num_drafts += 1
+                st.spec_decode_num_draft_tokens += len(seq.spec_token_ids)
+                st.spec_decode_num_accepted_tokens += count - 1
+                seq.spec_token_ids = []
+            for j in range(i, i + count):
+                token = token_ids[j]
+                seq.output_token_ids.append(token)
+                self.stats.generation_tokens_total += 1
+                if want_lp:
+                    seq.cumulative_logprob += lps[j]
+                    if seq.logprobs is not None:
+                        k = seq.sampling_params.logprobs
+                        entry = {token: Logprob(lps[j], ranks[j], self._decode_one(token))}
+                        for r, (tid, lp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k]), start=1):
+                            if tid not in entry:
+                                entry[tid] = Logprob(lp, r, self._decode_one(tid))
+                        seq.logprobs.append(entry)
+                if seq.detokenizer is not None:
+                    seq.detokenizer.append(token)
+                self._check_stop(seq, token, mc.max_model_len)
+                if seq.finish_reason is not None:
+                    break  # a stop drops the kept drafts after it
+            i += count
+            # The K/V of every token but the newest are in the cache (a verify
+            # pass computed those of the kept drafts too).
+            seq.num_computed_tokens = seq.num_tokens - 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
-            if want_lp:
-                seq.cumulative_logprob += lps[row]
-                if seq.logprobs is not None:
-                    k = seq.sampling_params.logprobs
-                    entry = {token: Logprob(lps[row], ranks[row], self._decode_one(token))}
-                    for r, (tid, lp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
-                        if tid not in entry:
-                            entry[tid] = Logprob(lp, r, self._decode_one(tid))
-                    seq.logprobs.append(entry)
-            if seq.detokenizer is not None:
-                seq.detokenizer.append(token)
-            self._check_stop(seq, token, mc.max_model_len)
+            if cache_blocks:  # before a finish frees them
+                self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self.seqs.pop(seq.request_id, None)
             advanced.append(seq)
         return advanced
+
+    def _propose_drafts(self, seqs: list[Sequence]) -> None:
+        """Speculative decoding: drafts for the next step of each running
+        sequence, no more than it may still generate less the token the step
+        emits anyway (max_tokens, the model length)."""
+        max_model_len = self.config.model_config.max_model_len
+        for seq in seqs:
+            if seq.finish_reason is not None:
+                continue
+            room = max_model_len - seq.num_tokens - 1
+            max_tokens = seq.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - len(seq.output_token_ids) - 1)
+            if room > 0:
+                seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
 
     def _check_stop(self, seq: Sequence, token: int, max_model_len: int) -> None:
         p = seq.sampling_params

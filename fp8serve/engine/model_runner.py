@@ -30,6 +30,7 @@ from fp8serve.models.registry import get_model_class
 from fp8serve.quantization.kv_scales import resolve_kv_scales
 from fp8serve.quantization.registry import get_quantization_config
 from fp8serve.sampling_params import SamplingParams
+from fp8serve.spec_decode.rejection_sampler import rejection_sample
 from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
 from fp8serve.utils.malloc_tuning import tune_malloc
 from fp8serve.utils.memory import format_bytes
@@ -61,6 +62,9 @@ class ModelRunnerOutput:
     sampler_output: SamplerOutput | None
     prompt_logprobs: dict[int, PromptLogprobs]  # row -> logprobs of this step's positions, for rows that asked
     sampled_rows: list[int] | None = None  # None: every row was sampled
+    # Speculative decoding: how many of sampler_output's tokens (consecutive)
+    # each sampled row emitted, its kept drafts and one more; None: one each.
+    num_sampled_tokens: list[int] | None = None
 
 
 class ModelRunner:
@@ -171,9 +175,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------- step
     def _prepare(self, seqs: list[Sequence], is_prefill: bool, num_new_tokens: list[int] | None = None,
+                 spec_token_ids: list[list[int]] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """`num_new_tokens`: how many uncomputed tokens of each sequence this
-        pass computes (chunked prefill); default all of them."""
+        pass computes (chunked prefill); default all of them. With
+        `spec_token_ids` (a verify pass), each sequence's one uncomputed token
+        is followed by its drafts, as if they were already its tokens."""
         if not is_prefill:
             return self._prepare_decode(seqs)
         bs = self.kv_cache_spec.block_size
@@ -182,14 +189,20 @@ class ModelRunner:
         block_tables = torch.tensor(
             [s.block_table + [self.num_blocks] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.int64
         )
-        if num_new_tokens is None:
+        if spec_token_ids is not None:
+            num_new_tokens = [1 + len(d) for d in spec_token_ids]
+        elif num_new_tokens is None:
             num_new_tokens = [s.num_tokens - s.num_computed_tokens for s in seqs]
         # Context length of each sequence once this pass's tokens are in.
         seq_lens_list = [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)]
         seq_lens = torch.tensor(seq_lens_list, dtype=torch.int64)
         token_ids, q_lens = [], []
-        for s, end in zip(seqs, seq_lens_list):
-            new = s.token_ids[s.num_computed_tokens:end]
+        for i, (s, end) in enumerate(zip(seqs, seq_lens_list)):
+            if spec_token_ids is not None:
+                assert s.num_computed_tokens == s.num_tokens - 1, "a verify pass follows a decode"
+                new = [s.last_token_id] + spec_token_ids[i]
+            else:
+                new = s.token_ids[s.num_computed_tokens:end]
             token_ids.extend(new)
             q_lens.append(len(new))
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
@@ -336,7 +349,10 @@ class ModelRunner:
                 num_new_tokens: list[int] | None = None) -> ModelRunnerOutput:
         """One forward pass and sampling. `num_new_tokens` (chunked prefill):
         how many uncomputed tokens of each sequence to compute; only the rows
-        whose chunk reaches the sequence's last token are sampled."""
+        whose chunk reaches the sequence's last token are sampled. A decode
+        step where any sequence carries drafts is a verify pass."""
+        if not is_prefill and any(s.spec_token_ids for s in seqs):
+            return self._execute_verify(seqs, eos_token_id)
         sampled_rows = None
         if num_new_tokens is None:
             num_new_tokens = [s.num_tokens - s.num_computed_tokens for s in seqs] if is_prefill else [1] * len(seqs)
@@ -380,3 +396,41 @@ class ModelRunner:
         logits = self.model.compute_logits(last_hidden)  # [num_sampled, vocab]
         out = self.sampler(logits, self._sampling_metadata(sample_seqs, eos_token_id))
         return ModelRunnerOutput(out, prompt_logprobs, sampled_rows)
+
+    def _execute_verify(self, seqs: list[Sequence], eos_token_id: int | None) -> ModelRunnerOutput:
+        """Speculative decoding's step: each sequence's last token and drafts
+        in one forward pass over the paged cache (the chunked-prefill path: a
+        query of 1 + k tokens after the cached context), logits at every one
+        of those positions, then rejection_sample. The K/V written for a
+        rejected draft's slot is overwritten when the sequence gets there.
+        Not through the recorded decode path: its forwards are recorded for
+        one token per sequence."""
+        drafts = [list(s.spec_token_ids) for s in seqs]
+        input_ids, positions, md = self._prepare(seqs, True, spec_token_ids=drafts)
+        with set_forward_context(md):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden)  # [sum(1 + k), vocab]
+        # One sampling row per position, as if the drafts before it were generated.
+        params, prompts, outputs = [], [], []
+        for s, d in zip(seqs, drafts):
+            for j in range(len(d) + 1):
+                params.append(s.sampling_params)
+                prompts.append(s.prompt_token_ids)
+                outputs.append(s.output_token_ids + d[:j] if j else s.output_token_ids)
+        smd = SamplingMetadata.from_params(params, prompts, outputs, eos_token_id, self.device)
+        result = rejection_sample(logits, smd, drafts)
+        counts = [len(t) for t in result.token_ids]
+        emitted_rows, row = [], 0
+        for d, n in zip(drafts, counts):
+            emitted_rows.extend(range(row, row + n))
+            row += len(d) + 1
+        sampled = torch.tensor([t for ts in result.token_ids for t in ts], dtype=torch.int64)
+        if smd.max_num_logprobs is None:
+            out = SamplerOutput(sampled, None, None, None, None)
+        else:
+            index = torch.tensor(emitted_rows, dtype=torch.int64, device=logits.device)
+            lp, rk, top, top_ids = compute_prompt_logprobs(logits.index_select(0, index),
+                                                           result.row_token_ids.index_select(0, index),
+                                                           smd.max_num_logprobs)
+            out = SamplerOutput(sampled, lp, rk, top, top_ids)
+        return ModelRunnerOutput(out, {}, None, num_sampled_tokens=counts)

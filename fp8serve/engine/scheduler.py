@@ -91,6 +91,11 @@ class SchedulerOutput:
         return sum(self.num_new_tokens) if self.num_new_tokens is not None else self.num_batched_tokens
 
 
+def num_decode_tokens(seqs: list[Sequence]) -> int:
+    """Tokens a decode pass over `seqs` computes: each one's newest token and its drafts."""
+    return len(seqs) + sum(len(s.spec_token_ids) for s in seqs)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, reserve_growth: bool = True) -> None:
         """reserve_growth=False: admission keeps only the watermark free (vLLM's policy; tests of
@@ -189,7 +194,8 @@ class Scheduler:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         decodes, continuing, preempted = self._reserve_decode_slots()
-        budget -= len(decodes)  # >= 0: the config keeps the budget >= max_num_seqs
+        # >= 0: the config keeps the budget >= max_num_seqs, and drafts fit in what is left.
+        budget -= num_decode_tokens(decodes)
         prefills: list[Sequence] = []
         chunks: list[int] = []
         for seq in continuing:
@@ -229,12 +235,13 @@ class Scheduler:
             if not decodes:
                 return SchedulerOutput([], is_prefill=False, num_batched_tokens=0,
                                        preempted=preempted) if preempted else None
-            return SchedulerOutput(decodes, is_prefill=False, num_batched_tokens=len(decodes), preempted=preempted)
+            return SchedulerOutput(decodes, is_prefill=False, num_batched_tokens=num_decode_tokens(decodes),
+                                   preempted=preempted)
         # Fresh prompts first (see _schedule_prefill); stable, so a sequence whose
         # blocks another one shares in this step still comes before it.
         order = sorted(range(len(prefills)), key=lambda i: prefills[i].num_computed_tokens > 0)
         return SchedulerOutput([prefills[i] for i in order], is_prefill=True,
-                               num_batched_tokens=sum(chunks) + len(decodes), preempted=preempted,
+                               num_batched_tokens=sum(chunks) + num_decode_tokens(decodes), preempted=preempted,
                                num_new_tokens=[chunks[i] for i in order], decode_seqs=decodes)
 
     @staticmethod
@@ -252,10 +259,18 @@ class Scheduler:
         computes whole prompts), preempting the most recently admitted ones
         when blocks run out. Returns (decodes, sequences still in their
         prefill, preempted). A prefill chunk never leaves one token (_chunk),
-        so one uncomputed token is the one sampled last step."""
+        so one uncomputed token is the one sampled last step.
+
+        Speculative decoding: a sequence's drafts (`spec_token_ids`) get slots
+        too, but never at another sequence's expense: they are dropped for
+        this step when their blocks would leave fewer free than the sequences
+        after it may need (one each), or when the step's drafts would pass
+        --max-num-batched-tokens (counting one token per running sequence)."""
         decodes: list[Sequence] = []
         continuing: list[Sequence] = []
         preempted: list[Sequence] = []
+        bm = self.block_manager
+        draft_budget = self.config.max_num_batched_tokens - len(self.running)
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -263,14 +278,21 @@ class Scheduler:
                 continuing.append(seq)  # its blocks were allocated at admission
                 i += 1
                 continue
-            while not self.block_manager.can_append(seq):
+            k = len(seq.spec_token_ids)
+            if k:
+                if (k > draft_budget
+                        or bm.blocks_to_append(seq, k) + (len(self.running) - i - 1) > bm.num_free_blocks):
+                    seq.spec_token_ids = []
+                    k = 0
+                draft_budget -= k
+            while not bm.can_append(seq, k):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slot(seq)
+                bm.append_slot(seq, k)
                 decodes.append(seq)
                 i += 1
                 continue
@@ -285,10 +307,12 @@ class Scheduler:
             self.preemption_floor = max(0.0, self.preemption_floor - RESERVE_FLOOR_DECAY)
         if not scheduled:
             return SchedulerOutput([], is_prefill=False, num_batched_tokens=0, preempted=preempted) if preempted else None
-        return SchedulerOutput(scheduled, is_prefill=False, num_batched_tokens=len(scheduled), preempted=preempted)
+        return SchedulerOutput(scheduled, is_prefill=False, num_batched_tokens=num_decode_tokens(scheduled),
+                               preempted=preempted)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids = []
         seq.prompt_logprob_parts.clear()  # its prefill starts over
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -47,6 +47,9 @@ class Sequence:
     # Parallel sampling (n > 1): the request this sequence is sample `index` of.
     parent: "ParentRequest | None" = None
     index: int = 0
+    # Speculative decoding: tokens proposed to follow this sequence, checked in
+    # its next decode step (fp8serve/spec_decode/).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,17 +22,21 @@ class _Snapshot(Protocol):
     generation_tokens_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
 
     @property
     def kv_cache_usage(self) -> float: ...
 
 
 class StatsLogger:
-    def __init__(self, interval_s: float = 5.0, prefix_caching: bool = False) -> None:
+    def __init__(self, interval_s: float = 5.0, prefix_caching: bool = False, spec_decode: bool = False) -> None:
         if interval_s < 0:
             raise ValueError(f"the stats interval must be >= 0 seconds, got {interval_s}")
         self.interval_s = interval_s
         self.prefix_caching = prefix_caching
+        self.spec_decode = spec_decode
         self._last_time = time.monotonic()
         self._last: _Snapshot | None = None
 
@@ -57,4 +61,15 @@ class StatsLogger:
             queries = snap.prefix_cache_queries
             line += f", Prefix cache hit rate: {100 * snap.prefix_cache_hits / queries if queries else 0.0:.1f}%"
         logger.info("%s", line)
+        if self.spec_decode:
+            # Over the interval, as vLLM's line: the mean acceptance length counts the token every
+            # verify pass emits after its kept drafts.
+            drafts = snap.spec_decode_num_drafts - (last.spec_decode_num_drafts if last else 0)
+            drafted = snap.spec_decode_num_draft_tokens - (last.spec_decode_num_draft_tokens if last else 0)
+            accepted = snap.spec_decode_num_accepted_tokens - (last.spec_decode_num_accepted_tokens if last else 0)
+            spec_line = (f"SpecDecoding metrics: Draft acceptance rate: {100 * accepted / drafted if drafted else 0.0:.1f}%, "
+                         f"Mean acceptance length: {1 + accepted / drafts if drafts else 0.0:.2f}, "
+                         f"Accepted: {accepted} tokens, Drafted: {drafted} tokens")
+            logger.info("%s", spec_line)
+            line += "\n" + spec_line
         return line

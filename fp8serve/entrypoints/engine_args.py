@@ -39,6 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="split long prompts into chunks of at most --max-num-batched-tokens (default 512 with "
                         "this flag) that run in the same steps as the running requests' decodes, so a long "
                         "prompt no longer stalls them; prompts may then be longer than that budget")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': tokens that followed an earlier '
+                        'occurrence of the sequence\'s last tokens are proposed and checked in one forward pass '
+                        '(off by default)')
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -59,4 +64,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        speculative_config=args.speculative_config,
     )

@@ -222,23 +222,8 @@ def compute_prompt_logprobs(
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         # logits: [num_seqs, vocab_size], any float dtype; never modified in place.
-        if logits.dim() != 2 or logits.shape[0] != metadata.num_seqs:
-            raise ValueError(f"logits must be [{metadata.num_seqs}, vocab], got {tuple(logits.shape)}.")
         raw_logits = logits
-        plain_greedy = (metadata.all_greedy and not metadata.has_penalties and metadata.banned_token_ids is None
-                        and metadata.logit_bias is None)
-        if not plain_greedy:
-            # Penalties and sampling work on a float32 copy; plain greedy reads
-            # the logits as they are (the argmax of a float32 copy is the same).
-            logits = logits.to(torch.float32, copy=True)
-
-        if metadata.logit_bias is not None:
-            logits = apply_logit_bias(logits, metadata.logit_bias)
-        if metadata.has_penalties:
-            logits = apply_penalties(logits, metadata)
-        if metadata.banned_token_ids is not None:
-            logits = apply_banned_tokens(logits, metadata.banned_token_ids)
-
+        logits = self.process_logits(logits, metadata)
         # Taken before the random path, which rescales and masks logits in place.
         # max(dim).indices semantics (first index on ties, NaN wins); on CPU one
         # C++ pass (kernels/cpu/sampling_ops.cpp), where torch's max(dim) took
@@ -247,7 +232,7 @@ class Sampler(torch.nn.Module):
         if metadata.all_greedy:
             sampled = greedy
         else:
-            sampled = self._sample_random(logits, metadata)
+            sampled = exponential_race(self.random_probs(logits, metadata), metadata.generators)
             if greedy is not None:
                 sampled = torch.where(metadata.temperature < SAMPLING_EPS, greedy, sampled)
 
@@ -259,9 +244,32 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled, token_logprobs, ranks, top_logprobs, top_ids)
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        # Greedy rows in a mixed batch still flow through here (their result is replaced);
-        # a temperature of 1 keeps them finite.
+    def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """logit_bias, penalties and banned tokens applied: a float32 copy, or
+        the logits themselves where no row needs any of it and every row is
+        greedy (the argmax of a float32 copy is the same)."""
+        if logits.dim() != 2 or logits.shape[0] != metadata.num_seqs:
+            raise ValueError(f"logits must be [{metadata.num_seqs}, vocab], got {tuple(logits.shape)}.")
+        plain_greedy = (metadata.all_greedy and not metadata.has_penalties and metadata.banned_token_ids is None
+                        and metadata.logit_bias is None)
+        if plain_greedy:
+            return logits
+        logits = logits.to(torch.float32, copy=True)
+        if metadata.logit_bias is not None:
+            logits = apply_logit_bias(logits, metadata.logit_bias)
+        if metadata.has_penalties:
+            logits = apply_penalties(logits, metadata)
+        if metadata.banned_token_ids is not None:
+            logits = apply_banned_tokens(logits, metadata.banned_token_ids)
+        return logits
+
+    @staticmethod
+    def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Each row's sampling distribution from processed logits (rescaled and
+        masked in place): temperature, top-k, top-p, softmax, min-p. Rows may be
+        unnormalized after min-p. Greedy rows in a mixed batch still flow
+        through here (their result is replaced); a temperature of 1 keeps them
+        finite."""
         temperature = metadata.temperature
         if not metadata.all_random:
             temperature = torch.where(temperature < SAMPLING_EPS, 1.0, temperature)
@@ -272,7 +280,7 @@ class Sampler(torch.nn.Module):
         probs = torch.softmax(logits, dim=-1)
         if not metadata.no_min_p:
             probs = apply_min_p(probs, metadata.min_p)
-        return exponential_race(probs, metadata.generators)
+        return probs
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -759,3 +759,65 @@ def test_chunked_randomized_simulation_keeps_invariants(seed, reserve_growth, pr
     if not reserve_growth:
         assert sched.num_preemptions > 0, "the pool is too big to exercise preemption"
     assert bm.num_free_blocks == num_blocks
+
+
+# ------------------------------------------------------------------ speculative decoding drafts
+
+
+def test_drafts_get_slots_and_count_as_batched_tokens():
+    """A decode with k drafts computes 1 + k positions: blocks for all of them, in the token count."""
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    a, b = make_seq(3, "a"), make_seq(4, "b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched.schedule())  # prefill; a has 4 tokens (one block), b 5 (two)
+    a.spec_token_ids = [7, 8, 9, 10, 11]  # positions 3..8 -> 9 tokens -> three blocks
+    out = sched.schedule()
+    assert not out.is_prefill and names(out.seqs) == ["a", "b"]
+    assert out.num_batched_tokens == 2 + 5
+    assert len(a.block_table) == 3 and len(b.block_table) == 2
+    assert a.spec_token_ids == [7, 8, 9, 10, 11]
+
+
+def test_drafts_are_dropped_rather_than_taking_blocks_other_sequences_need():
+    """Drafts never cause a preemption: when their blocks would leave the sequences after them
+    without one each, the sequence decodes without drafts this step."""
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
+    a, b = make_seq(4, "a"), make_seq(4, "b")
+    for s in (a, b):
+        sched.add(s)
+    run_step(sched.schedule())  # 5 tokens each, one block each: each needs a second block to decode
+    assert sched.block_manager.num_free_blocks == 2
+    a.spec_token_ids = [1, 2, 3, 4]  # 9 positions: two more blocks for a, none left for b
+    out = sched.schedule()
+    assert names(out.seqs) == ["a", "b"] and not out.preempted
+    assert a.spec_token_ids == [] and out.num_batched_tokens == 2
+    assert len(a.block_table) == len(b.block_table) == 2
+
+
+def test_drafts_are_dropped_beyond_the_token_budget():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_model_len=32)
+    seqs = [make_seq(3, f"s{i}") for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    run_step(sched.schedule())
+    for s in seqs:
+        s.spec_token_ids = [5] * 10
+    out = sched.schedule()
+    # 32 - 4 running = 28 draft tokens: two sequences' 10 fit, the third's would not, the fourth's neither.
+    assert [len(s.spec_token_ids) for s in seqs] == [10, 10, 0, 0]
+    assert out.num_batched_tokens == 4 + 20
+
+
+def test_a_preempted_sequence_loses_its_drafts():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
+    a, b = make_seq(4, "a"), make_seq(4, "b")
+    for s in (a, b):
+        sched.add(s)
+    for _ in range(5):  # prefill, then four decodes: 9 tokens each, the 9th's slot not yet held
+        run_step(sched.schedule())
+    assert sched.block_manager.num_free_blocks == 0 and a.num_tokens == b.num_tokens == 9
+    b.spec_token_ids = [1]
+    out = sched.schedule()  # a needs a block: b, the most recently admitted, is preempted
+    assert names(out.preempted) == ["b"] and b.status is SequenceStatus.WAITING
+    assert b.spec_token_ids == []

@@ -24,6 +24,17 @@ def test_enable_chunked_prefill_both_spellings():
     assert parse()["enable_chunked_prefill"] is False
 
 
+def test_speculative_config_json_reaches_the_engine_config(tmp_path):
+    from checkpoints import write_tiny_llama
+
+    from fp8serve.config import EngineConfig, SpeculativeConfig
+
+    kwargs = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    config = EngineConfig.create(str(write_tiny_llama(tmp_path / "llama")), **kwargs)
+    assert config.speculative_config == SpeculativeConfig("ngram", 4, prompt_lookup_max=3, prompt_lookup_min=3)
+    assert parse()["speculative_config"] is None
+
+
 def test_every_flag_reaches_the_engine_config():
     """engine_kwargs' keys are EngineConfig.create's parameters: a flag added to one and not the other fails here."""
     import inspect

@@ -61,6 +61,10 @@ class _EngineCollector:
                       snap.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
                       snap.prefix_cache_hits)
+        yield counter("spec_decode_num_drafts", "Verify passes of a sequence with draft tokens.",
+                      snap.spec_decode_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens checked.", snap.spec_decode_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens kept.", snap.spec_decode_num_accepted_tokens)
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
         info.add_metric([], self.cache_labels)
         yield info

@@ -451,3 +451,37 @@ def test_chunked_prefill_server_serves_prompts_longer_than_its_budget(model_dir,
         rc, out = s.stop()
     assert rc == 0, out
     assert "Chunked prefill is enabled with max_num_batched_tokens=16" in out
+
+
+# ------------------------------------------------------------------ speculative decoding
+def test_speculative_decoding_server_streams_what_the_offline_engine_generates(model_dir, llm):
+    """`serve --speculative-config '{"method": "ngram", ...}'`: streamed and whole completions and
+    their logprobs equal the offline engine's without drafts; a verify pass that keeps drafts
+    streams several tokens in one chunk; the spec_decode counters count them."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    s = ServerProcess(model_dir, "--speculative-config", spec, "--served-model-name", MODEL)
+    try:
+        prompts = [" ".join(["la la bim bam"] * 6), " ".join(f"x{i % 3}" for i in range(30))]
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=120)
+        refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1),
+                            use_tqdm=False)
+        num_chunks = 0
+        for prompt, ref in zip(prompts, refs):
+            chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True}))
+            assert "".join(c.choices[0].text for c in chunks) == ref.outputs[0].text
+            num_chunks += sum(1 for c in chunks if c.choices and c.choices[0].text)
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=1,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == ref.outputs[0].text and r.usage.completion_tokens == 24
+            want = [lp[t].logprob for t, lp in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
+            assert r.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+        drafted = _metric(s, "fp8serve:spec_decode_num_draft_tokens_total")
+        accepted = _metric(s, "fp8serve:spec_decode_num_accepted_tokens_total")
+        assert _metric(s, "fp8serve:spec_decode_num_drafts_total") > 0 and 0 < accepted <= drafted
+        # Each request ran twice (stream, then whole) with the same drafts: half the kept ones were streamed.
+        assert num_chunks <= 2 * 24 - accepted / 2
+    finally:
+        rc, out = s.stop()
+    assert rc == 0, out
+    assert "Speculative decoding: ngram, up to 4 draft tokens per step" in out
