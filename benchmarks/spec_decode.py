@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Speculative decoding with n-gram drafts against plain decoding, side by side.
+
+One engine per configuration in one process (same model, dtype, KV cache dtype and memory):
+`off` decodes one token per step; `ngram:K:MIN-MAX` runs `--speculative-config '{"method":
+"ngram", "num_speculative_tokens": K, "prompt_lookup_min": MIN, "prompt_lookup_max": MAX}'`.
+
+Workloads (chat prompts through the model's chat template, greedy, --output-len tokens at most),
+one prompt per paragraph of the built-in calibration text:
+  - quote:   "Repeat the following text exactly" + the paragraph (the output copies its prompt);
+  - rewrite: "Rewrite the following text in simpler words" + the paragraph (copies some of it);
+  - free:    "Write a short story about" + a topic (nothing to copy: drafts rarely match, and
+             this measures what speculation costs when it does not pay).
+Each workload runs as a single stream (one request at a time, the latency case) and as one
+batch of all its prompts. Rounds alternate the order of the configurations (ABBA).
+
+Reported per run: output tokens, wall time, output tok/s, forward passes (engine steps), and
+for speculation the drafts proposed and kept (acceptance rate; mean acceptance length = tokens
+per verify pass, the emitted one included); per round each configuration's tok/s ratio to
+`off` and how many requests generated the same tokens as `off`.
+
+    .venv/bin/python benchmarks/spec_decode.py                      # default model, bf16, FP8 KV
+    .venv/bin/python benchmarks/spec_decode.py --configs ngram:4:2-4 --workloads quote --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+import torch
+from bench_common import add_model_args, print_header, require_positive
+
+TOPICS = ["a lighthouse keeper", "a lost umbrella", "the first day at a new school", "a robot that learns to cook",
+          "two friends on a train", "a garden in winter"]
+INSTRUCTIONS = {
+    "quote": "Repeat the following text exactly, word for word:\n\n{text}",
+    "rewrite": "Rewrite the following text in simpler words:\n\n{text}",
+    "free": "Write a short story about {topic}.",
+}
+
+
+def parse_config(spec: str) -> dict | None:
+    """'off' -> None; 'ngram:K:MIN-MAX' -> the speculative config."""
+    if spec == "off":
+        return None
+    m = re.fullmatch(r"ngram:(\d+):(\d+)-(\d+)", spec)
+    if not m:
+        raise ValueError(f"a configuration is 'off' or 'ngram:K:MIN-MAX' (e.g. ngram:4:2-4), got {spec!r}")
+    k, lo, hi = map(int, m.groups())
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+
+
+def prompts_for(llm, workload: str, num_prompts: int) -> list[list[int]]:
+    from fp8serve.calibration.default_text import DEFAULT_CALIBRATION_TEXT
+
+    paragraphs = [p.strip() for p in DEFAULT_CALIBRATION_TEXT.split("\n\n") if len(p.strip()) > 200]
+    prompts = []
+    for i in range(num_prompts):
+        content = INSTRUCTIONS[workload].format(text=paragraphs[i % len(paragraphs)], topic=TOPICS[i % len(TOPICS)])
+        prompts.append(llm.apply_chat_template([{"role": "user", "content": content}]))
+    return prompts
+
+
+def run(llm, prompts: list[list[int]], output_len: int, batched: bool) -> dict:
+    from fp8serve.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    st = engine.stats
+    before = (st.num_steps, st.spec_decode_num_drafts, st.spec_decode_num_draft_tokens,
+              st.spec_decode_num_accepted_tokens)
+    params = SamplingParams(temperature=0, max_tokens=output_len)
+    t = time.perf_counter()
+    if batched:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    else:
+        outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+    wall = time.perf_counter() - t
+    steps, drafts, drafted, accepted = (a - b for a, b in zip(
+        (st.num_steps, st.spec_decode_num_drafts, st.spec_decode_num_draft_tokens,
+         st.spec_decode_num_accepted_tokens), before))
+    tokens = [o.outputs[0].token_ids for o in outs]
+    n = sum(len(t) for t in tokens)
+    return dict(wall=wall, tokens=n, tok_s=n / wall, steps=steps, drafts=drafts, drafted=drafted,
+                accepted=accepted, outputs=tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--configs", default="ngram:4:2-4,ngram:8:2-4,ngram:4:5-5",
+                    help="comma-separated ngram:K:MIN-MAX configurations, run next to 'off'")
+    ap.add_argument("--workloads", default="quote,rewrite,free")
+    ap.add_argument("--modes", default="single,batch", help="single (one request at a time) and/or batch")
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    require_positive(ap, args, "num_prompts", "output_len", "rounds")
+    try:
+        configs = {"off": None} | {c.strip(): parse_config(c.strip()) for c in args.configs.split(",") if c.strip()}
+    except ValueError as e:
+        ap.error(f"--configs: {e}")
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in workloads if w not in INSTRUCTIONS]
+    if bad or not workloads:
+        ap.error(f"--workloads takes {', '.join(INSTRUCTIONS)}, got {args.workloads!r}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("single", "batch") for m in modes):
+        ap.error(f"--modes takes single and/or batch, got {args.modes!r}")
+
+    from fp8serve import LLM
+
+    print_header("Speculative decoding (n-gram drafts) vs plain decoding", argv)
+    llms = {label: LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+                       kv_cache_memory=args.kv_cache_memory, speculative_config=spec)
+            for label, spec in configs.items()}
+    first = next(iter(llms.values()))
+    prompts = {w: prompts_for(first, w, args.num_prompts) for w in workloads}
+    lens = {w: sum(len(p) for p in ps) / len(ps) for w, ps in prompts.items()}
+    print(f"- {args.num_prompts} prompts per workload (mean prompt tokens: "
+          + ", ".join(f"{w} {n:.0f}" for w, n in lens.items())
+          + f"), greedy, at most {args.output_len} output tokens; torch threads {torch.get_num_threads()}\n")
+    # Warm-up, one unreported pass of every measured run: kernel builds, first allocations, and
+    # the decode recordings of every batch size the runs reach (a first decode step at a new size
+    # records it: ~0.2-0.7 s here). A speculating engine decodes plainly only in steps without
+    # drafts, so it would otherwise record sizes at other times than `off` does.
+    for llm in llms.values():
+        for workload in workloads:
+            for mode in modes:
+                run(llm, prompts[workload], args.output_len, mode == "batch")
+
+    head = ["round", "workload", "mode", "config", "tokens", "wall s", "output tok/s", "steps", "drafted",
+            "kept", "acceptance", "tokens per verify"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    labels = list(llms)
+    summary = []
+    for rnd in range(1, args.rounds + 1):
+        for workload in workloads:
+            for mode in modes:
+                res = {}
+                for label in (labels if rnd % 2 else labels[::-1]):
+                    r = res[label] = run(llms[label], prompts[workload], args.output_len, mode == "batch")
+                    acc = f"{100 * r['accepted'] / r['drafted']:.0f}%" if r["drafted"] else "-"
+                    per = f"{1 + r['accepted'] / r['drafts']:.2f}" if r["drafts"] else "-"
+                    print(f"| {rnd} | {workload} | {mode} | {label} | {r['tokens']} | {r['wall']:.2f} | "
+                          f"{r['tok_s']:.1f} | {r['steps']} | {r['drafted']} | {r['accepted']} | {acc} | {per} |",
+                          flush=True)
+                off = res["off"]
+                for label in labels[1:]:
+                    r = res[label]
+                    same = sum(a == b for a, b in zip(off["outputs"], r["outputs"]))
+                    summary.append(f"round {rnd}, {workload}, {mode}, {label} / off: output tok/s "
+                                   f"{r['tok_s'] / off['tok_s']:.2f}x; {same}/{len(r['outputs'])} requests "
+                                   f"generated the same tokens")
+    print()
+    for line in summary:
+        print("- " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
