@@ -3,7 +3,9 @@
 
 One engine per configuration in one process (same model, dtype, KV cache dtype and memory):
 `off` decodes one token per step; `ngram:K:MIN-MAX` runs `--speculative-config '{"method":
-"ngram", "num_speculative_tokens": K, "prompt_lookup_min": MIN, "prompt_lookup_max": MAX}'`.
+"ngram", "num_speculative_tokens": K, "prompt_lookup_min": MIN, "prompt_lookup_max": MAX}'`;
+`ngram:K:MIN-MAX:fixed` the same with the scheduler's draft trimming off (always up to K drafts;
+see Scheduler.trim_drafts).
 
 Workloads (chat prompts through the model's chat template, greedy, --output-len tokens at most),
 one prompt per paragraph of the built-in calibration text:
@@ -42,15 +44,16 @@ INSTRUCTIONS = {
 }
 
 
-def parse_config(spec: str) -> dict | None:
-    """'off' -> None; 'ngram:K:MIN-MAX' -> the speculative config."""
+def parse_config(spec: str) -> tuple[dict | None, bool]:
+    """'off' -> None; 'ngram:K:MIN-MAX[:fixed]' -> (the speculative config, whether drafts are trimmed)."""
     if spec == "off":
-        return None
-    m = re.fullmatch(r"ngram:(\d+):(\d+)-(\d+)", spec)
+        return None, True
+    m = re.fullmatch(r"ngram:(\d+):(\d+)-(\d+)(:fixed)?", spec)
     if not m:
-        raise ValueError(f"a configuration is 'off' or 'ngram:K:MIN-MAX' (e.g. ngram:4:2-4), got {spec!r}")
-    k, lo, hi = map(int, m.groups())
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+        raise ValueError(f"a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed]' (e.g. ngram:4:2-4), got {spec!r}")
+    k, lo, hi = map(int, m.groups()[:3])
+    return ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi},
+            m.group(4) is None)
 
 
 def prompts_for(llm, workload: str, num_prompts: int) -> list[list[int]]:
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     require_positive(ap, args, "num_prompts", "output_len", "rounds")
     try:
-        configs = {"off": None} | {c.strip(): parse_config(c.strip()) for c in args.configs.split(",") if c.strip()}
+        configs = {"off": (None, True)} | {c.strip(): parse_config(c.strip()) for c in args.configs.split(",")
+                                           if c.strip()}
     except ValueError as e:
         ap.error(f"--configs: {e}")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -115,9 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     from fp8serve import LLM
 
     print_header("Speculative decoding (n-gram drafts) vs plain decoding", argv)
-    llms = {label: LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
-                       kv_cache_memory=args.kv_cache_memory, speculative_config=spec)
-            for label, spec in configs.items()}
+    llms = {}
+    for label, (spec, trim) in configs.items():
+        llms[label] = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+                          kv_cache_memory=args.kv_cache_memory, speculative_config=spec)
+        if not trim:
+            llms[label].llm_engine.scheduler.spec_free_rows = None
     first = next(iter(llms.values()))
     prompts = {w: prompts_for(first, w, args.num_prompts) for w in workloads}
     lens = {w: sum(len(p) for p in ps) / len(ps) for w, ps in prompts.items()}

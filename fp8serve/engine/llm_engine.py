@@ -316,6 +316,7 @@ class LLMEngine:
                 st.spec_decode_num_drafts += 1
                 st.spec_decode_num_draft_tokens += len(seq.spec_token_ids)
                 st.spec_decode_num_accepted_tokens += count - 1
+                seq.spec_draft_limit = max(1, 2 * (count - 1))
                 seq.spec_token_ids = []
             for j in range(i, i + count):
                 token = token_ids[j]
@@ -353,7 +354,8 @@ class LLMEngine:
     def _propose_drafts(self, seqs: list[Sequence]) -> None:
         """Speculative decoding: drafts for the next step of each running
         sequence, no more than it may still generate less the token the step
-        emits anyway (max_tokens, the model length)."""
+        emits anyway (max_tokens, the model length). The scheduler may cut
+        them (Scheduler.trim_drafts)."""
         max_model_len = self.config.model_config.max_model_len
         for seq in seqs:
             if seq.finish_reason is not None:

@@ -50,6 +50,9 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow this sequence, checked in
     # its next decode step (fp8serve/spec_decode/).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Twice the drafts its last verify pass kept (at least 1); None before
+    # its first one. Scheduler.trim_drafts cuts drafts to it in busy steps.
+    spec_draft_limit: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

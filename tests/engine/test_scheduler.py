@@ -821,3 +821,31 @@ def test_a_preempted_sequence_loses_its_drafts():
     out = sched.schedule()  # a needs a block: b, the most recently admitted, is preempted
     assert names(out.preempted) == ["b"] and b.status is SequenceStatus.WAITING
     assert b.spec_token_ids == []
+
+
+def test_drafts_are_trimmed_only_in_steps_past_the_free_rows():
+    """Up to spec_free_rows verify rows every draft is kept; past them each sequence's drafts are
+    cut to its spec_draft_limit (sequences without one yet keep theirs)."""
+    sched = make_scheduler(num_blocks=64, block_size=4, max_model_len=32)
+    seqs = [make_seq(3, f"s{i}") for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    run_step(sched.schedule())
+    sched.spec_free_rows = 3 + 6
+    seqs[0].spec_token_ids, seqs[0].spec_draft_limit = [1, 2, 3, 4], 1
+    seqs[1].spec_token_ids, seqs[1].spec_draft_limit = [5, 6], None
+    sched.schedule()  # 3 + 6 rows: nothing cut
+    assert [len(s.spec_token_ids) for s in seqs] == [4, 2, 0]
+    seqs[2].spec_token_ids, seqs[2].spec_draft_limit = [7, 8, 9], 2
+    for s in seqs:  # as if the step ran and kept nothing; the same drafts proposed again
+        s.num_computed_tokens = s.num_tokens
+        s.output_token_ids.append(9)
+    sched.schedule()  # 3 + 9 rows: cut to the limits
+    assert [s.spec_token_ids for s in seqs] == [[1], [5, 6], [7, 8]]
+    sched.spec_free_rows = None  # never cut
+    seqs[0].spec_token_ids = [1, 2, 3, 4]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens
+        s.output_token_ids.append(9)
+    sched.schedule()
+    assert len(seqs[0].spec_token_ids) == 4

@@ -224,6 +224,39 @@ def test_drafts_stop_at_max_tokens_and_the_model_length(model_dir):
         engine.step()
 
 
+@pytest.mark.parametrize("trim", [True, False])
+def test_busy_steps_cut_drafts_to_twice_what_the_last_pass_kept(model_dir, trim, seed):
+    """Scheduler.trim_drafts with every step counting as busy (spec_free_rows 0): a verify pass
+    checks at most max(1, 2a) of a sequence's drafts after its pass that kept a; without
+    trimming, up to num_speculative_tokens. Outputs are the same either way."""
+    k = 6
+    engine = make_engine(model_dir, dict(NGRAM, num_speculative_tokens=k))
+    engine.scheduler.spec_free_rows = 0 if trim else None
+    passes: dict[str, list[tuple[int, int]]] = {}  # request id -> (drafts checked, drafts kept) per pass
+    verify = engine.model_runner._execute_verify
+
+    def spy(seqs, eos):
+        drafts = [len(s.spec_token_ids) for s in seqs]
+        out = verify(seqs, eos)
+        for s, n, emitted in zip(seqs, drafts, out.num_sampled_tokens):
+            if n:
+                passes.setdefault(s.request_id, []).append((n, emitted - 1))
+        return out
+
+    engine.model_runner._execute_verify = spy
+    requests = repetitive_requests(seed, temperature=0)
+    got = run(engine, requests)
+    assert_same(got, run(make_engine(model_dir, None), requests))
+    over = 0
+    for history in passes.values():
+        for (_, kept), (checked, _) in zip(history, history[1:]):
+            assert checked <= k
+            over += checked > max(1, 2 * kept)
+    assert sum(len(h) for h in passes.values()) > len(passes)  # sequences with several passes
+    # Without trimming some pass exceeds the limit: the check above tells the two apart.
+    assert (over == 0) if trim else (over > 0)
+
+
 def test_speculative_config_errors(model_dir):
     for bad, words in [
         ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
