@@ -23,6 +23,7 @@ per verify pass, the emitted one included); per round each configuration's tok/s
 
     .venv/bin/python benchmarks/spec_decode.py                      # default model, bf16, FP8 KV
     .venv/bin/python benchmarks/spec_decode.py --configs ngram:4:2-4 --workloads quote --rounds 1
+    .venv/bin/python benchmarks/spec_decode.py --verify-cost        # a verify pass vs a decode step
 """
 
 from __future__ import annotations
@@ -90,6 +91,59 @@ def run(llm, prompts: list[list[int]], output_len: int, batched: bool) -> dict:
                 accepted=accepted, outputs=tokens)
 
 
+def verify_cost(llm, batch_sizes: list[int], drafts: list[int], context: int, repeats: int = 15) -> None:
+    """Median time of one verify pass (ModelRunner.execute on sequences carrying drafts) against a
+    plain decode step of the same sequences: batch size x drafts per sequence, `context` tokens
+    each. The drafts are fixed tokens: what is timed is the pass, not whether they are kept."""
+    import statistics
+
+    from fp8serve.engine.sequence import Sequence
+    from fp8serve.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    runner, bm = engine.model_runner, engine.block_manager
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(times)
+
+    print("| sequences | drafts each | verify rows | pass ms | decode step ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    for batch in batch_sizes:
+        seqs = [Sequence(f"cost-{i}", [100 + (7 * i + j) % 5000 for j in range(context)],
+                         SamplingParams(temperature=0, max_tokens=max(drafts) + 2)) for i in range(batch)]
+        for s in seqs:
+            bm.allocate(s)
+        runner.execute(seqs, True, None)  # prefill the contexts
+        for s in seqs:
+            s.num_computed_tokens = s.num_tokens - 1
+            bm.append_slot(s, max(drafts))
+        try:
+            for k in drafts:
+                def verify():
+                    for s in seqs:
+                        s.spec_token_ids = [5] * k
+                    runner.execute(seqs, False, None)
+
+                def decode():
+                    for s in seqs:
+                        s.spec_token_ids = []
+                    runner.execute(seqs, False, None)
+
+                verify(), decode()  # first use of a row count records its decode forward
+                v, d = median_ms(verify), median_ms(decode)
+                print(f"| {batch} | {k} | {batch * (k + 1)} | {v:.1f} | {d:.1f} | {v / d:.2f} |", flush=True)
+        finally:
+            for s in seqs:
+                s.spec_token_ids = []
+                bm.free(s)
+    print()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -101,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verify-cost", action="store_true",
+                    help="only time verify passes against decode steps (batch 1, 6, 16 x 1, 4, 8 drafts, "
+                         "256-token contexts)")
     args = ap.parse_args(argv)
     require_positive(ap, args, "num_prompts", "output_len", "rounds")
     try:
@@ -117,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--modes takes single and/or batch, got {args.modes!r}")
 
     from fp8serve import LLM
+
+    if args.verify_cost:
+        print_header("Speculative decoding: what a verify pass costs against a decode step", argv)
+        llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+                  kv_cache_memory=args.kv_cache_memory)
+        print()
+        verify_cost(llm, [1, 6, 16], [1, 4, 8], context=256)
+        return 0
 
     print_header("Speculative decoding (n-gram drafts) vs plain decoding", argv)
     llms = {}

@@ -53,6 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true", help="passed to every server")
     p.add_argument("--enable-chunked-prefill", action="store_true", help="passed to every server")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="passed to every server")
+    p.add_argument("--speculative-config", default=None, metavar="JSON", help="passed to every server")
     p.add_argument("--out-dir", default="benchmarks/results/sweep")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -122,6 +123,8 @@ def server_command(model: str, kv_dtype: str, workload: dict, args, port: int) -
         cmd.append("--enable-chunked-prefill")
     if args.max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.speculative_config is not None:
+        cmd += ["--speculative-config", args.speculative_config]
     return cmd
 
 
@@ -232,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
                            if getattr(args, name))
     if args.max_num_batched_tokens is not None:
         engine_flags += f", --max-num-batched-tokens {args.max_num_batched_tokens}"
+    if args.speculative_config is not None:
+        engine_flags += f", --speculative-config '{args.speculative_config}'"
     desc = (f"workload '{args.workload}': QPS {workload['request_rate']}, {workload['num_prompts']} requests, "
             f"{prefix}{workload['input_len']} in / {workload['output_len']} out (ignore_eos, temperature 0), "
             f"--kv-cache-memory {args.kv_cache_memory}, --max-model-len {max_model_len}{engine_flags}")
@@ -246,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"workload": args.workload, **workload, "kv_cache_memory": args.kv_cache_memory,
                    "random_prefix_len": args.random_prefix_len, "enable_prefix_caching": args.enable_prefix_caching,
                    "enable_chunked_prefill": args.enable_chunked_prefill,
-                   "max_num_batched_tokens": args.max_num_batched_tokens, "rows": rows}, f, indent=1)
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "speculative_config": args.speculative_config, "rows": rows}, f, indent=1)
     plot(rows, out_dir / "sweep.png", desc)
     print(f"wrote {out_dir}/sweep.md, sweep.json, sweep.png")
     return 0 if all(r["failed"] == 0 for r in rows) else 1

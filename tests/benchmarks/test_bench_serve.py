@@ -129,7 +129,7 @@ def test_saturated_throughput_stops_at_the_last_first_token():
 
 
 def test_sweep_passes_the_engine_flags_to_every_server():
-    """--enable-prefix-caching, --enable-chunked-prefill and --max-num-batched-tokens reach each
+    """--enable-prefix-caching, --enable-chunked-prefill, --max-num-batched-tokens and --speculative-config reach each
     server's command line; --max-model-len grows to hold --random-prefix-len + prompt + output."""
     from fp8serve.entrypoints.cli import build_parser
 
@@ -140,8 +140,11 @@ def test_sweep_passes_the_engine_flags_to_every_server():
     assert cmd[cmd.index("--max-model-len") + 1] == "512" and cmd[cmd.index("--port") + 1] == "8123"
     assert "--enable-prefix-caching" not in cmd and "--enable-chunked-prefill" not in cmd
     assert "--max-num-batched-tokens" not in cmd and cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--speculative-config" not in cmd
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
     args = parser.parse_args(["bench", "sweep", "--random-prefix-len", "512", "--enable-prefix-caching",
-                              "--enable-chunked-prefill", "--max-num-batched-tokens", "256"])
+                              "--enable-chunked-prefill", "--max-num-batched-tokens", "256",
+                              "--speculative-config", spec])
     cmd = server_command("/models/x", "auto", workload, args, 8124)
     assert cmd[4] == "/models/x" and cmd[cmd.index("--max-model-len") + 1] == str(512 + 128 + 32)
     assert "--enable-prefix-caching" in cmd and "--enable-chunked-prefill" in cmd
@@ -149,6 +152,7 @@ def test_sweep_passes_the_engine_flags_to_every_server():
     # The server's own parser accepts the command line the sweep builds.
     served = parser.parse_args(cmd[3:])
     assert served.enable_prefix_caching and served.enable_chunked_prefill and served.max_num_batched_tokens == 256
+    assert served.speculative_config == spec
 
 
 def test_sweep_rejects_a_negative_prefix_before_starting_servers(tmp_path):
