@@ -292,7 +292,9 @@ def test_several_preempted_sequences_keep_their_order_at_the_front():
 
 
 def check_invariants(sched: Scheduler, out: SchedulerOutput | None, all_seqs: list[Sequence],
-                     finished: set[str]) -> None:
+                     finished: set[str], max_drafts: int = 0) -> None:
+    """max_drafts: speculative decoding's drafts per sequence, whose slots a sequence may hold
+    beyond its tokens."""
     bm = sched.block_manager
     bs = bm.block_size
     owned = [b for s in sched.running for b in s.block_table]
@@ -317,10 +319,13 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput | None, all_seqs: li
         # Blocks for every token except, at most, the newest one that the next decode will add;
         # and never more blocks than the tokens need.
         assert len(s.block_table) * bs >= s.num_tokens - 1
-        assert len(s.block_table) == -(-s.num_tokens // bs) or len(s.block_table) == (s.num_tokens - 1) // bs
+        if max_drafts:
+            assert len(s.block_table) <= -(-(s.num_tokens + max_drafts) // bs)
+        else:
+            assert len(s.block_table) == -(-s.num_tokens // bs) or len(s.block_table) == (s.num_tokens - 1) // bs
     if out is not None:
         for s in out.seqs:
-            assert len(s.block_table) * bs >= s.num_tokens, "a scheduled sequence lacks a slot"
+            assert len(s.block_table) * bs >= s.num_tokens + len(s.spec_token_ids), "a scheduled sequence lacks a slot"
     assert len(sched.running) <= sched.config.max_num_seqs
     # No sequence is lost or duplicated.
     live = names(sched.running) + names(sched.waiting)
@@ -849,3 +854,77 @@ def test_drafts_are_trimmed_only_in_steps_past_the_free_rows():
         s.output_token_ids.append(9)
     sched.schedule()
     assert len(seqs[0].spec_token_ids) == 4
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("reserve_growth", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth, prefix_caching):
+    """Speculative decoding's drafts in the randomized simulation, trimmed in every step, past 8
+    rows or never: every decode gets slots for its token and the drafts it keeps, a step's tokens
+    count them, preempted sequences lose theirs, blocks stay consistent (with prefix caching
+    too), and verify passes that keep some drafts (the engine appends them and one more token)
+    neither lose nor overshoot tokens."""
+    rng = random.Random(seed)
+    block_size, num_blocks, max_model_len, max_drafts = 4, 12, 24, 4
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6,
+                           max_num_batched_tokens=32, max_model_len=max_model_len, reserve_growth=reserve_growth,
+                           enable_prefix_caching=prefix_caching)
+    sched.spec_free_rows = rng.choice([0, 8, None])
+    bm = sched.block_manager
+    all_seqs: list[Sequence] = []
+    target: dict[str, int] = {}
+    finished: set[str] = set()
+    num_verified = num_kept = 0
+    for step in range(3000):
+        if step < 300 and rng.random() < 0.35:
+            for _ in range(rng.choice([1, 1, 2])):
+                seq = make_seq(rng.randint(1, 16))
+                target[seq.request_id] = rng.randint(1, max_model_len - seq.num_prompt_tokens)
+                all_seqs.append(seq)
+                sched.add(seq)
+        if step >= 300 and not sched.has_unfinished():
+            break
+        for s in sched.running:  # what LLMEngine._propose_drafts leaves: within max_tokens and the model length
+            room = min(target[s.request_id] - len(s.output_token_ids), max_model_len - s.num_tokens) - 1
+            s.spec_token_ids = [rng.randrange(1, 500) for _ in range(rng.randint(0, max(0, min(max_drafts, room))))]
+        out = sched.schedule()
+        check_invariants(sched, out, all_seqs, finished, max_drafts)
+        if out is None:
+            assert not sched.has_unfinished(), f"step {step}: stalled with work left"
+            continue
+        for s in out.preempted:
+            assert s.spec_token_ids == []
+        if out.is_prefill:
+            for s in out.seqs:
+                s.num_computed_tokens = s.num_tokens
+                if prefix_caching:
+                    bm.cache_computed_blocks(s)
+                s.output_token_ids.append(rng.randrange(1, 500))
+        else:
+            assert out.num_batched_tokens == sum(1 + len(s.spec_token_ids) for s in out.seqs)
+            assert out.num_batched_tokens - len(out.seqs) <= sched.config.max_num_batched_tokens - len(out.seqs)
+            for s in out.seqs:
+                kept = rng.randint(0, len(s.spec_token_ids))
+                num_verified += len(s.spec_token_ids)
+                num_kept += kept
+                s.output_token_ids += s.spec_token_ids[:kept] + [rng.randrange(1, 500)]
+                s.num_computed_tokens = s.num_tokens - 1
+                if prefix_caching:
+                    bm.cache_computed_blocks(s)
+                if s.spec_token_ids:
+                    s.spec_draft_limit = max(1, 2 * kept)
+                s.spec_token_ids = []
+        for s in out.seqs:
+            assert len(s.output_token_ids) <= target[s.request_id] and s.num_tokens <= max_model_len
+            if len(s.output_token_ids) >= target[s.request_id] or s.num_tokens >= max_model_len:
+                sched.finish(s)
+                finished.add(s.request_id)
+        check_invariants(sched, None, all_seqs, finished, max_drafts)
+    else:
+        pytest.fail("not done after 3000 steps")
+    assert finished == {s.request_id for s in all_seqs}
+    for s in all_seqs:
+        assert len(s.output_token_ids) == target[s.request_id] or s.num_tokens == max_model_len
+    assert num_verified > 100 and 0 < num_kept < num_verified
+    assert bm.num_free_blocks == num_blocks
