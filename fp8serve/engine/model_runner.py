@@ -228,7 +228,6 @@ class ModelRunner:
         25 ms float32 batch-1 step on a 2-vCPU Xeon (46 us when hot)."""
         bs = self.kv_cache_spec.block_size
         null = self.num_blocks
-        n = len(seqs)
         max_blocks = max(len(s.block_table) for s in seqs)
         ids, pos, slots, lens, rows = [], [], [], [], []
         for s in seqs:
@@ -239,9 +238,17 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             lens.append(num_tokens)
             rows.append(table + [null] * (max_blocks - len(table)))
+        return self._decode_form(ids, pos, slots, lens, rows)
+
+    def _decode_form(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
+                     rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Inputs and metadata of a pass of one query per row (a decode step,
+        or a verify pass in decode form): token id, position, slot, context
+        length and padded block table of each row."""
+        n = len(ids)
         # Four contiguous rows of one tensor: token ids, positions, slots, lengths.
-        per_seq = torch.tensor([ids, pos, slots, lens], dtype=torch.int64, device=self.device)
-        input_ids, positions, slot_mapping, seq_lens = per_seq.unbind(0)
+        per_row = torch.tensor([ids, pos, slots, lens], dtype=torch.int64, device=self.device)
+        input_ids, positions, slot_mapping, seq_lens = per_row.unbind(0)
         query_start_loc = self._decode_query_start_loc.get(n)
         if query_start_loc is None:
             query_start_loc = self._decode_query_start_loc[n] = torch.arange(n + 1, dtype=torch.int64,
@@ -255,7 +262,7 @@ class ModelRunner:
             max_seq_len=max(lens),
             num_seqs=n,
             num_tokens=n,
-            null_block_id=null,
+            null_block_id=self.num_blocks,
         )
         self.backend.build_metadata(md)
         return input_ids, positions, md
@@ -417,26 +424,7 @@ class ModelRunner:
                 slots.append(table[p // bs] * bs + p % bs)
                 lens.append(p + 1)
                 rows.append(row)
-        n = len(ids)
-        per_token = torch.tensor([ids, pos, slots, lens], dtype=torch.int64, device=self.device)
-        input_ids, positions, slot_mapping, seq_lens = per_token.unbind(0)
-        query_start_loc = self._decode_query_start_loc.get(n)
-        if query_start_loc is None:
-            query_start_loc = self._decode_query_start_loc[n] = torch.arange(n + 1, dtype=torch.int64,
-                                                                              device=self.device)
-        md = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            block_tables=torch.tensor(rows, dtype=torch.int64, device=self.device),
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            max_query_len=1,
-            max_seq_len=max(lens),
-            num_seqs=n,
-            num_tokens=n,
-            null_block_id=null,
-        )
-        self.backend.build_metadata(md)
-        return input_ids, positions, md
+        return self._decode_form(ids, pos, slots, lens, rows)
 
     def _execute_verify(self, seqs: list[Sequence], eos_token_id: int | None) -> ModelRunnerOutput:
         """Speculative decoding's step: each sequence's last token and drafts

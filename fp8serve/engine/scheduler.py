@@ -269,8 +269,8 @@ class Scheduler:
 
         Speculative decoding: a sequence's drafts (`spec_token_ids`) get slots
         too, but never at another sequence's expense: they are dropped for
-        this step when their blocks would leave fewer free than the sequences
-        after it may need (one each), or when the step's drafts would pass
+        this step when blocks taken for them would leave fewer free than the
+        sequences after it may need (one each), or when the step's drafts would pass
         --max-num-batched-tokens (counting one token per running sequence)."""
         decodes: list[Sequence] = []
         continuing: list[Sequence] = []
@@ -287,8 +287,9 @@ class Scheduler:
                 continue
             k = len(seq.spec_token_ids)
             if k:
-                if (k > draft_budget
-                        or bm.blocks_to_append(seq, k) + (len(self.running) - i - 1) > bm.num_free_blocks):
+                needed = bm.blocks_to_append(seq, k)
+                takes_more = needed > bm.blocks_to_append(seq)  # blocks for the drafts alone
+                if k > draft_budget or (takes_more and needed + len(self.running) - i - 1 > bm.num_free_blocks):
                     seq.spec_token_ids = []
                     k = 0
                 draft_budget -= k

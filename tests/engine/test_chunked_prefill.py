@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from checkpoints import load_hf_model, write_tiny_llama
+from engine_runs import run_requests as run
 
 from fp8serve.engine.llm_engine import LLMEngine
 from fp8serve.sampling_params import SamplingParams
@@ -32,19 +33,6 @@ def make_engine(model_dir: str, *, budget: int | None, kv_cache_dtype: str = "au
         enable_chunked_prefill=budget is not None, max_num_batched_tokens=budget,
         enable_prefix_caching=prefix_caching,
     )
-
-
-def run(engine: LLMEngine, requests) -> dict:
-    for rid, prompt, params in requests:
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    finished = {}
-    for _ in range(3000):
-        if not engine.has_unfinished_requests():
-            return finished
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    pytest.fail("not finished after 3000 steps")
 
 
 def random_requests(seed: int, n: int = 12, **params) -> list:

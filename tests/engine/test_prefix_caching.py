@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from checkpoints import load_hf_model, write_tiny_llama
+from engine_runs import run_requests as run
 
 from fp8serve.engine.llm_engine import LLMEngine
 from fp8serve.sampling_params import SamplingParams
@@ -28,19 +29,6 @@ def make_engine(model_dir: str, *, prefix_caching: bool, kv_cache_dtype: str = "
         kv_cache_memory=kv_cache_memory, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
         enable_prefix_caching=prefix_caching,
     )
-
-
-def run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict:
-    for rid, prompt, params in requests:
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    finished = {}
-    for _ in range(2000):
-        if not engine.has_unfinished_requests():
-            return finished
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    pytest.fail("not finished after 2000 steps")
 
 
 def shared_prefix_prompts(seed: int, prefix_len: int = 13, n: int = 6) -> list[list[int]]:

@@ -928,3 +928,18 @@ def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth
         assert len(s.output_token_ids) == target[s.request_id] or s.num_tokens == max_model_len
     assert num_verified > 100 and 0 < num_kept < num_verified
     assert bm.num_free_blocks == num_blocks
+
+
+def test_drafts_that_fit_in_the_sequences_own_new_block_are_kept():
+    """Drafts are dropped only for blocks they would take beyond the sequence's own next block: b is
+    preempted for a's next block with or without a's drafts, so they stay."""
+    sched = make_scheduler(num_blocks=3, block_size=4, max_model_len=12)
+    a, b = make_seq(4, "a"), make_seq(4, "b")
+    for s in (a, b):
+        sched.add(s)
+    run_step(sched.schedule())  # 5 tokens each, one block each; one free
+    assert sched.block_manager.num_free_blocks == 1
+    a.spec_token_ids = [1, 2, 3]  # positions 4..7: all in a's second block, which it needs anyway
+    out = sched.schedule()
+    assert names(out.seqs) == ["a"] and names(out.preempted) == ["b"]
+    assert a.spec_token_ids == [1, 2, 3] and out.num_batched_tokens == 1 + 3 and len(a.block_table) == 2

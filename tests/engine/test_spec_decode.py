@@ -7,6 +7,7 @@ import random
 
 import pytest
 from checkpoints import write_tiny_llama, write_tiny_mixtral
+from engine_runs import run_requests as run
 
 from fp8serve.engine.llm_engine import LLMEngine
 from fp8serve.errors import ConfigError
@@ -27,19 +28,6 @@ def make_engine(model_dir: str, spec: dict | None, **kwargs) -> LLMEngine:
                 max_model_len=MAX_MODEL_LEN, speculative_config=spec)
     args.update(kwargs)
     return LLMEngine.from_args(model_dir, **args)
-
-
-def run(engine: LLMEngine, requests) -> dict:
-    for rid, prompt, params in requests:
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    finished = {}
-    for _ in range(3000):
-        if not engine.has_unfinished_requests():
-            return finished
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    pytest.fail("not finished after 3000 steps")
 
 
 def repetitive_requests(test_seed: int, n: int = 10, **params) -> list:

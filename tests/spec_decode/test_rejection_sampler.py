@@ -262,7 +262,6 @@ def test_greedy_stop_token_ids_banned_until_min_tokens():
 
 def test_greedy_repetition_penalty_counts_drafts():
     """Row 1 sees draft 0 as an output: a repetition penalty on it flips the argmax."""
-    vocab = 6
     logits = torch.tensor([[0.0, 4.0, 3.0, 0.0, 0.0, 0.0]] * 3)
     params = SamplingParams(temperature=0, repetition_penalty=2.0)
     # Row 0: 1 is unseen (prompt [0]) so it wins; row 1: 1 was drafted, 4 / 2 = 2 < 3;
