@@ -119,9 +119,11 @@ def test_stops_inside_a_run_of_kept_drafts(model_dir, seed):
     engine = make_engine(model_dir, NGRAM)
     got = run(engine, requests)
     assert_same(got, ref)
+    assert_drafts_kept_and_rejected(engine)
+    max_tokens = {rid: params.max_tokens for rid, _, params in requests}
     for rid, out in got.items():
         if rid.endswith("-len"):
-            assert len(out.outputs[0].token_ids) == requests[[r[0] for r in requests].index(rid)][2].max_tokens
+            assert len(out.outputs[0].token_ids) == max_tokens[rid]
 
 
 @pytest.mark.parametrize("mode", ["prefix-caching", "chunked-prefill", "preemption"])
