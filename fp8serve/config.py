@@ -332,7 +332,8 @@ SPECULATIVE_METHODS = ("ngram",)
 # A verify pass computes 1 + num_speculative_tokens positions of a sequence;
 # beyond this many drafts the pass costs more than the tokens it can win here.
 MAX_NUM_SPECULATIVE_TOKENS = 16
-_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size")
 
 
 @dataclass
@@ -342,12 +343,16 @@ class SpeculativeConfig:
     to prompt_lookup_min tokens is looked up earlier in the sequence and the
     num_speculative_tokens tokens that followed it there are proposed; one
     forward pass then checks them all (fp8serve/spec_decode/). Defaults as in
-    vLLM: both lookup bounds 5 when neither is given, else the given one."""
+    vLLM: both lookup bounds 5 when neither is given, else the given one.
+    disable_by_batch_size (vLLM's field): no drafts are proposed while at
+    least this many requests are running or waiting (a big batch's step is
+    compute-bound here, where rejected drafts cost time); None: no limit."""
 
     method: str = "ngram"
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         where = "--speculative-config"
@@ -361,7 +366,7 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
             raise ConfigError(f"{where}: 'num_speculative_tokens' must be an integer in "
                               f"[1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}")
-        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{where}: '{name}' must be an integer >= 1, got {v!r}")

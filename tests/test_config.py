@@ -372,6 +372,8 @@ def test_speculative_config_lookup_bounds_default_as_vllm():
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "'prompt_lookup_min' must be an integer >= 1, got 0"),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 2.5}, "'prompt_lookup_max' must be an integer >= 1"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must not exceed"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "'disable_by_batch_size' must be an integer >= 1, got 0"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": True}, "'disable_by_batch_size' must be an integer >= 1"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "method 'draft_model' is not supported"),
     ("[]", "must be a JSON object, got []"),
     ("{'method': 'ngram'}", "must be a JSON object such as"),

@@ -354,8 +354,12 @@ class LLMEngine:
     def _propose_drafts(self, seqs: list[Sequence]) -> None:
         """Speculative decoding: drafts for the next step of each running
         sequence, no more than it may still generate less the token the step
-        emits anyway (max_tokens, the model length). The scheduler may cut
-        them (Scheduler.trim_drafts)."""
+        emits anyway (max_tokens, the model length); none while at least
+        `disable_by_batch_size` requests are running or waiting. The scheduler
+        may cut them (Scheduler.trim_drafts)."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        if limit is not None and self.scheduler.num_running + self.scheduler.num_waiting >= limit:
+            return
         max_model_len = self.config.model_config.max_model_len
         for seq in seqs:
             if seq.finish_reason is not None:

@@ -247,6 +247,31 @@ def test_busy_steps_cut_drafts_to_twice_what_the_last_pass_kept(model_dir, trim,
     assert (over == 0) if trim else (over > 0)
 
 
+def test_disable_by_batch_size(model_dir, seed):
+    """vLLM's disable_by_batch_size: no drafts while at least that many requests are running or
+    waiting; drafts again once fewer are left. Outputs are plain decoding's either way."""
+    engine = make_engine(model_dir, dict(NGRAM, disable_by_batch_size=4))
+    # Three short requests, then three long ones that go on alone.
+    requests = [(rid, prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=8 if i < 3 else 48))
+                for i, (rid, prompt, _) in enumerate(repetitive_requests(seed, n=6))]
+    for rid, prompt, params in requests:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    outputs, busy_steps, drafted_when_few = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        live = engine.scheduler.num_running + engine.scheduler.num_waiting
+        drafts = sum(len(s.spec_token_ids) for s in engine.scheduler.running)
+        if live >= 4:
+            busy_steps += 1
+            assert drafts == 0
+        else:
+            drafted_when_few += drafts
+    assert busy_steps > 0 and drafted_when_few > 0
+    assert_same(outputs, run(make_engine(model_dir, None), requests))
+
+
 def test_speculative_config_errors(model_dir):
     for bad, words in [
         ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
