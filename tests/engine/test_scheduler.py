@@ -291,6 +291,18 @@ def test_several_preempted_sequences_keep_their_order_at_the_front():
 # ----------------------------------------------------------------------- randomized simulation
 
 
+def arrive(rng: random.Random, sched: Scheduler, all_seqs: list[Sequence], target: dict[str, int],
+           max_model_len: int, counts: list[int]) -> None:
+    """The randomized simulations' arrivals: with probability 0.35 a step brings rng.choice(counts)
+    new sequences of 1-16 prompt tokens, each with a random output length (`target`) that fits."""
+    if rng.random() < 0.35:
+        for _ in range(rng.choice(counts)):
+            seq = make_seq(rng.randint(1, 16))
+            target[seq.request_id] = rng.randint(1, max_model_len - seq.num_prompt_tokens)
+            all_seqs.append(seq)
+            sched.add(seq)
+
+
 def check_invariants(sched: Scheduler, out: SchedulerOutput | None, all_seqs: list[Sequence],
                      finished: set[str], max_drafts: int = 0) -> None:
     """max_drafts: speculative decoding's drafts per sequence, whose slots a sequence may hold
@@ -355,12 +367,8 @@ def test_randomized_simulation_keeps_invariants(seed, reserve_growth, prefix_cac
     num_prefills = num_decodes = 0
 
     for step in range(max_steps):
-        if step < num_arrival_steps and rng.random() < 0.35:
-            for _ in range(rng.choice([1, 1, 1, 2, 3])):
-                seq = make_seq(rng.randint(1, 16))
-                target[seq.request_id] = rng.randint(1, max_model_len - seq.num_prompt_tokens)
-                all_seqs.append(seq)
-                sched.add(seq)
+        if step < num_arrival_steps:
+            arrive(rng, sched, all_seqs, target, max_model_len, [1, 1, 1, 2, 3])
         if step >= num_arrival_steps and not sched.has_unfinished():
             break
 
@@ -711,12 +719,8 @@ def test_chunked_randomized_simulation_keeps_invariants(seed, reserve_growth, pr
     finished: set[str] = set()
     num_chunked = num_mixed = 0
     for step in range(3000):
-        if step < 300 and rng.random() < 0.35:
-            for _ in range(rng.choice([1, 1, 2])):
-                seq = make_seq(rng.randint(1, 16))
-                target[seq.request_id] = rng.randint(1, max_model_len - seq.num_prompt_tokens)
-                all_seqs.append(seq)
-                sched.add(seq)
+        if step < 300:
+            arrive(rng, sched, all_seqs, target, max_model_len, [1, 1, 2])
         if step >= 300 and not sched.has_unfinished():
             break
         running_before = names(sched.running)
@@ -877,12 +881,8 @@ def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth
     finished: set[str] = set()
     num_verified = num_kept = 0
     for step in range(3000):
-        if step < 300 and rng.random() < 0.35:
-            for _ in range(rng.choice([1, 1, 2])):
-                seq = make_seq(rng.randint(1, 16))
-                target[seq.request_id] = rng.randint(1, max_model_len - seq.num_prompt_tokens)
-                all_seqs.append(seq)
-                sched.add(seq)
+        if step < 300:
+            arrive(rng, sched, all_seqs, target, max_model_len, [1, 1, 2])
         if step >= 300 and not sched.has_unfinished():
             break
         for s in sched.running:  # what LLMEngine._propose_drafts leaves: within max_tokens and the model length
