@@ -4,8 +4,11 @@
 One engine per configuration in one process (same model, dtype, KV cache dtype and memory):
 `off` decodes one token per step; `ngram:K:MIN-MAX` runs `--speculative-config '{"method":
 "ngram", "num_speculative_tokens": K, "prompt_lookup_min": MIN, "prompt_lookup_max": MAX}'`;
-`ngram:K:MIN-MAX:fixed` the same with the scheduler's draft trimming off (always up to K drafts;
-see Scheduler.trim_drafts).
+`ngram:K:MIN-MAX:fixed` the same with the scheduler's draft policy off (every draft verified);
+`ngram:K:MIN-MAX:rows8` with the rule the scheduler had before the goodput policy (stop 29: where
+a step's verify rows pass 8, each sequence's drafts are cut to twice what its last pass kept).
+The default policy (fp8serve/spec_decode/draft_policy.py) verifies the drafts that raise the
+step's expected tokens per second, from the pass times and acceptance it measures as it runs.
 
 Workloads (chat prompts through the model's chat template, greedy, --output-len tokens at most),
 one prompt per paragraph of the built-in calibration text:
@@ -17,8 +20,9 @@ Each workload runs as a single stream (one request at a time, the latency case) 
 batch of all its prompts. Rounds alternate the order of the configurations (ABBA).
 
 Reported per run: output tokens, wall time, output tok/s, forward passes (engine steps), and
-for speculation the drafts proposed and kept (acceptance rate; mean acceptance length = tokens
-per verify pass, the emitted one included); per round each configuration's tok/s ratio to
+for speculation the drafts proposed, verified (what the draft policy left) and kept (acceptance
+rate = kept / verified; mean acceptance length = tokens per verify pass, the emitted one
+included); per round each configuration's tok/s ratio to
 `off` and how many requests generated the same tokens as `off`.
 
     .venv/bin/python benchmarks/spec_decode.py                      # default model, bf16, FP8 KV
@@ -36,6 +40,8 @@ import time
 import torch
 from bench_common import add_model_args, print_header, require_positive
 
+from fp8serve.spec_decode.draft_policy import GoodputDraftPolicy
+
 TOPICS = ["a lighthouse keeper", "a lost umbrella", "the first day at a new school", "a robot that learns to cook",
           "two friends on a train", "a garden in winter"]
 INSTRUCTIONS = {
@@ -45,16 +51,40 @@ INSTRUCTIONS = {
 }
 
 
-def parse_config(spec: str) -> tuple[dict | None, bool]:
-    """'off' -> None; 'ngram:K:MIN-MAX[:fixed]' -> (the speculative config, whether drafts are trimmed)."""
+class Rows8Policy(GoodputDraftPolicy):
+    """Stop 29's rule, for the comparison: past 8 verify rows in a step, each sequence's drafts are
+    cut to twice what its last verify pass kept (at least 1; none before its first pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits: dict[str, int] = {}
+
+    def observe_verify(self, seq, num_drafts: int, num_kept: int) -> None:
+        self.limits[seq.request_id] = max(1, 2 * num_kept)
+
+    def observe_pass(self, rows: int, context_tokens: int, seconds: float) -> None:
+        pass
+
+    def __call__(self, seqs) -> None:
+        if sum(1 + len(s.spec_token_ids) for s in seqs) <= 8:
+            return
+        for s in seqs:
+            limit = self.limits.get(s.request_id)
+            if limit is not None:
+                del s.spec_token_ids[limit:]
+
+
+def parse_config(spec: str) -> tuple[dict | None, str]:
+    """'off' -> None; 'ngram:K:MIN-MAX[:fixed|:rows8]' -> (the speculative config, the draft policy)."""
     if spec == "off":
-        return None, True
-    m = re.fullmatch(r"ngram:(\d+):(\d+)-(\d+)(:fixed)?", spec)
+        return None, "goodput"
+    m = re.fullmatch(r"ngram:(\d+):(\d+)-(\d+)(?::(fixed|rows8))?", spec)
     if not m:
-        raise ValueError(f"a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed]' (e.g. ngram:4:2-4), got {spec!r}")
+        raise ValueError("a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed|:rows8]' (e.g. ngram:4:2-4), "
+                         f"got {spec!r}")
     k, lo, hi = map(int, m.groups()[:3])
     return ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi},
-            m.group(4) is None)
+            m.group(4) or "goodput")
 
 
 def prompts_for(llm, workload: str, num_prompts: int) -> list[list[int]]:
@@ -76,19 +106,35 @@ def run(llm, prompts: list[list[int]], output_len: int, batched: bool) -> dict:
     before = (st.num_steps, st.spec_decode_num_drafts, st.spec_decode_num_draft_tokens,
               st.spec_decode_num_accepted_tokens)
     params = SamplingParams(temperature=0, max_tokens=output_len)
+    proposed = 0
+    proposer = engine.proposer
+    if proposer is not None:  # count the drafts proposed, before the draft policy cuts some
+        propose = proposer.propose
+
+        def counting(*args, **kwargs):
+            nonlocal proposed
+            drafts = propose(*args, **kwargs)
+            proposed += len(drafts)
+            return drafts
+
+        proposer.propose = counting
     t = time.perf_counter()
-    if batched:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    else:
-        outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+    try:
+        if batched:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        else:
+            outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+    finally:
+        if proposer is not None:
+            del proposer.propose  # the class's method again
     wall = time.perf_counter() - t
     steps, drafts, drafted, accepted = (a - b for a, b in zip(
         (st.num_steps, st.spec_decode_num_drafts, st.spec_decode_num_draft_tokens,
          st.spec_decode_num_accepted_tokens), before))
     tokens = [o.outputs[0].token_ids for o in outs]
     n = sum(len(t) for t in tokens)
-    return dict(wall=wall, tokens=n, tok_s=n / wall, steps=steps, drafts=drafts, drafted=drafted,
-                accepted=accepted, outputs=tokens)
+    return dict(wall=wall, tokens=n, tok_s=n / wall, steps=steps, drafts=drafts, proposed=proposed,
+                drafted=drafted, accepted=accepted, outputs=tokens)
 
 
 def verify_cost(llm, batch_sizes: list[int], drafts: list[int], context: int, repeats: int = 15) -> None:
@@ -161,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     require_positive(ap, args, "num_prompts", "output_len", "rounds")
     try:
-        configs = {"off": (None, True)} | {c.strip(): parse_config(c.strip()) for c in args.configs.split(",")
+        configs = {"off": (None, "goodput")} | {c.strip(): parse_config(c.strip()) for c in args.configs.split(",")
                                            if c.strip()}
     except ValueError as e:
         ap.error(f"--configs: {e}")
@@ -185,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print_header("Speculative decoding (n-gram drafts) vs plain decoding", argv)
     llms = {}
-    for label, (spec, trim) in configs.items():
+    for label, (spec, policy) in configs.items():
         llms[label] = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                           kv_cache_memory=args.kv_cache_memory, speculative_config=spec)
-        if not trim:
-            llms[label].llm_engine.scheduler.spec_free_rows = None
+        if policy != "goodput":
+            llms[label].llm_engine.scheduler.draft_policy = Rows8Policy() if policy == "rows8" else None
     first = next(iter(llms.values()))
     prompts = {w: prompts_for(first, w, args.num_prompts) for w in workloads}
     lens = {w: sum(len(p) for p in ps) / len(ps) for w, ps in prompts.items()}
@@ -205,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 run(llm, prompts[workload], args.output_len, mode == "batch")
 
-    head = ["round", "workload", "mode", "config", "tokens", "wall s", "output tok/s", "steps", "drafted",
-            "kept", "acceptance", "tokens per verify"]
+    head = ["round", "workload", "mode", "config", "tokens", "wall s", "output tok/s", "steps", "proposed",
+            "verified", "kept", "acceptance", "tokens per verify"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     labels = list(llms)
@@ -220,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                     acc = f"{100 * r['accepted'] / r['drafted']:.0f}%" if r["drafted"] else "-"
                     per = f"{1 + r['accepted'] / r['drafts']:.2f}" if r["drafts"] else "-"
                     print(f"| {rnd} | {workload} | {mode} | {label} | {r['tokens']} | {r['wall']:.2f} | "
-                          f"{r['tok_s']:.1f} | {r['steps']} | {r['drafted']} | {r['accepted']} | {acc} | {per} |",
+                          f"{r['tok_s']:.1f} | {r['steps']} | {r['proposed']} | {r['drafted']} | {r['accepted']} | "
+                          f"{acc} | {per} |",
                           flush=True)
                 off = res["off"]
                 for label in labels[1:]:
