@@ -40,7 +40,6 @@ import time
 import torch
 from bench_common import add_model_args, print_header, require_positive
 
-from fp8serve.spec_decode.draft_policy import GoodputDraftPolicy
 
 TOPICS = ["a lighthouse keeper", "a lost umbrella", "the first day at a new school", "a robot that learns to cook",
           "two friends on a train", "a garden in winter"]
@@ -51,27 +50,29 @@ INSTRUCTIONS = {
 }
 
 
-class Rows8Policy(GoodputDraftPolicy):
+class Rows8Policy:
     """Stop 29's rule, for the comparison: past 8 verify rows in a step, each sequence's drafts are
     cut to twice what its last verify pass kept (at least 1; none before its first pass)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.limits: dict[str, int] = {}
-
-    def observe_verify(self, seq, num_drafts: int, num_kept: int) -> None:
-        self.limits[seq.request_id] = max(1, 2 * num_kept)
-
-    def observe_pass(self, rows: int, context_tokens: int, seconds: float) -> None:
-        pass
+        self.verified: dict[str, tuple[int, list[int]]] = {}  # request id -> (index of draft 1, drafts)
 
     def __call__(self, seqs) -> None:
-        if sum(1 + len(s.spec_token_ids) for s in seqs) <= 8:
-            return
+        for s in seqs:  # how many of its last verified drafts the tokens since kept
+            start, drafts = self.verified.pop(s.request_id, (0, []))
+            if drafts and s.num_tokens > start:
+                tokens = s.token_ids[start:start + len(drafts)]
+                kept = next((j for j, (a, b) in enumerate(zip(tokens, drafts)) if a != b), len(tokens))
+                self.limits[s.request_id] = max(1, 2 * kept)
+        if sum(1 + len(s.spec_token_ids) for s in seqs) > 8:
+            for s in seqs:
+                limit = self.limits.get(s.request_id)
+                if limit is not None:
+                    del s.spec_token_ids[limit:]
         for s in seqs:
-            limit = self.limits.get(s.request_id)
-            if limit is not None:
-                del s.spec_token_ids[limit:]
+            if s.spec_token_ids:
+                self.verified[s.request_id] = (s.num_tokens, list(s.spec_token_ids))
 
 
 def parse_config(spec: str) -> tuple[dict | None, str]:

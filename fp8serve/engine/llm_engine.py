@@ -340,8 +340,6 @@ class LLMEngine:
                 st.spec_decode_num_drafts += 1
                 st.spec_decode_num_draft_tokens += len(seq.spec_token_ids)
                 st.spec_decode_num_accepted_tokens += count - 1
-                if isinstance(self.scheduler.draft_policy, GoodputDraftPolicy):
-                    self.scheduler.draft_policy.observe_verify(seq, len(seq.spec_token_ids), count - 1)
                 seq.spec_token_ids = []
             for j in range(i, i + count):
                 token = token_ids[j]

@@ -115,7 +115,7 @@ class Scheduler:
         self.output_fractions: deque[float] = deque(maxlen=RESERVE_WINDOW)  # output / budget of finished requests
         self.preemption_floor = 0.0
         # Speculative decoding: cuts the step's drafts to those worth their rows (draft_policy.py);
-        # None: every draft is verified. The engine feeds it pass times and verify results.
+        # None: every draft is verified. The engine feeds it the passes' times.
         self.draft_policy: Callable[[list[Sequence]], None] | None = GoodputDraftPolicy()
 
     @property

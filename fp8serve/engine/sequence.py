@@ -54,8 +54,8 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow this sequence, checked in
     # its next decode step (fp8serve/spec_decode/).
     spec_token_ids: list[int] = field(default_factory=list)
-    # How often its drafts were kept (fp8serve/spec_decode/draft_policy.py);
-    # None before its first verify pass.
+    # How its proposals fared (fp8serve/spec_decode/draft_policy.py); None
+    # before its first one.
     spec_acceptance: "AcceptanceEstimate | None" = None
 
     @property

@@ -30,7 +30,8 @@ Both inputs are measured as the engine runs, not fixed for one machine:
     context tokens those rows attend over, over the last `window` passes;
   - AcceptanceEstimate per sequence: decayed counts of its first drafts and
     of the drafts after a kept one, kept and checked, starting from the
-    rates over all sequences.
+    rates over all sequences; every proposal counts, verified or cut (see
+    GoodputDraftPolicy).
 Before the model has seen passes of different sizes it prices rows at
 zero, so every draft is tried: that is the data it learns from.
 """
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Passes the cost model fits (a few seconds of decoding: it follows the
 # context growing and the machine's load).
@@ -57,13 +58,6 @@ OVERALL_DECAY = 0.98
 PRIOR_WEIGHT = 2.0
 # The prior before any draft was checked: a coin toss, for both rates.
 INITIAL_ACCEPTANCE = (0.5, 0.5)
-# A sequence whose drafts were cut this many steps in a row has its first
-# draft verified anyway, and so does one never verified: an estimate only
-# changes when drafts are checked, and text that starts to copy its prompt
-# would otherwise never be found out. At most one row per sequence per
-# interval (~3% of a row per step).
-EXPLORE_INTERVAL = 32
-
 
 class PassCostModel:
     """Seconds of a decode-form pass ~ a + b * rows + c * context_tokens,
@@ -172,23 +166,21 @@ def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
 
 @dataclass
 class AcceptanceEstimate:
-    """Decayed counts of one sequence's verify passes: first drafts checked
-    (one per pass) and kept; drafts checked after a kept one, and kept."""
+    """Decayed counts of how one sequence's proposals fared: first drafts
+    checked (one per proposal) and kept; drafts checked after a kept one, and
+    kept. `pending`: proposals (index of the first draft's token, the drafts)
+    whose outcome its later tokens have not decided yet."""
     first_checked: float = 0.0
     first_kept: float = 0.0
     next_checked: float = 0.0
     next_kept: float = 0.0
-    num_passes: int = 0  # verify passes that checked its drafts
-    steps_cut: int = 0  # steps in a row whose drafts were all cut
     decay: float = ACCEPTANCE_DECAY
-
-    @property
-    def due_for_check(self) -> bool:
-        return self.num_passes == 0 or self.steps_cut >= EXPLORE_INTERVAL
+    num_scored: int = 0  # proposals scored
+    pending: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def rates(self, prior: tuple[float, float]) -> tuple[float, float]:
-        """(p_first, p_next): the chance its next pass keeps its first draft,
-        and that a draft after a kept one is kept."""
+        """(p_first, p_next): the chance its next proposal's first draft is
+        kept, and that a draft after a kept one is kept."""
         return ((self.first_kept + PRIOR_WEIGHT * prior[0]) / (self.first_checked + PRIOR_WEIGHT),
                 (self.next_kept + PRIOR_WEIGHT * prior[1]) / (self.next_checked + PRIOR_WEIGHT))
 
@@ -200,33 +192,56 @@ class AcceptanceEstimate:
         self.first_kept = d * self.first_kept + (1 if num_kept else 0)
         self.next_checked = d * self.next_checked + (min(num_kept, num_drafts - 1) if num_kept else 0)
         self.next_kept = d * self.next_kept + max(num_kept - 1, 0)
-        self.num_passes += 1
+        self.num_scored += 1
 
 
 class GoodputDraftPolicy:
     """Cuts each decoding sequence's drafts to those that raise the step's
     expected tokens per second (module docstring). The engine reports every
-    decode-form pass (`observe_pass`) and every verify result
-    (`observe_verify`); the scheduler calls it on the step's decodes."""
+    decode-form pass (`observe_pass`); the scheduler calls it on the step's
+    decodes.
+
+    Acceptance is learned from every proposal, verified or not: a proposal's
+    drafts are scored against the tokens the sequence then generates (draft
+    j is kept iff it and the j - 1 before it equal them). For a greedy
+    sequence those are the tokens verification keeps; for a sampled one,
+    plain sampling draws a draft with the probability speculative sampling
+    keeps it (the model's probability of it), so the score is a fair sample
+    either way. Scoring only verified drafts would trap the estimate: cut
+    drafts would never show they would have been kept (the first version,
+    on batches of 24 rewriting requests: one draft verified per pass,
+    though 96% of the verified ones were kept)."""
 
     def __init__(self) -> None:
         self.cost = PassCostModel()
-        self.overall = AcceptanceEstimate(decay=OVERALL_DECAY)  # every sequence's passes: the prior
+        self.overall = AcceptanceEstimate(decay=OVERALL_DECAY)  # every sequence's proposals: the prior
 
     def observe_pass(self, rows: int, context_tokens: int, seconds: float) -> None:
         self.cost.observe(rows, context_tokens, seconds)
-
-    def observe_verify(self, seq, num_drafts: int, num_kept: int) -> None:
-        """`seq` had `num_drafts` drafts checked and `num_kept` kept (its `spec_acceptance`)."""
-        if seq.spec_acceptance is None:
-            seq.spec_acceptance = AcceptanceEstimate()
-        seq.spec_acceptance.update(num_drafts, num_kept)
-        self.overall.update(num_drafts, num_kept)
 
     def acceptance(self, seq) -> tuple[float, float]:
         """(p_first, p_next) of `seq` (AcceptanceEstimate.rates)."""
         prior = self.overall.rates(INITIAL_ACCEPTANCE)
         return prior if seq.spec_acceptance is None else seq.spec_acceptance.rates(prior)
+
+    def score(self, seq) -> None:
+        """Scores `seq`'s pending proposals that its tokens since decide."""
+        est = seq.spec_acceptance
+        if est is None or not est.pending:
+            return
+        out, base, num_tokens = seq.output_token_ids, seq.num_prompt_tokens, seq.num_tokens
+        undecided = []
+        for start, drafts in est.pending:
+            known = min(num_tokens - start, len(drafts))  # drafts whose token is generated by now
+            kept = 0
+            while kept < known and out[start - base + kept] == drafts[kept]:
+                kept += 1
+            if kept < known or known == len(drafts):  # a draft rejected, or all of them kept
+                est.update(len(drafts), kept)
+                self.overall.update(len(drafts), kept)
+            else:
+                undecided.append((start, drafts))
+        est.pending = undecided
 
     def __call__(self, seqs: list) -> None:
         """Truncates `spec_token_ids` of `seqs` (the step's decoding
@@ -234,27 +249,26 @@ class GoodputDraftPolicy:
         `seed` keeps all its drafts: which drafts a seeded row verifies
         changes the tokens it draws, and its samples must not depend on the
         other requests in the batch or on how fast the machine ran."""
-        drafting = [s for s in seqs if s.spec_token_ids]
-        if not drafting:
-            return
-        cut = [s for s in drafting if s.sampling_params.seed is None]
+        for s in seqs:
+            self.score(s)
+            if s.spec_token_ids:
+                if s.spec_acceptance is None:
+                    s.spec_acceptance = AcceptanceEstimate()
+                # Draft j guesses the token at index num_tokens + j - 1.
+                s.spec_acceptance.pending.append((s.num_tokens, list(s.spec_token_ids)))
+        cut = [s for s in seqs if s.spec_token_ids and s.sampling_params.seed is None]
         if not cut:
             return
-        for s in cut:
-            if s.spec_acceptance is None:
-                s.spec_acceptance = AcceptanceEstimate()
         keep = choose_num_drafts(
             num_seqs=len(seqs),
             context_lens=[s.num_tokens for s in seqs],
             drafts=[(len(s.spec_token_ids), *self.acceptance(s), s.num_tokens) for s in cut],
             cost=self.cost,
             fixed=[(len(s.spec_token_ids), *self.acceptance(s), s.num_tokens)
-                   for s in drafting if s.sampling_params.seed is not None],
-            min_keep=[1 if s.spec_acceptance.due_for_check else 0 for s in cut],
+                   for s in seqs if s.spec_token_ids and s.sampling_params.seed is not None],
         )
         for s, k in zip(cut, keep):
             del s.spec_token_ids[k:]
-            s.spec_acceptance.steps_cut = 0 if k else s.spec_acceptance.steps_cut + 1
 
 
 def draft_gain(p_first: float, p_next: float, j: int) -> float:
@@ -263,13 +277,11 @@ def draft_gain(p_first: float, p_next: float, j: int) -> float:
 
 
 def choose_num_drafts(num_seqs: int, context_lens: list[int], drafts: list[tuple[int, float, float, int]],
-                      cost: PassCostModel, fixed: list[tuple[int, float, float, int]] = (),
-                      min_keep: list[int] | None = None) -> list[int]:
+                      cost: PassCostModel, fixed: list[tuple[int, float, float, int]] = ()) -> list[int]:
     """For each (num_drafts, p_first, p_next, context_len) in `drafts`, how
     many leading drafts to verify in a pass over `num_seqs` sequences (their
-    contexts `context_lens`; `fixed`: drafts verified in any case; at least
-    `min_keep[i]` of drafts[i]) so that expected tokens / predicted time is
-    largest. The j-th draft of a sequence gains draft_gain(...) tokens and
+    contexts `context_lens`; `fixed`: drafts verified in any case) so that
+    expected tokens / predicted time is largest. The j-th draft of a sequence gains draft_gain(...) tokens and
     costs one row over context_len + j tokens; the best set takes drafts in
     order of gain per cost while that exceeds the running ratio (each
     sequence's gains fall and costs rise with j, so its drafts come in
@@ -286,9 +298,6 @@ def choose_num_drafts(num_seqs: int, context_lens: list[int], drafts: list[tuple
     for d in fixed:
         add(*d, upto=d[0])
     keep = [0] * len(drafts)
-    for i, m in enumerate(min_keep or ()):
-        keep[i] = min(m, drafts[i][0])
-        add(*drafts[i], upto=keep[i])
     heap: list[tuple[float, int, int, float]] = []  # (-gain per second, seq, j, gain)
 
     def push(i: int, j: int) -> None:

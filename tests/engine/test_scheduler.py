@@ -892,7 +892,7 @@ def test_chunked_draft_policy_sees_only_decodes():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth, prefix_caching, policy):
     """Speculative decoding's drafts in the randomized simulation, cut by the goodput policy (fed
-    a cost of 10 ms + 0.5 ms per row), cut at random or never: every decode gets slots for its
+    a cost of 10 ms + 0.05 ms per row), cut at random or never: every decode gets slots for its
     token and the drafts it keeps, a step's tokens count them, preempted sequences lose theirs,
     blocks stay consistent (with prefix caching too), and verify passes that keep some drafts
     (the engine appends them and one more token) neither lose nor overshoot tokens."""
@@ -940,7 +940,7 @@ def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth
             assert out.num_batched_tokens == sum(1 + len(s.spec_token_ids) for s in out.seqs)
             assert out.num_batched_tokens - len(out.seqs) <= sched.config.max_num_batched_tokens - len(out.seqs)
             if policy == "goodput":
-                sched.draft_policy.observe_pass(out.num_batched_tokens, 0, 0.010 + 0.0005 * out.num_batched_tokens)
+                sched.draft_policy.observe_pass(out.num_batched_tokens, 0, 0.010 + 0.00005 * out.num_batched_tokens)
             for s in out.seqs:
                 kept = rng.randint(0, len(s.spec_token_ids))
                 num_verified += len(s.spec_token_ids)
@@ -949,8 +949,6 @@ def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth
                 s.num_computed_tokens = s.num_tokens - 1
                 if prefix_caching:
                     bm.cache_computed_blocks(s)
-                if s.spec_token_ids and policy == "goodput":
-                    sched.draft_policy.observe_verify(s, len(s.spec_token_ids), kept)
                 s.spec_token_ids = []
         for s in out.seqs:
             assert len(s.output_token_ids) <= target[s.request_id] and s.num_tokens <= max_model_len

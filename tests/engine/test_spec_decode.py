@@ -224,12 +224,12 @@ def pin_row_cost(engine: LLMEngine, step_seconds: float, row_seconds: float) -> 
     return policy
 
 
-@pytest.mark.parametrize("row_seconds", [0.0, 0.05])
+@pytest.mark.parametrize("row_seconds", [0.0, 0.005])
 def test_draft_policy_verifies_the_drafts_worth_their_rows(model_dir, row_seconds, seed):
     """The goodput draft policy, its cost model pinned: with rows priced at zero every proposed
-    draft is verified (as with no policy); with a row costing five 10 ms steps only drafts almost
-    sure to be kept are (and each sequence's first, to learn its rates), so fewer are. Outputs
-    are plain decoding's either way, and the policy learned acceptance from the passes."""
+    draft is verified (as with no policy); with a row costing half a 10 ms step only drafts
+    likely to be kept are, so fewer are. Outputs are plain decoding's either way, and the policy
+    learned acceptance from every proposal, cut ones too."""
     k = 6
     requests = repetitive_requests(seed, temperature=0)
     ref = run(make_engine(model_dir, None), requests)
@@ -241,9 +241,8 @@ def test_draft_policy_verifies_the_drafts_worth_their_rows(model_dir, row_second
     assert_same(run(engine, requests), ref)
     all_drafts = unpolicied.stats.spec_decode_num_draft_tokens
     overall = policy.overall
-    assert all_drafts > 0 and overall.num_passes > 0 and overall.first_kept > 0
+    assert all_drafts > 0 and overall.num_scored > 0 and overall.first_kept > 0 and overall.next_kept > 0
     if row_seconds == 0:
-        assert overall.next_kept > 0
         assert engine.stats.spec_decode_num_draft_tokens == all_drafts
         assert engine.stats.spec_decode_num_accepted_tokens == unpolicied.stats.spec_decode_num_accepted_tokens
     else:

@@ -12,7 +12,6 @@ from fp8serve.sampling_params import SamplingParams
 from fp8serve.spec_decode.draft_policy import (
     ACCEPTANCE_DECAY,
     COST_WINDOW,
-    EXPLORE_INTERVAL,
     INITIAL_ACCEPTANCE,
     PRIOR_WEIGHT,
     AcceptanceEstimate,
@@ -127,7 +126,7 @@ def test_cost_model_skips_outliers_and_forgets_old_passes():
 
 def test_acceptance_estimate_counts_first_drafts_and_the_drafts_after_kept_ones():
     est = AcceptanceEstimate()
-    assert est.rates((0.3, 0.6)) == pytest.approx((0.3, 0.6)) and est.due_for_check
+    assert est.rates((0.3, 0.6)) == pytest.approx((0.3, 0.6))
     est.update(4, 4)  # first kept; drafts 2-4 checked after a kept one, all kept
     assert (est.first_checked, est.first_kept, est.next_checked, est.next_kept) == (1, 1, 3, 3)
     est.update(4, 2)  # first kept; the 2nd kept, the 3rd rejected: two checked after a kept one, one kept
@@ -141,9 +140,7 @@ def test_acceptance_estimate_counts_first_drafts_and_the_drafts_after_kept_ones(
     assert est.rates(prior) == pytest.approx(
         ((est.first_kept + PRIOR_WEIGHT * 0.5) / (est.first_checked + PRIOR_WEIGHT),
          (est.next_kept + PRIOR_WEIGHT * 0.7) / (est.next_checked + PRIOR_WEIGHT)))
-    assert est.num_passes == 3 and not est.due_for_check
-    est.steps_cut = EXPLORE_INTERVAL
-    assert est.due_for_check
+    assert est.num_scored == 3
 
 
 def test_acceptance_of_a_run_drafter_converges(seed):
@@ -190,11 +187,10 @@ def test_choice_is_the_best_of_every_choice(trial, seed):
     drafts = [(rng.randint(0, 4), rng.random(), rng.random(), context_lens[i])
               for i in rng.sample(range(num_seqs), min(3, num_seqs))]
     fixed = [(rng.randint(1, 3), rng.random(), rng.random(), rng.choice(context_lens))] if rng.random() < 0.3 else []
-    min_keep = [rng.choice([0, 0, 1]) for _ in drafts]
-    keep = choose_num_drafts(num_seqs, context_lens, drafts, cost, fixed=fixed, min_keep=min_keep)
-    assert all(min(m, d[0]) <= n <= d[0] for n, m, d in zip(keep, min_keep, drafts))
+    keep = choose_num_drafts(num_seqs, context_lens, drafts, cost, fixed=fixed)
+    assert all(0 <= n <= d[0] for n, d in zip(keep, drafts))
     best = max(ratio(num_seqs, context_lens, drafts, cost, choice, fixed)
-               for choice in itertools.product(*[range(min(m, d[0]), d[0] + 1) for m, d in zip(min_keep, drafts)]))
+               for choice in itertools.product(*[range(d[0] + 1) for d in drafts]))
     assert ratio(num_seqs, context_lens, drafts, cost, keep, fixed) == pytest.approx(best, rel=1e-12)
 
 
@@ -223,51 +219,74 @@ def make_seq(name: str, drafts: list[int], seed: int | None = None) -> Sequence:
     return seq
 
 
+def step(policy, seqs, generated: dict[str, list[int]]) -> None:
+    """One engine step after the policy cut the drafts: each sequence generates its next
+    tokens (`generated[name]`, one unless its drafts were kept), and its drafts go."""
+    for s in seqs:
+        s.output_token_ids += generated.get(s.request_id, [7])
+        s.spec_token_ids = []
+
+
+def test_proposals_are_scored_against_the_tokens_generated_after_them():
+    """Verified or cut, a proposal counts once its sequence's tokens decide it: kept up to the
+    first draft that differs from what was generated (later steps decide cut drafts)."""
+    policy = GoodputDraftPolicy()
+    policy.cost = pinned_cost(0.0095, 1.0)  # rows cost 100 steps: every draft is cut
+    seq = make_seq("s", [11, 12, 13])
+    others = [make_seq(f"o{i}", []) for i in range(3)]
+    policy([seq, *others])
+    assert seq.spec_token_ids == [] and seq.spec_acceptance.pending == [(200, [11, 12, 13])]
+    step(policy, [seq, *others], {"s": [11]})  # the first draft's token came: the rest undecided
+    seq.spec_token_ids = [12, 13, 99]
+    policy([seq, *others])
+    assert seq.spec_acceptance.num_scored == 0 and len(seq.spec_acceptance.pending) == 2
+    step(policy, [seq, *others], {"s": [12]})
+    policy([seq, *others])  # no drafts this step: pending proposals are still scored
+    est = seq.spec_acceptance
+    assert est.num_scored == 0  # 13 not generated yet
+    step(policy, [seq, *others], {"s": [13]})
+    policy([seq, *others])
+    # [11, 12, 13] all kept; [12, 13, 99]: 12, 13 kept, 99 not decided until the next token.
+    assert est.num_scored == 1 and (est.first_kept, est.next_checked, est.next_kept) == (1, 2, 2)
+    step(policy, [seq, *others], {"s": [50]})
+    policy([seq, *others])
+    d = ACCEPTANCE_DECAY
+    assert est.num_scored == 2 and est.pending == []
+    assert (est.first_checked, est.first_kept) == pytest.approx((d + 1, d + 1))
+    assert (est.next_checked, est.next_kept) == pytest.approx((2 * d + 2, 2 * d + 1))
+    assert policy.overall.num_scored == 2
+
+
 def test_policy_cuts_unlikely_drafts_and_leaves_seeded_requests_alone():
     policy = GoodputDraftPolicy()
     policy.cost = pinned_cost(0.0095, 0.0006)
-    seqs = [make_seq(f"s{i}", []) for i in range(60)]
-    good, bad, seeded = make_seq("good", [1, 2, 3, 4]), make_seq("bad", [1, 2, 3, 4]), make_seq("seeded", [1, 2, 3], 7)
-    for s in (good, bad):  # their first pass, verified regardless (never checked before)
-        policy([*seqs, s])
-        assert len(s.spec_token_ids) >= 1
-    for _ in range(10):
-        policy.observe_verify(good, 4, 4)
-        policy.observe_verify(bad, 4, 0)
-    good.spec_token_ids, bad.spec_token_ids = [1, 2, 3, 4], [1, 2, 3, 4]
-    policy([*seqs, good, bad, seeded])
-    assert good.spec_token_ids == [1, 2, 3, 4] and bad.spec_token_ids == [] and seeded.spec_token_ids == [1, 2, 3]
-    assert seeded.spec_acceptance is None  # never estimated: it is not the policy's to cut
-
-
-def test_policy_checks_a_cut_sequence_again_after_the_interval():
-    """A sequence whose drafts are always cut gets its first draft verified once every
-    EXPLORE_INTERVAL steps: its estimate can change if its text starts to repeat."""
-    policy = GoodputDraftPolicy()
-    policy.cost = pinned_cost(0.0095, 0.0006)
     others = [make_seq(f"s{i}", []) for i in range(60)]
-    seq = make_seq("bad", [])
-    for _ in range(5):
-        policy.observe_verify(seq, 4, 0)
-    checked = []
-    for step in range(3 * EXPLORE_INTERVAL + 3):
-        seq.spec_token_ids = [1, 2, 3]
-        policy([*others, seq])
-        if seq.spec_token_ids:
-            checked.append(step)
-            assert seq.spec_token_ids == [1]
-            policy.observe_verify(seq, 1, 0)
-    assert checked == [EXPLORE_INTERVAL, 2 * EXPLORE_INTERVAL + 1, 3 * EXPLORE_INTERVAL + 2]
+    good, bad, seeded = make_seq("good", []), make_seq("bad", []), make_seq("seeded", [], seed=7)
+    seqs = [*others, good, bad, seeded]
+    for _ in range(12):  # good's proposals come true, bad's never do
+        tok = 1000 + len(good.output_token_ids)
+        good.spec_token_ids, bad.spec_token_ids = [tok, tok + 1], [1, 2]
+        policy(seqs)
+        step(policy, seqs, {"good": [tok, tok + 1], "bad": [3]})
+    assert policy.acceptance(good)[0] > 0.8 and policy.acceptance(bad)[0] < 0.3
+    good.spec_token_ids, bad.spec_token_ids, seeded.spec_token_ids = [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3]
+    policy(seqs)
+    assert good.spec_token_ids[:2] == [1, 2] and bad.spec_token_ids == [] and seeded.spec_token_ids == [1, 2, 3]
 
 
 def test_policy_prior_follows_every_sequence_and_starts_at_a_coin_toss():
     policy = GoodputDraftPolicy()
-    fresh = make_seq("fresh", [1])
+    fresh = make_seq("fresh", [])
     assert policy.acceptance(fresh) == pytest.approx(INITIAL_ACCEPTANCE)
-    other = make_seq("other", [1])
-    for _ in range(30):
-        policy.observe_verify(other, 4, 4)
-    assert min(policy.acceptance(fresh)) > 0.9  # the prior of a sequence without its own passes
-    for _ in range(30):
-        policy.observe_verify(fresh, 4, 0)
+    other = make_seq("other", [])
+    for _ in range(40):  # every proposal of `other` comes true
+        tok = 1000 + len(other.output_token_ids)
+        other.spec_token_ids = [tok, tok + 1]
+        policy([other, fresh])
+        step(policy, [other, fresh], {"other": [tok, tok + 1]})
+    assert min(policy.acceptance(fresh)) > 0.9  # the prior of a sequence without its own proposals
+    for _ in range(30):  # none of `fresh`'s does
+        fresh.spec_token_ids = [1, 2]
+        policy([fresh])
+        step(policy, [fresh], {"fresh": [3]})
     assert policy.acceptance(fresh)[0] < 0.3
