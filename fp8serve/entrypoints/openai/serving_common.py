@@ -80,29 +80,35 @@ def stream_safe_len(text: str, stop: list[str], include_stop_str: bool) -> int:
 
 @dataclass
 class RequestTimer:
-    """Feeds TTFT, inter-token latency and E2E latency into the histograms."""
+    """Feeds TTFT, inter-token latency and E2E latency into the histograms,
+    per sample as vLLM does (each sample of an n > 1 request is a request of
+    its own in vLLM's engine): a sample's first token is one TTFT, the gaps
+    between its later tokens are ITLs (tokens that arrive together, kept
+    drafts of speculative decoding, share the gap), its finish is one E2E."""
 
     metrics: ServerMetrics
     start: float = field(default_factory=time.monotonic)
-    last: float | None = None
-    num_tokens: int = 0
+    last: dict[int, float] = field(default_factory=dict)  # by sample index: when its newest tokens came
+    num_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
 
     def on_output(self, out: RequestOutput) -> None:
-        n = len(out.outputs[0].token_ids)
-        new = n - self.num_tokens
-        if new <= 0:
-            return
         now = time.monotonic()
-        if self.last is None:
-            self.metrics.ttft.observe(now - self.start)
-            new -= 1
-        if new > 0 and self.last is not None:
-            gap = (now - self.last) / new
-            for _ in range(new):
-                self.metrics.itl.observe(gap)
-        self.last, self.num_tokens = now, n
-        if out.finished:
-            self.metrics.e2e.observe(now - self.start)
+        for sample in out.outputs:
+            i = sample.index
+            new = len(sample.token_ids) - self.num_tokens.get(i, 0)
+            if new > 0:
+                last = self.last.get(i)
+                if last is None:
+                    self.metrics.ttft.observe(now - self.start)
+                else:
+                    gap = (now - last) / new
+                    for _ in range(new):
+                        self.metrics.itl.observe(gap)
+                self.last[i], self.num_tokens[i] = now, len(sample.token_ids)
+            if sample.finish_reason is not None and i not in self.finished:
+                self.finished.add(i)
+                self.metrics.e2e.observe(now - self.start)
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
