@@ -4,11 +4,8 @@
 One engine per configuration in one process (same model, dtype, KV cache dtype and memory):
 `off` decodes one token per step; `ngram:K:MIN-MAX` runs `--speculative-config '{"method":
 "ngram", "num_speculative_tokens": K, "prompt_lookup_min": MIN, "prompt_lookup_max": MAX}'`;
-`ngram:K:MIN-MAX:fixed` the same with the scheduler's draft policy off (every draft verified);
-`ngram:K:MIN-MAX:rows8` with the rule the scheduler had before the goodput policy (stop 29: where
-a step's verify rows pass 8, each sequence's drafts are cut to twice what its last pass kept).
-The default policy (fp8serve/spec_decode/draft_policy.py) verifies the drafts that raise the
-step's expected tokens per second, from the pass times and acceptance it measures as it runs.
+`ngram:K:MIN-MAX:fixed` the same with the scheduler's draft trimming off (always up to K drafts;
+see Scheduler.trim_drafts).
 
 Workloads (chat prompts through the model's chat template, greedy, --output-len tokens at most),
 one prompt per paragraph of the built-in calibration text:
@@ -20,10 +17,10 @@ Each workload runs as a single stream (one request at a time, the latency case) 
 batch of all its prompts. Rounds alternate the order of the configurations (ABBA).
 
 Reported per run: output tokens, wall time, output tok/s, forward passes (engine steps), and
-for speculation the drafts proposed, verified (what the draft policy left) and kept (acceptance
-rate = kept / verified; mean acceptance length = tokens per verify pass, the emitted one
-included); per round each configuration's tok/s ratio to
-`off` and how many requests generated the same tokens as `off`.
+for speculation the drafts proposed, verified (what the scheduler's trimming and block budget
+left) and kept (acceptance = kept / verified; mean acceptance length = tokens per verify pass,
+the emitted one included); per round each configuration's tok/s ratio to `off` and how many
+requests generated the same tokens as `off`.
 
     .venv/bin/python benchmarks/spec_decode.py                      # default model, bf16, FP8 KV
     .venv/bin/python benchmarks/spec_decode.py --configs ngram:4:2-4 --workloads quote --rounds 1
@@ -40,7 +37,6 @@ import time
 import torch
 from bench_common import add_model_args, print_header, require_positive
 
-
 TOPICS = ["a lighthouse keeper", "a lost umbrella", "the first day at a new school", "a robot that learns to cook",
           "two friends on a train", "a garden in winter"]
 INSTRUCTIONS = {
@@ -50,42 +46,16 @@ INSTRUCTIONS = {
 }
 
 
-class Rows8Policy:
-    """Stop 29's rule, for the comparison: past 8 verify rows in a step, each sequence's drafts are
-    cut to twice what its last verify pass kept (at least 1; none before its first pass)."""
-
-    def __init__(self) -> None:
-        self.limits: dict[str, int] = {}
-        self.verified: dict[str, tuple[int, list[int]]] = {}  # request id -> (index of draft 1, drafts)
-
-    def __call__(self, seqs) -> None:
-        for s in seqs:  # how many of its last verified drafts the tokens since kept
-            start, drafts = self.verified.pop(s.request_id, (0, []))
-            if drafts and s.num_tokens > start:
-                tokens = s.token_ids[start:start + len(drafts)]
-                kept = next((j for j, (a, b) in enumerate(zip(tokens, drafts)) if a != b), len(tokens))
-                self.limits[s.request_id] = max(1, 2 * kept)
-        if sum(1 + len(s.spec_token_ids) for s in seqs) > 8:
-            for s in seqs:
-                limit = self.limits.get(s.request_id)
-                if limit is not None:
-                    del s.spec_token_ids[limit:]
-        for s in seqs:
-            if s.spec_token_ids:
-                self.verified[s.request_id] = (s.num_tokens, list(s.spec_token_ids))
-
-
-def parse_config(spec: str) -> tuple[dict | None, str]:
-    """'off' -> None; 'ngram:K:MIN-MAX[:fixed|:rows8]' -> (the speculative config, the draft policy)."""
+def parse_config(spec: str) -> tuple[dict | None, bool]:
+    """'off' -> None; 'ngram:K:MIN-MAX[:fixed]' -> (the speculative config, whether drafts are trimmed)."""
     if spec == "off":
-        return None, "goodput"
-    m = re.fullmatch(r"ngram:(\d+):(\d+)-(\d+)(?::(fixed|rows8))?", spec)
+        return None, True
+    m = re.fullmatch(r"ngram:(\d+):(\d+)-(\d+)(:fixed)?", spec)
     if not m:
-        raise ValueError("a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed|:rows8]' (e.g. ngram:4:2-4), "
-                         f"got {spec!r}")
+        raise ValueError(f"a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed]' (e.g. ngram:4:2-4), got {spec!r}")
     k, lo, hi = map(int, m.groups()[:3])
     return ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi},
-            m.group(4) or "goodput")
+            m.group(4) is None)
 
 
 def prompts_for(llm, workload: str, num_prompts: int) -> list[list[int]]:
@@ -109,7 +79,7 @@ def run(llm, prompts: list[list[int]], output_len: int, batched: bool) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len)
     proposed = 0
     proposer = engine.proposer
-    if proposer is not None:  # count the drafts proposed, before the draft policy cuts some
+    if proposer is not None:  # count the drafts proposed, before the scheduler trims some
         propose = proposer.propose
 
         def counting(*args, **kwargs):
@@ -208,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     require_positive(ap, args, "num_prompts", "output_len", "rounds")
     try:
-        configs = {"off": (None, "goodput")} | {c.strip(): parse_config(c.strip()) for c in args.configs.split(",")
+        configs = {"off": (None, True)} | {c.strip(): parse_config(c.strip()) for c in args.configs.split(",")
                                            if c.strip()}
     except ValueError as e:
         ap.error(f"--configs: {e}")
@@ -232,11 +202,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print_header("Speculative decoding (n-gram drafts) vs plain decoding", argv)
     llms = {}
-    for label, (spec, policy) in configs.items():
+    for label, (spec, trim) in configs.items():
         llms[label] = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                           kv_cache_memory=args.kv_cache_memory, speculative_config=spec)
-        if policy != "goodput":
-            llms[label].llm_engine.scheduler.draft_policy = Rows8Policy() if policy == "rows8" else None
+        if not trim:
+            llms[label].llm_engine.scheduler.spec_free_rows = None
     first = next(iter(llms.values()))
     prompts = {w: prompts_for(first, w, args.num_prompts) for w in workloads}
     lens = {w: sum(len(p) for p in ps) / len(ps) for w, ps in prompts.items()}

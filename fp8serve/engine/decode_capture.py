@@ -74,7 +74,6 @@ class DecodeCaptures:
         self._logged = False
         self.num_replays = 0  # decode forwards served by a replay
         self.num_compiled = 0  # recordings compiled (the rest shared a compiled forward)
-        self.num_recordings = 0  # forwards run while recording (slower than a replay or an eager run)
 
     def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         with set_forward_context(md):
@@ -93,7 +92,6 @@ class DecodeCaptures:
             self.num_replays += 1
             return recorded.replay(*inputs)
         start = time.perf_counter()
-        self.num_recordings += 1
         output, recorder = record(lambda: self._eager(input_ids, positions, md), inputs)
         recorded, template, compiled = self._compile(recorder, output, len(inputs), md.num_seqs)
         problem = recorded if isinstance(recorded, str) else self._problem(recorded, output, inputs)

@@ -18,13 +18,12 @@ from fp8serve.config import EngineConfig
 from fp8serve.engine.block_manager import BlockManager
 from fp8serve.engine.detokenizer import IncrementalDetokenizer
 from fp8serve.engine.model_runner import ModelRunner, ModelRunnerOutput, PromptLogprobs
-from fp8serve.engine.scheduler import Scheduler, num_decode_tokens
+from fp8serve.engine.scheduler import Scheduler
 from fp8serve.engine.sequence import ParentRequest, Sequence
 from fp8serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from fp8serve.errors import InvalidParameterError, UserError
 from fp8serve.outputs import CompletionOutput, Logprob, RequestOutput
 from fp8serve.sampling_params import SamplingParams
-from fp8serve.spec_decode.draft_policy import GoodputDraftPolicy
 from fp8serve.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -240,12 +239,10 @@ class LLMEngine:
             # Chunked prefill: the running sequences' decodes and the prefill
             # chunks of the same step run as two forward passes (the decode one
             # through the recorded decode path and the paged decode kernel).
-            decode_out = self._execute_decode(sched.decode_seqs, eos) if sched.decode_seqs else None
-            if sched.seqs and not sched.is_prefill:
-                out = self._execute_decode(sched.seqs, eos)
-            else:
-                out = (self.model_runner.execute(sched.seqs, sched.is_prefill, eos, sched.num_new_tokens)
-                       if sched.seqs else None)
+            decode_out = (self.model_runner.execute(sched.decode_seqs, False, eos)
+                          if sched.decode_seqs else None)
+            out = (self.model_runner.execute(sched.seqs, sched.is_prefill, eos, sched.num_new_tokens)
+                   if sched.seqs else None)
         except BaseException:
             # Blocks registered for prefix caching when this step was scheduled
             # may hold K/V it never wrote (an interrupted LLM.generate aborts
@@ -260,27 +257,6 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose_drafts(advanced)
         return self._outputs(advanced)
-
-    def _execute_decode(self, seqs: list[Sequence], eos: int | None) -> ModelRunnerOutput:
-        """A decode step or verify pass over `seqs`; with speculative decoding
-        its time goes to the scheduler's draft policy (a pass that recorded a
-        new decode forward is not a sample of what passes cost)."""
-        policy = self.scheduler.draft_policy
-        if self.proposer is None or not isinstance(policy, GoodputDraftPolicy):
-            return self.model_runner.execute(seqs, False, eos)
-        captures = self.model_runner.decode_captures
-        recordings = captures.num_recordings
-        start = time.perf_counter()
-        out = self.model_runner.execute(seqs, False, eos)
-        seconds = time.perf_counter() - start
-        if captures.num_recordings == recordings:
-            # Row j of a sequence (its newest token, then its drafts) attends over num_tokens + j tokens.
-            context = 0
-            for s in seqs:
-                k = len(s.spec_token_ids)
-                context += (k + 1) * s.num_tokens + k * (k + 1) // 2
-            policy.observe_pass(num_decode_tokens(seqs), context, seconds)
-        return out
 
     def _outputs(self, advanced: list[Sequence]) -> list[RequestOutput]:
         """One output per request that advanced: the samples of an n > 1 request
@@ -340,6 +316,7 @@ class LLMEngine:
                 st.spec_decode_num_drafts += 1
                 st.spec_decode_num_draft_tokens += len(seq.spec_token_ids)
                 st.spec_decode_num_accepted_tokens += count - 1
+                seq.spec_draft_limit = max(1, 2 * (count - 1))
                 seq.spec_token_ids = []
             for j in range(i, i + count):
                 token = token_ids[j]
@@ -379,7 +356,7 @@ class LLMEngine:
         sequence, no more than it may still generate less the token the step
         emits anyway (max_tokens, the model length); none while at least
         `disable_by_batch_size` requests are running or waiting. The scheduler
-        may cut them (its draft_policy)."""
+        may cut them (Scheduler.trim_drafts)."""
         limit = self.config.speculative_config.disable_by_batch_size
         if limit is not None and self.scheduler.num_running + self.scheduler.num_waiting >= limit:
             return

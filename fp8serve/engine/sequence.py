@@ -5,12 +5,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fp8serve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from fp8serve.spec_decode.draft_policy import AcceptanceEstimate
 
 
 class SequenceStatus(enum.Enum):
@@ -54,9 +50,9 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow this sequence, checked in
     # its next decode step (fp8serve/spec_decode/).
     spec_token_ids: list[int] = field(default_factory=list)
-    # How its proposals fared (fp8serve/spec_decode/draft_policy.py); None
-    # before its first one.
-    spec_acceptance: "AcceptanceEstimate | None" = None
+    # Twice the drafts its last verify pass kept (at least 1); None before
+    # its first one. Scheduler.trim_drafts cuts drafts to it in busy steps.
+    spec_draft_limit: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

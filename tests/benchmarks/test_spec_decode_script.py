@@ -14,32 +14,32 @@ def test_tiny_run(ops, tmp_path, capsys):
     model = write_tiny_llama(tmp_path / "tiny")
     with loaded_script("spec_decode.py") as script:
         assert script.main(["--model", str(model), "--dtype", "float32", "--kv-cache-dtype", "auto",
-                            "--kv-cache-memory", "4MiB", "--configs", "ngram:3:1-3,ngram:3:1-3:fixed,ngram:3:1-3:rows8",
+                            "--kv-cache-memory", "4MiB", "--configs", "ngram:3:1-3,ngram:3:1-3:fixed",
                             "--workloads", "free", "--num-prompts", "3", "--output-len", "12",
                             "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in out.splitlines()
             if ln.startswith(("| 1 |", "| 2 |"))]
     # (The quoting workloads' paragraphs are longer than the tiny model's 256 positions in its tokenizer.)
-    labels = ["off", "ngram:3:1-3", "ngram:3:1-3:fixed", "ngram:3:1-3:rows8"]
-    assert len(rows) == 2 * 2 * 4
-    assert [r[3] for r in rows[:4]] == labels
-    assert [r[3] for r in rows[-4:]] == labels[::-1]  # ABBA
+    labels = ["off", "ngram:3:1-3", "ngram:3:1-3:fixed"]
+    assert len(rows) == 2 * 2 * 3
+    assert [r[3] for r in rows[:3]] == labels
+    assert [r[3] for r in rows[-3:]] == labels[::-1]  # ABBA
     for r in rows:
         assert int(r[4]) > 0 and float(r[6]) > 0
         proposed, verified, kept = int(r[8]), int(r[9]), int(r[10])
         if r[3] == "off":
             assert (proposed, verified, kept) == (0, 0, 0) and r[11] == "-"
         assert kept <= verified <= proposed
-        if r[3].endswith(":fixed"):  # no policy: every proposed draft verified
+        if r[3].endswith(":fixed"):  # no trimming: every proposed draft verified
             assert verified == proposed
     assert sum(int(r[9]) for r in rows if r[3] != "off") > 0, "no drafts were checked"
     # Float32: speculation generates what plain decoding does.
-    assert out.count("3/3 requests generated the same tokens") == 2 * 2 * 3
+    assert out.count("3/3 requests generated the same tokens") == 2 * 2 * 2
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["--configs", "ngram:4"], "a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed|:rows8]'"),
+    (["--configs", "ngram:4"], "a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed]'"),
     (["--workloads", "poems"], "--workloads takes quote, rewrite, free"),
     (["--modes", "both"], "--modes takes single and/or batch"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),

@@ -10,7 +10,6 @@ from fp8serve.engine.block_manager import BlockManager
 from fp8serve.engine.scheduler import Scheduler, SchedulerOutput
 from fp8serve.engine.sequence import Sequence, SequenceStatus
 from fp8serve.sampling_params import SamplingParams
-from fp8serve.spec_decode.draft_policy import GoodputDraftPolicy
 
 _ids = itertools.count()
 
@@ -833,83 +832,49 @@ def test_a_preempted_sequence_loses_its_drafts():
     assert b.spec_token_ids == []
 
 
-def test_draft_policy_cuts_the_decodes_drafts_before_slots():
-    """The scheduler hands its draft_policy the step's decoding sequences before any slot is
-    taken: the step holds slots and counts tokens for the drafts the policy left. None verifies
-    every draft."""
-    sched = make_scheduler(num_blocks=64, block_size=4, max_model_len=64)
+def test_drafts_are_trimmed_only_in_steps_past_the_free_rows():
+    """Up to spec_free_rows verify rows every draft is kept; past them each sequence's drafts are
+    cut to its spec_draft_limit (sequences without one yet keep theirs)."""
+    sched = make_scheduler(num_blocks=64, block_size=4, max_model_len=32)
     seqs = [make_seq(3, f"s{i}") for i in range(3)]
     for s in seqs:
         sched.add(s)
     run_step(sched.schedule())
-    seen = []
-
-    def cut_to_one(decodes):
-        seen.append(names(decodes))
-        for s in decodes:
-            del s.spec_token_ids[1:]
-
-    sched.draft_policy = cut_to_one
-    seqs[0].spec_token_ids, seqs[1].spec_token_ids = [1, 2, 3, 4, 5, 6], [7, 8]
-    free = sched.block_manager.num_free_blocks
-    out = sched.schedule()
-    assert seen == [["s0", "s1", "s2"]]
-    assert [s.spec_token_ids for s in seqs] == [[1], [7], []]
-    assert out.num_batched_tokens == 3 + 2
-    # 4 tokens each, the newest one's slot in the first block: one more block each for s0's and
-    # s1's kept draft (six drafts of s0 would have taken two).
-    assert sched.block_manager.num_free_blocks == free - 2
-    run_step(out)
-    for s in seqs:  # the engine empties them after the pass
-        s.spec_token_ids = []
-    sched.draft_policy = None  # every draft verified
-    seqs[0].spec_token_ids = [1, 2, 3, 4, 5, 6]
-    out = sched.schedule()
-    assert seqs[0].spec_token_ids == [1, 2, 3, 4, 5, 6] and out.num_batched_tokens == 3 + 6
+    sched.spec_free_rows = 3 + 6
+    seqs[0].spec_token_ids, seqs[0].spec_draft_limit = [1, 2, 3, 4], 1
+    seqs[1].spec_token_ids, seqs[1].spec_draft_limit = [5, 6], None
+    sched.schedule()  # 3 + 6 rows: nothing cut
+    assert [len(s.spec_token_ids) for s in seqs] == [4, 2, 0]
+    seqs[2].spec_token_ids, seqs[2].spec_draft_limit = [7, 8, 9], 2
+    for s in seqs:  # as if the step ran and kept nothing; the same drafts proposed again
+        s.num_computed_tokens = s.num_tokens
+        s.output_token_ids.append(9)
+    sched.schedule()  # 3 + 9 rows: cut to the limits
+    assert [s.spec_token_ids for s in seqs] == [[1], [5, 6], [7, 8]]
+    sched.spec_free_rows = None  # never cut
+    seqs[0].spec_token_ids = [1, 2, 3, 4]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens
+        s.output_token_ids.append(9)
+    sched.schedule()
+    assert len(seqs[0].spec_token_ids) == 4
 
 
-def test_chunked_draft_policy_sees_only_decodes():
-    """With chunked prefill, a running sequence still in its prefill is not a decode of the
-    step and is not given to the draft policy."""
-    sched = make_chunked_scheduler(max_num_batched_tokens=8, max_model_len=64)
-    a = make_seq(3, "a")
-    sched.add(a)
-    run_chunked_step(sched.schedule())
-    late = make_seq(30, "late")
-    sched.add(late)
-    run_chunked_step(sched.schedule())  # a's decode and late's first chunk
-    assert 0 < late.num_computed_tokens < late.num_tokens - 1
-    seen = []
-    sched.draft_policy = lambda decodes: seen.append(names(decodes))
-    a.spec_token_ids = [5, 6]
-    out = sched.schedule()
-    assert seen == [["a"]] and names(out.decode_seqs) == ["a"] and names(out.seqs) == ["late"]
-
-
-@pytest.mark.parametrize("policy", ["goodput", "random", None])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("reserve_growth", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth, prefix_caching, policy):
-    """Speculative decoding's drafts in the randomized simulation, cut by the goodput policy (fed
-    a cost of 10 ms + 0.05 ms per row), cut at random or never: every decode gets slots for its
-    token and the drafts it keeps, a step's tokens count them, preempted sequences lose theirs,
-    blocks stay consistent (with prefix caching too), and verify passes that keep some drafts
-    (the engine appends them and one more token) neither lose nor overshoot tokens."""
+def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth, prefix_caching):
+    """Speculative decoding's drafts in the randomized simulation, trimmed in every step, past 8
+    rows or never: every decode gets slots for its token and the drafts it keeps, a step's tokens
+    count them, preempted sequences lose theirs, blocks stay consistent (with prefix caching
+    too), and verify passes that keep some drafts (the engine appends them and one more token)
+    neither lose nor overshoot tokens."""
     rng = random.Random(seed)
     block_size, num_blocks, max_model_len, max_drafts = 4, 12, 24, 4
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6,
                            max_num_batched_tokens=32, max_model_len=max_model_len, reserve_growth=reserve_growth,
                            enable_prefix_caching=prefix_caching)
-    if policy == "goodput":
-        sched.draft_policy = GoodputDraftPolicy()
-    elif policy == "random":
-        def cut_at_random(decodes):
-            for s in decodes:
-                del s.spec_token_ids[rng.randint(0, len(s.spec_token_ids)):]
-        sched.draft_policy = cut_at_random
-    else:
-        sched.draft_policy = None
+    sched.spec_free_rows = rng.choice([0, 8, None])
     bm = sched.block_manager
     all_seqs: list[Sequence] = []
     target: dict[str, int] = {}
@@ -939,8 +904,6 @@ def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth
         else:
             assert out.num_batched_tokens == sum(1 + len(s.spec_token_ids) for s in out.seqs)
             assert out.num_batched_tokens - len(out.seqs) <= sched.config.max_num_batched_tokens - len(out.seqs)
-            if policy == "goodput":
-                sched.draft_policy.observe_pass(out.num_batched_tokens, 0, 0.010 + 0.00005 * out.num_batched_tokens)
             for s in out.seqs:
                 kept = rng.randint(0, len(s.spec_token_ids))
                 num_verified += len(s.spec_token_ids)
@@ -949,6 +912,8 @@ def test_randomized_simulation_with_drafts_keeps_invariants(seed, reserve_growth
                 s.num_computed_tokens = s.num_tokens - 1
                 if prefix_caching:
                     bm.cache_computed_blocks(s)
+                if s.spec_token_ids:
+                    s.spec_draft_limit = max(1, 2 * kept)
                 s.spec_token_ids = []
         for s in out.seqs:
             assert len(s.output_token_ids) <= target[s.request_id] and s.num_tokens <= max_model_len
