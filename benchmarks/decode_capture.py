@@ -9,18 +9,21 @@ run's drain walks down through every size.
 
 Workload: --num-prompts requests of --input-len random token ids added at once, greedy, ignore_eos,
 the i-th with max_tokens = --first-output + i * --steps-per-size, so the batch drains from
---num-prompts to 1 and each size lives --steps-per-size decode steps. Two engines in one process
-(same model and KV cache dtype), one sharing compiled replays and one compiling every size,
-run the drain in interleaved rounds; before every run the engine forgets its recordings, as a
-fresh server would start. Reported per run: the decode seconds of the drain, the median first step
-at a new size and the median of the other decode steps, compiles, the growth of the process's
-resident memory over the run, and the shared / per-size ratio of drain time in each round. For a
+--num-prompts to 1 and each size lives --steps-per-size decode steps. The engines of --engines (by
+default two: one sharing compiled replays, one compiling every size) live in one process (same
+model and KV cache dtype) and run the drain in interleaved rounds; before every run the engine forgets its recordings, as a
+fresh server would start. Reported per run: the decode seconds of the drain, the median first and
+second step at a new size (a size is recorded on its first step, or after --engines' :rN eager
+steps) and the median of the other decode steps, sizes recorded and compiled, the growth of the
+process's resident memory over the run, and each engine's ratio of drain time to the first one's in
+each round (the order of the engines alternates between rounds). For a
 clean memory figure run one engine per process (`--engines shared`, then `--engines per-size`):
 with both in one process, memory freed by one engine's reset may be reused by the other.
 
     .venv/bin/python benchmarks/decode_capture.py                 # default model, bf16, FP8 KV
     .venv/bin/python benchmarks/decode_capture.py --num-prompts 4 --rounds 1   # smoke
     .venv/bin/python benchmarks/decode_capture.py --engines per-size --num-prompts 48 --steps-per-size 2 --rounds 1
+    .venv/bin/python benchmarks/decode_capture.py --engines shared:r0,shared:r1 --steps-per-size 1   # record at once / after 1 eager step
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ def drain(engine, prompts: list[list[int]], first_output: int, steps_per_size: i
     for i, p in enumerate(prompts):
         sp = SamplingParams(temperature=0.0, max_tokens=first_output + i * steps_per_size, ignore_eos=True)
         engine.add_request(None, {"prompt_token_ids": p}, sp)
-    first, other, decode_s = [], [], 0.0
-    seen: set[int] = set()
+    first, second, other, decode_s = [], [], [], 0.0
+    seen: dict[int, int] = {}
     while engine.has_unfinished_requests():
         prefill = bool(engine.scheduler.waiting)
         n = len(engine.scheduler.running)
@@ -62,11 +65,26 @@ def drain(engine, prompts: list[list[int]], first_output: int, steps_per_size: i
         if prefill:
             continue
         decode_s += dt
-        (other if n in seen else first).append(dt)
-        seen.add(n)
+        (first, second, other)[min(seen.get(n, 0), 2)].append(dt)
+        seen[n] = seen.get(n, 0) + 1
     gc.collect()
-    return {"rss_mib": resident_mib() - rss0, "decode_s": decode_s, "first_ms": 1e3 * statistics.median(first), "other_ms": 1e3 * statistics.median(other),
-            "sizes": len(first), "compiled": captures.num_compiled, "replays": captures.num_replays}
+
+    def median_ms(xs: list[float]) -> float:
+        return 1e3 * statistics.median(xs) if xs else float("nan")
+
+    return {"rss_mib": resident_mib() - rss0, "decode_s": decode_s, "first_ms": median_ms(first),
+            "second_ms": median_ms(second), "other_ms": median_ms(other), "sizes": len(first),
+            "recorded": len(captures.recorded_batch_sizes), "compiled": captures.num_compiled,
+            "replays": captures.num_replays}
+
+
+def parse_engine(spec: str) -> tuple[bool, int | None]:
+    """'shared' | 'per-size', optionally ':rN' (N eager steps before a size is recorded; default: the
+    engine's) -> (share compiled forwards, record_after)."""
+    name, _, after = spec.partition(":")
+    if name not in ("shared", "per-size") or (after and not (after[:1] == "r" and after[1:].isdigit())):
+        raise ValueError(f"an engine is shared or per-size, optionally with :rN (e.g. shared:r0), got {spec!r}")
+    return name == "shared", int(after[1:]) if after else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,22 +98,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps-per-size", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--engines", default="shared,per-size", help="comma-separated: shared, per-size")
+    ap.add_argument("--engines", default="shared,per-size",
+                    help="comma-separated: shared | per-size, each optionally :rN, the eager steps a batch size "
+                         "runs before it is recorded (DecodeCaptures.record_after; e.g. shared:r0,shared:r1)")
     args = ap.parse_args(argv)
     labels = [x.strip() for x in args.engines.split(",") if x.strip()]
-    if not labels or any(x not in ("shared", "per-size") for x in labels):
-        ap.error(f"--engines takes shared and/or per-size, got {args.engines!r}")
+    try:
+        variants = {label: parse_engine(label) for label in labels}
+    except ValueError as e:
+        ap.error(str(e))
+    if not labels or len(variants) != len(labels):
+        ap.error(f"--engines takes distinct engines, got {args.engines!r}")
     require_positive(ap, args, "num_prompts", "input_len", "first_output", "steps_per_size", "rounds")
 
     from fp8serve import LLM
 
     print_header("New decode batch sizes: compiled per size vs shared", argv)
     engines = {}
-    for label in labels:
-        share = label == "shared"
+    for label, (share, record_after) in variants.items():
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                   max_num_seqs=max(args.num_prompts, 1))
-        llm.llm_engine.model_runner.decode_captures.share_compiled = share
+        captures = llm.llm_engine.model_runner.decode_captures
+        captures.share_compiled = share
+        if record_after is not None:
+            captures.record_after = record_after
         engines[label] = llm.llm_engine
     vocab = engines[labels[0]].model_runner.config.model_config.arch.vocab_size
     rng = random.Random(args.seed)
@@ -105,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for e in engines.values():  # warm-up: kernel builds, first allocations
         drain(e, prompts[:2], 2, 2)
 
-    head = ["round", "engine", "decode s", "first step at a new size ms (median)", "other decode steps ms (median)",
-            "sizes", "compiled", "RSS growth MiB"]
+    head = ["round", "engine", "decode s", "first step at a new size ms (median)", "second ms (median)",
+            "other decode steps ms (median)", "sizes", "recorded", "compiled", "RSS growth MiB"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     ratios = []
@@ -114,12 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         res = {}
         for label, e in engines.items():
             r = res[label] = drain(e, prompts, args.first_output, args.steps_per_size)
-            print(f"| {rnd} | {label} | {r['decode_s']:.2f} | {r['first_ms']:.1f} | {r['other_ms']:.1f} | {r['sizes']} | "
-                  f"{r['compiled']} | {r['rss_mib']:.0f} |", flush=True)
-        if len(res) == 2:
-            ratios.append(res["per-size"]["decode_s"] / res["shared"]["decode_s"])
-    if ratios:
-        print("\nper-size / shared decode seconds by round: " + ", ".join(f"{x:.2f}x" for x in ratios))
+            print(f"| {rnd} | {label} | {r['decode_s']:.2f} | {r['first_ms']:.1f} | {r['second_ms']:.1f} | "
+                  f"{r['other_ms']:.1f} | {r['sizes']} | {r['recorded']} | {r['compiled']} | {r['rss_mib']:.0f} |",
+                  flush=True)
+        if len(res) > 1:
+            ratios.append({label: r["decode_s"] / res[labels[0]]["decode_s"] for label, r in res.items()})
+        engines = dict(reversed(engines.items()))  # ABBA: the other order next round
+    for label in labels[1:] if ratios else ():
+        print(f"\n{label} / {labels[0]} decode seconds by round: " + ", ".join(f"{r[label]:.2f}x" for r in ratios))
     return 0
 
 

@@ -195,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             engines[label] = (e, policy)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
-    # Warm-up: one short request per engine (kernel builds, decode captures for small batches).
+    # Warm-up: one short request per engine (kernel builds; 7 decode steps, so batch size 1 is recorded:
+    # DecodeCaptures.record_after).
     from fp8serve import SamplingParams
 
     for e, _ in engines.values():
-        e.add_request(None, {"prompt_token_ids": prompts[0][:32]}, SamplingParams(max_tokens=4, ignore_eos=True))
+        e.add_request(None, {"prompt_token_ids": prompts[0][:32]}, SamplingParams(max_tokens=8, ignore_eos=True))
         while e.has_unfinished_requests():
             e.step()
 

@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.output_len} output tokens per request; torch threads {torch.get_num_threads()}\n")
     vocab = engines["off"].model_runner.config.model_config.arch.vocab_size
     for e in engines.values():  # warm-up: kernel builds, decode recordings, first allocations
-        run_batch(e, [[11 + i % (vocab - 11) for i in range(40)]] * 2, 4)
-        run_batch(e, [[17 + i % (vocab - 17) for i in range(args.suffix_len + 8)] for _ in range(3)], 4)
+        run_batch(e, [[11 + i % (vocab - 11) for i in range(40)]] * 2, 8)  # 8 tokens: recorded after 4 eager steps
+        run_batch(e, [[17 + i % (vocab - 17) for i in range(args.suffix_len + 8)] for _ in range(3)], 8)
 
     head = ["workload", "round", "prefix caching", "wall s", "prefill s", "prompt tokens prefilled", "hit rate",
             "mean TTFT s", "output tok/s"]

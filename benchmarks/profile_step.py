@@ -209,7 +209,8 @@ def main() -> int:
 
     if args.phase in ("decode", "both"):
         # Prompts so that the profiled steps run at ~decode_context tokens of context.
-        warm_steps = 3
+        # Untimed steps first: the engine records a batch size's forward on its (record_after + 1)-th step.
+        warm_steps = engine.model_runner.decode_captures.record_after + 2
         plen = args.decode_context - warm_steps - 1
         sp = SamplingParams(temperature=0.0, max_tokens=warm_steps + 4 * args.steps + 4, ignore_eos=True)
         ids = [engine.add_request(None, {"prompt_token_ids": random_prompt(plen, rng, vocab)}, sp).request_id

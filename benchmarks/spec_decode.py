@@ -5,7 +5,8 @@ One engine per configuration in one process (same model, dtype, KV cache dtype a
 `off` decodes one token per step; `ngram:K:MIN-MAX` runs `--speculative-config '{"method":
 "ngram", "num_speculative_tokens": K, "prompt_lookup_min": MIN, "prompt_lookup_max": MAX}'`;
 `ngram:K:MIN-MAX:fixed` the same with the scheduler's draft trimming off (always up to K drafts;
-see Scheduler.trim_drafts).
+see Scheduler.trim_drafts). Any configuration may end in `:rN`: its engine runs a batch size N eager
+decode steps before recording its forward (DecodeCaptures.record_after; e.g. off:r0, ngram:4:2-4:r0).
 
 Workloads (chat prompts through the model's chat template, greedy, --output-len tokens at most),
 one prompt per paragraph of the built-in calibration text:
@@ -25,6 +26,7 @@ requests generated the same tokens as `off`.
     .venv/bin/python benchmarks/spec_decode.py                      # default model, bf16, FP8 KV
     .venv/bin/python benchmarks/spec_decode.py --configs ngram:4:2-4 --workloads quote --rounds 1
     .venv/bin/python benchmarks/spec_decode.py --verify-cost        # a verify pass vs a decode step
+    .venv/bin/python benchmarks/spec_decode.py --configs off:r0,ngram:4:2-4:r0,ngram:4:2-4 --fresh-recordings
 """
 
 from __future__ import annotations
@@ -46,16 +48,20 @@ INSTRUCTIONS = {
 }
 
 
-def parse_config(spec: str) -> tuple[dict | None, bool]:
-    """'off' -> None; 'ngram:K:MIN-MAX[:fixed]' -> (the speculative config, whether drafts are trimmed)."""
-    if spec == "off":
-        return None, True
-    m = re.fullmatch(r"ngram:(\d+):(\d+)-(\d+)(:fixed)?", spec)
+def parse_config(spec: str) -> tuple[dict | None, bool, int | None]:
+    """'off[:rN]' -> None; 'ngram:K:MIN-MAX[:fixed][:rN]' -> (the speculative config, whether drafts are
+    trimmed, N: the eager decode steps before a batch size's forward is recorded, None for the engine's
+    default: see DecodeCaptures.record_after)."""
+    m = re.fullmatch(r"(?:off|ngram:(\d+):(\d+)-(\d+)(:fixed)?)(?::r(\d+))?", spec)
     if not m:
-        raise ValueError(f"a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed]' (e.g. ngram:4:2-4), got {spec!r}")
+        raise ValueError("a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed]', optionally with ':rN' "
+                         f"(e.g. ngram:4:2-4, off:r0), got {spec!r}")
+    record_after = int(m.group(5)) if m.group(5) is not None else None
+    if m.group(1) is None:
+        return None, True, record_after
     k, lo, hi = map(int, m.groups()[:3])
     return ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi},
-            m.group(4) is None)
+            m.group(4) is None, record_after)
 
 
 def prompts_for(llm, workload: str, num_prompts: int) -> list[list[int]]:
@@ -172,14 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fresh-recordings", action="store_true",
+                    help="forget the recorded decode forwards before every measured run (a new server's "
+                         "recording costs) instead of keeping the warm-up's")
     ap.add_argument("--verify-cost", action="store_true",
                     help="only time verify passes against decode steps (batch 1, 6, 16 x 1, 4, 8 drafts, "
                          "256-token contexts)")
     args = ap.parse_args(argv)
     require_positive(ap, args, "num_prompts", "output_len", "rounds")
     try:
-        configs = {"off": (None, True)} | {c.strip(): parse_config(c.strip()) for c in args.configs.split(",")
-                                           if c.strip()}
+        configs = {"off": (None, True, None)} | {c.strip(): parse_config(c.strip())
+                                                 for c in args.configs.split(",") if c.strip()}
     except ValueError as e:
         ap.error(f"--configs: {e}")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -202,11 +211,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print_header("Speculative decoding (n-gram drafts) vs plain decoding", argv)
     llms = {}
-    for label, (spec, trim) in configs.items():
+    for label, (spec, trim, record_after) in configs.items():
         llms[label] = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                           kv_cache_memory=args.kv_cache_memory, speculative_config=spec)
         if not trim:
             llms[label].llm_engine.scheduler.spec_free_rows = None
+        if record_after is not None:
+            llms[label].llm_engine.model_runner.decode_captures.record_after = record_after
     first = next(iter(llms.values()))
     prompts = {w: prompts_for(first, w, args.num_prompts) for w in workloads}
     lens = {w: sum(len(p) for p in ps) / len(ps) for w, ps in prompts.items()}
@@ -214,13 +225,19 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{w} {n:.0f}" for w, n in lens.items())
           + f"), greedy, at most {args.output_len} output tokens; torch threads {torch.get_num_threads()}\n")
     # Warm-up, one unreported pass of every measured run: kernel builds, first allocations, and
-    # the decode recordings of every batch size the runs reach (a first decode step at a new size
-    # records it: ~0.2-0.7 s here). A speculating engine decodes plainly only in steps without
-    # drafts, so it would otherwise record sizes at other times than `off` does.
+    # the decode recordings of every batch size and verify row count the runs reach (a recording
+    # costs ~0.05-0.7 s here), all recorded at first use for this pass (record_after = 0): the
+    # measured runs are the steady state of an engine that has met these shapes. A speculating
+    # engine decodes plainly only in steps without drafts, so it would otherwise record sizes at
+    # other times than `off` does. --fresh-recordings forgets the recordings before every
+    # measured run instead: what a new engine pays for the shapes it meets, under its record_after.
     for llm in llms.values():
+        captures = llm.llm_engine.model_runner.decode_captures
+        record_after, captures.record_after = captures.record_after, 0
         for workload in workloads:
             for mode in modes:
                 run(llm, prompts[workload], args.output_len, mode == "batch")
+        captures.record_after = record_after
 
     head = ["round", "workload", "mode", "config", "tokens", "wall s", "output tok/s", "steps", "proposed",
             "verified", "kept", "acceptance", "tokens per verify"]
@@ -233,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 res = {}
                 for label in (labels if rnd % 2 else labels[::-1]):
+                    if args.fresh_recordings:
+                        llms[label].llm_engine.model_runner.decode_captures.reset()
                     r = res[label] = run(llms[label], prompts[workload], args.output_len, mode == "batch")
                     acc = f"{100 * r['accepted'] / r['drafted']:.0f}%" if r["drafted"] else "-"
                     per = f"{1 + r['accepted'] / r['drafts']:.2f}" if r["drafts"] else "-"

@@ -8,7 +8,8 @@ decode step. Measured on a 2-vCPU Xeon, the default model's FP8 checkpoint at
 batch 1 (engine steps, three alternating runs): 15.6-17.2 ms eager against
 11.8-12.6 ms replayed, with bit-identical outputs.
 
-How: one decode forward runs while every op it dispatches is recorded
+How: one decode forward (a batch size's fifth: see DecodeCaptures.record_after)
+runs while every op it dispatches is recorded
 (fp8serve/engine/op_recorder.py); the recording is compiled to code that
 calls the same ops on a new step's inputs (fp8serve/engine/compiled_replay.py:
 TorchScript where it can be scripted, ~2 ms less per batch-1 step than
@@ -51,8 +52,8 @@ _MISSING = object()
 class DecodeCaptures:
     """The model runner's recorded decode forwards, one per (batch size, KV
     scales). `forward(input_ids, positions, metadata)` replays the matching
-    one, records it on first use, or runs the model eagerly where a replay
-    would not be safe (see the module docstring).
+    one, records it (on its fifth use: see `record_after`), or runs the
+    model eagerly where a replay would not be safe (see the module docstring).
 
     Compiling a recording (TorchScript ~130 ms, the Python replay ~10 ms) is
     most of what a new batch size costs; a serving batch changes size often
@@ -62,13 +63,34 @@ class DecodeCaptures:
     one's with only the batch-sized dimensions changed (`unify`), it shares
     that compiled forward; only the bit-for-bit check of its first replay runs.
     Sizes whose ops differ (another kernel above some row count) compile
-    their own, which the sizes after them can share in turn."""
+    their own, which the sizes after them can share in turn.
 
-    def __init__(self, model: torch.nn.Module, attn_layers: Sequence[torch.nn.Module], enabled: bool) -> None:
+    Even shared, a recording costs two forwards (the eager one under the
+    recorder, ~1.3-1.8x a plain eager step, and the checked replay): 2-3.5
+    replayed steps, and a size that needs a compile of its own ~10-50. Many
+    sizes never come back: the drain at the end of a batch, and above all
+    speculative decoding, whose verify passes have as many rows as the
+    batch's drafts plus one (every count up to batch x (1 + k)). An eager
+    step costs only 1.05-1.4 replayed ones, so, as in renting skis before
+    buying, a size runs `record_after` eager steps (default 4) before it is
+    recorded: a size that lives a few steps is never recorded, and one that
+    lives on pays at most ~1.5 replayed steps more, once. On the default
+    model, against recording at first use: a fresh engine's batch of 24
+    speculating requests ran 1.06-1.76x as fast, a drain through 16 sizes of
+    1-4 steps each took 0.40-0.73x the decode time; sizes of 8 steps cost
+    1.16-1.25x, and a second pass over shapes met once 0.73-1.00x
+    (benchmarks/results/decode_capture_record_after_2026-12-01_zen4.md)."""
+
+    def __init__(self, model: torch.nn.Module, attn_layers: Sequence[torch.nn.Module], enabled: bool,
+                 record_after: int = 4) -> None:
+        if record_after < 0:
+            raise ValueError(f"record_after is a number of eager steps >= 0, got {record_after}")
         self.model = model
         self.attn_layers = list(attn_layers)
         self.enabled = enabled and bool(getattr(type(model), "supports_decode_capture", False))
+        self.record_after = record_after
         self._captures: dict[tuple, CapturedForward | None] = {}
+        self._eager_steps: dict[tuple, int] = {}  # keys not yet recorded: eager steps run so far
         self._templates: list[CapturedForward] = []  # compiled forwards a new batch size may share
         self.share_compiled = True  # False: every batch size compiles its own (benchmarks' A/B)
         self._logged = False
@@ -91,6 +113,11 @@ class DecodeCaptures:
         if recorded is not _MISSING:
             self.num_replays += 1
             return recorded.replay(*inputs)
+        steps = self._eager_steps.get(key, 0)
+        if steps < self.record_after:
+            self._eager_steps[key] = steps + 1
+            return self._eager(input_ids, positions, md)
+        self._eager_steps.pop(key, None)
         start = time.perf_counter()
         output, recorder = record(lambda: self._eager(input_ids, positions, md), inputs)
         recorded, template, compiled = self._compile(recorder, output, len(inputs), md.num_seqs)
@@ -140,6 +167,7 @@ class DecodeCaptures:
         """Forget every recording (benchmarks: each run as a fresh engine)."""
         self._captures.clear()
         self._templates.clear()
+        self._eager_steps.clear()
         self.num_compiled = 0
 
     @property

@@ -29,9 +29,14 @@ def llama_dir(tmp_path_factory):
 
 
 def make_engine(model_dir: str, *, enforce_eager: bool, kv_cache_dtype: str = "auto", dtype: str = "float32",
-                **kwargs) -> LLMEngine:
-    return LLMEngine.from_args(model_dir, dtype=dtype, device="cpu", block_size=BLOCK_SIZE, kv_cache_memory=1 << 20,
-                               max_model_len=64, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, **kwargs)
+                record_after: int = 1, **kwargs) -> LLMEngine:
+    """record_after = 1 (the engine's default is 4): these runs are short, and a batch size that lives
+    only a few steps would stay eager; one eager step first still covers the eager-then-record path."""
+    engine = LLMEngine.from_args(model_dir, dtype=dtype, device="cpu", block_size=BLOCK_SIZE, kv_cache_memory=1 << 20,
+                                 max_model_len=64, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+                                 **kwargs)
+    engine.model_runner.decode_captures.record_after = record_after
+    return engine
 
 
 def run(engine: LLMEngine, requests) -> dict[str, tuple[list[int], list[float]]]:
@@ -147,6 +152,28 @@ def test_replays_with_packed_bf16_weights_equal_eager(ops, llama_dir, seed, monk
     assert captures.scripted_batch_sizes == captures.recorded_batch_sizes, f"seed={seed}"
 
 
+def test_the_engine_records_a_batch_size_after_four_eager_steps(ops, llama_dir, seed):
+    """The engine's default: every batch size runs 4 decode steps eagerly before it is recorded, so
+    the sizes recorded are exactly those that reached a fifth step; outputs equal --enforce-eager's."""
+    requests = random_requests(seed, 6)
+    engine = make_engine(llama_dir, enforce_eager=False, record_after=4)
+    sizes = []
+    forward = engine.model_runner.decode_captures.forward
+
+    def counting(input_ids, positions, md):
+        if md.is_decode_only:
+            sizes.append(md.num_seqs)
+        return forward(input_ids, positions, md)
+
+    engine.model_runner.decode_captures.forward = counting
+    assert run(engine, requests) == run(make_engine(llama_dir, enforce_eager=True), requests), f"seed={seed}"
+    captures = engine.model_runner.decode_captures
+    assert captures.recorded_batch_sizes == sorted({n for n in sizes if sizes.count(n) >= 5}), f"seed={seed} {sizes}"
+    assert captures.num_replays == sum(max(sizes.count(n) - 5, 0) for n in set(sizes)), f"seed={seed} {sizes}"
+    fresh = LLMEngine.from_args(llama_dir, dtype="float32", device="cpu", kv_cache_memory=1 << 20, max_model_len=64)
+    assert fresh.model_runner.decode_captures.record_after == 4
+
+
 def test_enforce_eager_records_nothing(llama_dir, seed):
     engine = make_engine(llama_dir, enforce_eager=True)
     run(engine, random_requests(seed, 3))
@@ -251,7 +278,7 @@ def _decode_metadata(n: int) -> AttentionMetadata:
 
 def test_tensors_outside_inputs_and_model_state_keep_the_model_eager(seed):
     model = _ReadsAGlobal()
-    captures = DecodeCaptures(model, [], enabled=True)
+    captures = DecodeCaptures(model, [], enabled=True, record_after=0)
     ids = torch.arange(4)
     md = _decode_metadata(4)
     assert torch.equal(captures.forward(ids, ids, md), ids.float())
@@ -288,10 +315,10 @@ class _BatchShaped(torch.nn.Module):
 
 
 def _replay_sizes(model, sizes, seed):
-    """Runs each batch size three times through DecodeCaptures (record, then
-    replays on fresh inputs) and checks every output against the eager model."""
+    """Runs each batch size three times through DecodeCaptures (recorded on
+    its first step, then replays on fresh inputs) and checks every output against the eager model."""
     g = torch.Generator().manual_seed(seed)
-    captures = DecodeCaptures(model, [], enabled=True)
+    captures = DecodeCaptures(model, [], enabled=True, record_after=0)
     for n in sizes:
         for _ in range(3):
             ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
@@ -323,3 +350,36 @@ def test_a_size_proportional_only_over_a_range_is_checked_at_every_size(seed):
     and its outputs stay exact."""
     captures = _replay_sizes(_BatchShaped(seed, alloc=lambda n: 2 * max(n, 4)), [4, 8, 6, 2], seed)
     assert captures.num_compiled == 3, f"seed={seed}"  # 4, then 8 (shared by 6), then 2
+
+
+def test_a_batch_size_runs_record_after_eager_steps_before_it_is_recorded(seed):
+    """record_after = 2: a size's first two steps run eagerly, the third is
+    recorded, the rest replay; a size seen twice is never recorded; every
+    output is the eager model's. reset() forgets the counts too."""
+    model = _BatchShaped(seed, alloc=lambda n: 3 * n)
+    g = torch.Generator().manual_seed(seed)
+    captures = DecodeCaptures(model, [], enabled=True, record_after=2)
+
+    def step(n: int) -> None:
+        ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
+        assert torch.equal(captures.forward(ids, pos, _decode_metadata(n)), model(ids, pos)), f"seed={seed} n={n}"
+
+    for _ in range(2):
+        step(4)
+        step(3)
+    assert captures.recorded_batch_sizes == [] and captures.num_replays == 0, f"seed={seed}"
+    step(4)  # the third step: recorded
+    assert captures.recorded_batch_sizes == [4] and captures.num_replays == 0, f"seed={seed}"
+    step(4)
+    step(4)
+    assert captures.num_replays == 2, f"seed={seed}"
+    step(3)
+    assert captures.recorded_batch_sizes == [3, 4], f"seed={seed}"
+    captures.reset()
+    step(4)
+    assert captures.recorded_batch_sizes == [], f"seed={seed}"
+
+
+def test_record_after_must_not_be_negative():
+    with pytest.raises(ValueError, match="record_after is a number of eager steps >= 0, got -1"):
+        DecodeCaptures(_ReadsAGlobal(), [], enabled=True, record_after=-1)
