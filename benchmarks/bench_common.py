@@ -185,6 +185,14 @@ def token_source(engine, kind: str):
     return draw
 
 
+def record_as_a_warm_engine(engine) -> None:
+    """For benchmarks of steady-state steps: the engine records decode forwards as one that has
+    already compiled its first recording would (DecodeCaptures.first_record_after = 0; a batch size
+    is still recorded after record_after eager steps), instead of running its first 64 decode steps
+    eagerly as a fresh engine does (fp8serve/engine/decode_capture.py)."""
+    engine.model_runner.decode_captures.first_record_after = 0
+
+
 def add_model_args(parser, dtype: str = "bfloat16") -> None:
     """--model, --dtype, --kv-cache-dtype and --kv-cache-memory of the engine benchmarks."""
     parser.add_argument("--model", default=None, help="default: the built-in model")

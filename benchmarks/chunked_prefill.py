@@ -27,7 +27,7 @@ import sys
 import time
 
 import torch
-from bench_common import add_model_args, print_header, require_positive, token_source
+from bench_common import add_model_args, print_header, record_as_a_warm_engine, require_positive, token_source
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                   enable_chunked_prefill=budget is not None,
                   max_num_batched_tokens=budget)
         engines[label] = llm.llm_engine
+        record_as_a_warm_engine(llm.llm_engine)
     print(f"- {args.num_prompts} requests x {args.input_len} prompt tokens ({args.tokens}) -> {args.output_len} "
           f"output tokens, Poisson arrivals at {args.request_rate}/s; torch threads {torch.get_num_threads()}\n")
     for e in engines.values():  # warm-up: kernel builds, decode recordings, first allocations

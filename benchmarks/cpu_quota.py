@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import command_line, describe_machine, machine_info
+from bench_common import command_line, describe_machine, machine_info, record_as_a_warm_engine
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -84,6 +84,7 @@ def child(args) -> None:
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=256 << 20,
               max_model_len=args.prompt_len + args.warmup + args.steps + 8, seed=0)
     engine = llm.llm_engine
+    record_as_a_warm_engine(engine)
     g = torch.Generator().manual_seed(0)
     vocab = engine.model_runner.config.model_config.arch.vocab_size
     sp = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)

@@ -13,17 +13,17 @@ the i-th with max_tokens = --first-output + i * --steps-per-size, so the batch d
 default two: one sharing compiled replays, one compiling every size) live in one process (same
 model and KV cache dtype) and run the drain in interleaved rounds; before every run the engine forgets its recordings, as a
 fresh server would start. Reported per run: the decode seconds of the drain, the median first and
-second step at a new size (a size is recorded on its first step, or after --engines' :rN eager
-steps) and the median of the other decode steps, sizes recorded and compiled, the growth of the
+second step at a new size (a size is recorded after the engine's record_after eager steps, or
+--engines' :rN; :fM sets first_record_after) and the median of the other decode steps, sizes recorded and compiled, the growth of the
 process's resident memory over the run, and each engine's ratio of drain time to the first one's in
 each round (the order of the engines alternates between rounds). For a
 clean memory figure run one engine per process (`--engines shared`, then `--engines per-size`):
 with both in one process, memory freed by one engine's reset may be reused by the other.
 
-    .venv/bin/python benchmarks/decode_capture.py                 # default model, bf16, FP8 KV
+    .venv/bin/python benchmarks/decode_capture.py                 # default model, bf16, FP8 KV, engine defaults
     .venv/bin/python benchmarks/decode_capture.py --num-prompts 4 --rounds 1   # smoke
     .venv/bin/python benchmarks/decode_capture.py --engines per-size --num-prompts 48 --steps-per-size 2 --rounds 1
-    .venv/bin/python benchmarks/decode_capture.py --engines shared:r0,shared:r1 --steps-per-size 1   # record at once / after 1 eager step
+    .venv/bin/python benchmarks/decode_capture.py --engines shared:r0:f0,shared --steps-per-size 1   # first use / defaults
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import re
 import statistics
 import sys
 import time
@@ -78,13 +79,15 @@ def drain(engine, prompts: list[list[int]], first_output: int, steps_per_size: i
             "replays": captures.num_replays}
 
 
-def parse_engine(spec: str) -> tuple[bool, int | None]:
-    """'shared' | 'per-size', optionally ':rN' (N eager steps before a size is recorded; default: the
-    engine's) -> (share compiled forwards, record_after)."""
-    name, _, after = spec.partition(":")
-    if name not in ("shared", "per-size") or (after and not (after[:1] == "r" and after[1:].isdigit())):
-        raise ValueError(f"an engine is shared or per-size, optionally with :rN (e.g. shared:r0), got {spec!r}")
-    return name == "shared", int(after[1:]) if after else None
+def parse_engine(spec: str) -> tuple[bool, int | None, int | None]:
+    """'shared' | 'per-size', optionally ':rN' (N eager steps before a size is recorded) and ':fM' (M eager
+    steps before the engine's first recording); the engine's defaults where not given -> (share compiled
+    forwards, record_after, first_record_after)."""
+    m = re.fullmatch(r"(shared|per-size)(?::r(\d+))?(?::f(\d+))?", spec)
+    if not m:
+        raise ValueError("an engine is shared or per-size, optionally with :rN and :fM (e.g. shared:r0:f0), "
+                         f"got {spec!r}")
+    return m.group(1) == "shared", *(int(g) if g is not None else None for g in m.groups()[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engines", default="shared,per-size",
                     help="comma-separated: shared | per-size, each optionally :rN, the eager steps a batch size "
-                         "runs before it is recorded (DecodeCaptures.record_after; e.g. shared:r0,shared:r1)")
+                         "runs before it is recorded (DecodeCaptures.record_after), and :fM, the eager steps "
+                         "before the engine's first recording (first_record_after); shared:r0:f0 records "
+                         "every size at first use")
     args = ap.parse_args(argv)
     labels = [x.strip() for x in args.engines.split(",") if x.strip()]
     try:
@@ -115,13 +120,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print_header("New decode batch sizes: compiled per size vs shared", argv)
     engines = {}
-    for label, (share, record_after) in variants.items():
+    for label, (share, record_after, first_record_after) in variants.items():
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                   max_num_seqs=max(args.num_prompts, 1))
         captures = llm.llm_engine.model_runner.decode_captures
         captures.share_compiled = share
         if record_after is not None:
             captures.record_after = record_after
+        if first_record_after is not None:
+            captures.first_record_after = first_record_after
         engines[label] = llm.llm_engine
     vocab = engines[labels[0]].model_runner.config.model_config.arch.vocab_size
     rng = random.Random(args.seed)

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from bench_common import command_line, describe_machine, machine_info
+from bench_common import command_line, describe_machine, machine_info, record_as_a_warm_engine
 
 
 @dataclass
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory,
                       max_model_len=args.max_model_len, device=args.device, seed=args.seed)
             e = llm.llm_engine
+            record_as_a_warm_engine(e)
             e.scheduler.reserve_growth = policy == "reserve"
             spec = e.model_runner.kv_cache_spec
             label = kv if len(policies) == 1 else f"{kv} ({policy})"

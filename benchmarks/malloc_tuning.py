@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import add_model_args, print_header, require_positive
+from bench_common import add_model_args, print_header, record_as_a_warm_engine, require_positive
 
 
 def child(args) -> dict:
@@ -42,6 +42,7 @@ def child(args) -> dict:
               max_num_seqs=max(args.prefill_batch, args.decode_batch),
               max_num_batched_tokens=max(8192, args.prefill_batch * args.prefill_len))
     engine = llm.llm_engine
+    record_as_a_warm_engine(engine)
     vocab = engine.model_runner.config.model_config.arch.vocab_size
     rng = random.Random(args.seed)
 

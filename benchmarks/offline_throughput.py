@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from bench_common import command_line, describe_machine, machine_info
+from bench_common import command_line, describe_machine, machine_info, record_as_a_warm_engine
 
 # --------------------------------------------------------------------------- machine
 
@@ -124,6 +124,7 @@ def run_fp8serve(args, prompts: list[list[int]], dtype: str, kv_dtype: str, keep
     llm = LLM(model=args.model, **kwargs)
     load_s = time.perf_counter() - t_load
     runner = llm.llm_engine.model_runner
+    record_as_a_warm_engine(llm.llm_engine)
     resolved_dtype = str(runner.dtype).removeprefix("torch.")
     resolved_kv = runner.kv_cache_spec.kv_cache_dtype
     timer = _StepTimer(runner)

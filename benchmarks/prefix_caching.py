@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from bench_common import add_model_args, print_header, require_positive, token_source
+from bench_common import add_model_args, print_header, record_as_a_warm_engine, require_positive, token_source
 
 WORKLOADS = ("shared-prefix", "multi-turn")
 
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                   kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=on)
         engines[label] = llm.llm_engine
+        record_as_a_warm_engine(llm.llm_engine)
     print(f"- shared-prefix: {args.num_prompts} requests x ({args.prefix_len} shared + {args.suffix_len} own) prompt "
           f"tokens; multi-turn: {args.num_conversations} chats x {args.turns} turns of {args.turn_len} new tokens; "
           f"{args.output_len} output tokens per request; torch threads {torch.get_num_threads()}\n")

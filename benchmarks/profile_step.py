@@ -34,6 +34,7 @@ import time
 from collections import defaultdict
 
 import torch
+from bench_common import record_as_a_warm_engine
 from torch.profiler import ProfilerActivity, profile, record_function
 
 # Labels of the component table, in print order.
@@ -188,6 +189,7 @@ def main() -> int:
               kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.decode_batch, args.prefill_batch),
               max_num_batched_tokens=max_tokens_batched, enforce_eager=args.enforce_eager)
     engine = llm.llm_engine
+    record_as_a_warm_engine(engine)
     runner = engine.model_runner
     vocab = runner.config.model_config.arch.vocab_size
     out_file = open(args.out, "w") if args.out else None

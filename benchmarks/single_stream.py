@@ -76,7 +76,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import best_time, command_line, describe_machine, machine_info
+from bench_common import best_time, command_line, describe_machine, machine_info, record_as_a_warm_engine
 
 PREFILL_TARGET_PCT = 80.0
 DECODE_BOUND_TARGET_PCT = 80.0
@@ -480,6 +480,7 @@ def open_fp8serve(args, model_dir: Path, weights: str, dtype: str, kv: str, prom
               max_model_len=max_len, device="cpu", seed=args.seed)
     load_s = time.perf_counter() - t
     engine = llm.llm_engine
+    record_as_a_warm_engine(engine)
     runner = engine.model_runner
     res = Result(
         system="fp8serve", config=config_name, model=str(model_dir), weights=weights_label(runner.model),

@@ -5,8 +5,9 @@ One engine per configuration in one process (same model, dtype, KV cache dtype a
 `off` decodes one token per step; `ngram:K:MIN-MAX` runs `--speculative-config '{"method":
 "ngram", "num_speculative_tokens": K, "prompt_lookup_min": MIN, "prompt_lookup_max": MAX}'`;
 `ngram:K:MIN-MAX:fixed` the same with the scheduler's draft trimming off (always up to K drafts;
-see Scheduler.trim_drafts). Any configuration may end in `:rN`: its engine runs a batch size N eager
-decode steps before recording its forward (DecodeCaptures.record_after; e.g. off:r0, ngram:4:2-4:r0).
+see Scheduler.trim_drafts). Any configuration may end in `:rN` and/or `:fM`: its engine runs a batch
+size N eager decode steps before recording its forward, and M eager steps before its first recording
+(DecodeCaptures.record_after, first_record_after; off:r0:f0 records every shape at first use).
 
 Workloads (chat prompts through the model's chat template, greedy, --output-len tokens at most),
 one prompt per paragraph of the built-in calibration text:
@@ -26,7 +27,7 @@ requests generated the same tokens as `off`.
     .venv/bin/python benchmarks/spec_decode.py                      # default model, bf16, FP8 KV
     .venv/bin/python benchmarks/spec_decode.py --configs ngram:4:2-4 --workloads quote --rounds 1
     .venv/bin/python benchmarks/spec_decode.py --verify-cost        # a verify pass vs a decode step
-    .venv/bin/python benchmarks/spec_decode.py --configs off:r0,ngram:4:2-4:r0,ngram:4:2-4 --fresh-recordings
+    .venv/bin/python benchmarks/spec_decode.py --configs off:r0:f0,ngram:4:2-4:r0:f0,ngram:4:2-4 --fresh-recordings
 """
 
 from __future__ import annotations
@@ -48,20 +49,21 @@ INSTRUCTIONS = {
 }
 
 
-def parse_config(spec: str) -> tuple[dict | None, bool, int | None]:
-    """'off[:rN]' -> None; 'ngram:K:MIN-MAX[:fixed][:rN]' -> (the speculative config, whether drafts are
-    trimmed, N: the eager decode steps before a batch size's forward is recorded, None for the engine's
-    default: see DecodeCaptures.record_after)."""
-    m = re.fullmatch(r"(?:off|ngram:(\d+):(\d+)-(\d+)(:fixed)?)(?::r(\d+))?", spec)
+def parse_config(spec: str) -> tuple[dict | None, bool, dict]:
+    """'off[:rN][:fM]' -> None; 'ngram:K:MIN-MAX[:fixed][:rN][:fM]' -> (the speculative config, whether
+    drafts are trimmed, the DecodeCaptures settings given: N eager decode steps before a batch size's
+    forward is recorded (record_after), M before the engine's first recording (first_record_after))."""
+    m = re.fullmatch(r"(?:off|ngram:(\d+):(\d+)-(\d+)(:fixed)?)(?::r(\d+))?(?::f(\d+))?", spec)
     if not m:
-        raise ValueError("a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed]', optionally with ':rN' "
-                         f"(e.g. ngram:4:2-4, off:r0), got {spec!r}")
-    record_after = int(m.group(5)) if m.group(5) is not None else None
+        raise ValueError("a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed]', optionally with ':rN' and "
+                         f"':fM' (e.g. ngram:4:2-4, off:r0:f0), got {spec!r}")
+    captures = {name: int(g) for name, g in (("record_after", m.group(5)), ("first_record_after", m.group(6)))
+                if g is not None}
     if m.group(1) is None:
-        return None, True, record_after
+        return None, True, captures
     k, lo, hi = map(int, m.groups()[:3])
     return ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi},
-            m.group(4) is None, record_after)
+            m.group(4) is None, captures)
 
 
 def prompts_for(llm, workload: str, num_prompts: int) -> list[list[int]]:
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     require_positive(ap, args, "num_prompts", "output_len", "rounds")
     try:
-        configs = {"off": (None, True, None)} | {c.strip(): parse_config(c.strip())
+        configs = {"off": (None, True, {})} | {c.strip(): parse_config(c.strip())
                                                  for c in args.configs.split(",") if c.strip()}
     except ValueError as e:
         ap.error(f"--configs: {e}")
@@ -211,13 +213,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print_header("Speculative decoding (n-gram drafts) vs plain decoding", argv)
     llms = {}
-    for label, (spec, trim, record_after) in configs.items():
+    for label, (spec, trim, capture_settings) in configs.items():
         llms[label] = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                           kv_cache_memory=args.kv_cache_memory, speculative_config=spec)
         if not trim:
             llms[label].llm_engine.scheduler.spec_free_rows = None
-        if record_after is not None:
-            llms[label].llm_engine.model_runner.decode_captures.record_after = record_after
+        for name, value in capture_settings.items():
+            setattr(llms[label].llm_engine.model_runner.decode_captures, name, value)
     first = next(iter(llms.values()))
     prompts = {w: prompts_for(first, w, args.num_prompts) for w in workloads}
     lens = {w: sum(len(p) for p in ps) / len(ps) for w, ps in prompts.items()}
@@ -226,18 +228,20 @@ def main(argv: list[str] | None = None) -> int:
           + f"), greedy, at most {args.output_len} output tokens; torch threads {torch.get_num_threads()}\n")
     # Warm-up, one unreported pass of every measured run: kernel builds, first allocations, and
     # the decode recordings of every batch size and verify row count the runs reach (a recording
-    # costs ~0.05-0.7 s here), all recorded at first use for this pass (record_after = 0): the
+    # costs ~0.05-0.7 s here), all recorded at first use for this pass (record_after = 0 and
+    # first_record_after = 0): the
     # measured runs are the steady state of an engine that has met these shapes. A speculating
     # engine decodes plainly only in steps without drafts, so it would otherwise record sizes at
     # other times than `off` does. --fresh-recordings forgets the recordings before every
     # measured run instead: what a new engine pays for the shapes it meets, under its record_after.
     for llm in llms.values():
         captures = llm.llm_engine.model_runner.decode_captures
-        record_after, captures.record_after = captures.record_after, 0
+        settings = (captures.record_after, captures.first_record_after)
+        captures.record_after = captures.first_record_after = 0
         for workload in workloads:
             for mode in modes:
                 run(llm, prompts[workload], args.output_len, mode == "batch")
-        captures.record_after = record_after
+        captures.record_after, captures.first_record_after = settings
 
     head = ["round", "workload", "mode", "config", "tokens", "wall s", "output tok/s", "steps", "proposed",
             "verified", "kept", "acceptance", "tokens per verify"]

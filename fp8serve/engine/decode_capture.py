@@ -79,16 +79,27 @@ class DecodeCaptures:
     speculating requests ran 1.06-1.76x as fast, a drain through 16 sizes of
     1-4 steps each took 0.40-0.73x the decode time; sizes of 8 steps cost
     1.16-1.25x, and a second pass over shapes met once 0.73-1.00x
-    (benchmarks/results/decode_capture_record_after_2026-12-01_zen4.md)."""
+    (benchmarks/results/decode_capture_record_after_2026-12-01_zen4.md).
+
+    The same rule for the engine's first recording, which always compiles
+    (~0.5 s on the default model, TorchScript's start-up included, against
+    ~4 ms that an eager step costs more than a replay): nothing is recorded
+    before the engine has run `first_record_after` eager decode steps
+    (default 64, what `fp8serve generate` asks for by default), so a short
+    run never pays for a compile it cannot win back, and a long one pays at
+    most ~0.25 s more."""
 
     def __init__(self, model: torch.nn.Module, attn_layers: Sequence[torch.nn.Module], enabled: bool,
-                 record_after: int = 4) -> None:
-        if record_after < 0:
-            raise ValueError(f"record_after is a number of eager steps >= 0, got {record_after}")
+                 record_after: int = 4, first_record_after: int = 64) -> None:
+        for name, value in (("record_after", record_after), ("first_record_after", first_record_after)):
+            if value < 0:
+                raise ValueError(f"{name} is a number of eager steps >= 0, got {value}")
         self.model = model
         self.attn_layers = list(attn_layers)
         self.enabled = enabled and bool(getattr(type(model), "supports_decode_capture", False))
         self.record_after = record_after
+        self.first_record_after = first_record_after
+        self._eager_total = 0  # eager decode steps before the first compile (first_record_after)
         self._captures: dict[tuple, CapturedForward | None] = {}
         self._eager_steps: dict[tuple, int] = {}  # keys not yet recorded: eager steps run so far
         self._templates: list[CapturedForward] = []  # compiled forwards a new batch size may share
@@ -114,8 +125,9 @@ class DecodeCaptures:
             self.num_replays += 1
             return recorded.replay(*inputs)
         steps = self._eager_steps.get(key, 0)
-        if steps < self.record_after:
+        if steps < self.record_after or (not self._templates and self._eager_total < self.first_record_after):
             self._eager_steps[key] = steps + 1
+            self._eager_total += 1
             return self._eager(input_ids, positions, md)
         self._eager_steps.pop(key, None)
         start = time.perf_counter()
@@ -168,6 +180,7 @@ class DecodeCaptures:
         self._captures.clear()
         self._templates.clear()
         self._eager_steps.clear()
+        self._eager_total = 0
         self.num_compiled = 0
 
     @property

@@ -39,16 +39,16 @@ def test_tiny_run(ops, tmp_path, capsys):
 
 
 def test_record_after_suffix_and_fresh_recordings(ops, tmp_path, capsys, monkeypatch):
-    """':r0' sets the engine's DecodeCaptures.record_after for the measured runs (the warm-up records
+    """':r0:f0' sets the engine's DecodeCaptures.record_after and first_record_after for the measured runs (the warm-up records
     at first use); --fresh-recordings forgets every recording before each measured run (2 rounds x
     2 modes x 2 configurations)."""
     from fp8serve.engine.decode_capture import DecodeCaptures
 
-    seen, resets = {}, []  # engine -> record_after at each decode forward
+    seen, resets = {}, []  # engine -> (record_after, first_record_after) at each decode forward
     forward, reset = DecodeCaptures.forward, DecodeCaptures.reset
 
     def spy_forward(self, *args):
-        seen.setdefault(id(self), []).append(self.record_after)
+        seen.setdefault(id(self), []).append((self.record_after, self.first_record_after))
         return forward(self, *args)
 
     def spy_reset(self):
@@ -60,19 +60,19 @@ def test_record_after_suffix_and_fresh_recordings(ops, tmp_path, capsys, monkeyp
     model = write_tiny_llama(tmp_path / "tiny")
     with loaded_script("spec_decode.py") as script:
         assert script.main(["--model", str(model), "--dtype", "float32", "--kv-cache-dtype", "auto",
-                            "--kv-cache-memory", "4MiB", "--configs", "ngram:3:1-3:r0", "--workloads", "free",
+                            "--kv-cache-memory", "4MiB", "--configs", "ngram:3:1-3:r0:f0", "--workloads", "free",
                             "--num-prompts", "2", "--output-len", "8", "--rounds", "2", "--fresh-recordings"]) == 0
     out = capsys.readouterr().out
-    # The warm-up records every shape at first use; the measured runs use :r0, and `off` the default 4.
-    assert sorted(r[0] for r in seen.values()) == [0, 0], seen
-    assert sorted(r[-1] for r in seen.values()) == [0, 4], seen
+    # The warm-up records every shape at first use; the measured runs use :r0:f0, and `off` the defaults.
+    assert sorted(r[0] for r in seen.values()) == [(0, 0), (0, 0)], seen
+    assert sorted(r[-1] for r in seen.values()) == [(0, 0), (4, 64)], seen
     assert len(resets) == 2 * 2 * 2 and len(set(resets)) == 2
     assert out.count("2/2 requests generated the same tokens") == 2 * 2
 
 
 @pytest.mark.parametrize("bad, message", [
     (["--configs", "ngram:4"], "a configuration is 'off' or 'ngram:K:MIN-MAX[:fixed]'"),
-    (["--configs", "off:r"], "optionally with ':rN' (e.g. ngram:4:2-4, off:r0), got 'off:r'"),
+    (["--configs", "off:r"], "optionally with ':rN' and ':fM' (e.g. ngram:4:2-4, off:r0:f0), got 'off:r'"),
     (["--workloads", "poems"], "--workloads takes quote, rewrite, free"),
     (["--modes", "both"], "--modes takes single and/or batch"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),

@@ -29,13 +29,14 @@ def llama_dir(tmp_path_factory):
 
 
 def make_engine(model_dir: str, *, enforce_eager: bool, kv_cache_dtype: str = "auto", dtype: str = "float32",
-                record_after: int = 1, **kwargs) -> LLMEngine:
-    """record_after = 1 (the engine's default is 4): these runs are short, and a batch size that lives
-    only a few steps would stay eager; one eager step first still covers the eager-then-record path."""
+                record_after: int = 1, first_record_after: int = 0, **kwargs) -> LLMEngine:
+    """record_after = 1 and first_record_after = 0 (the engine's defaults are 4 and 64): these runs are
+    short, and would otherwise stay eager; one eager step first still covers the eager-then-record path."""
     engine = LLMEngine.from_args(model_dir, dtype=dtype, device="cpu", block_size=BLOCK_SIZE, kv_cache_memory=1 << 20,
                                  max_model_len=64, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
                                  **kwargs)
     engine.model_runner.decode_captures.record_after = record_after
+    engine.model_runner.decode_captures.first_record_after = first_record_after
     return engine
 
 
@@ -171,7 +172,8 @@ def test_the_engine_records_a_batch_size_after_four_eager_steps(ops, llama_dir, 
     assert captures.recorded_batch_sizes == sorted({n for n in sizes if sizes.count(n) >= 5}), f"seed={seed} {sizes}"
     assert captures.num_replays == sum(max(sizes.count(n) - 5, 0) for n in set(sizes)), f"seed={seed} {sizes}"
     fresh = LLMEngine.from_args(llama_dir, dtype="float32", device="cpu", kv_cache_memory=1 << 20, max_model_len=64)
-    assert fresh.model_runner.decode_captures.record_after == 4
+    assert (fresh.model_runner.decode_captures.record_after, fresh.model_runner.decode_captures.first_record_after) \
+        == (4, 64)
 
 
 def test_enforce_eager_records_nothing(llama_dir, seed):
@@ -278,7 +280,7 @@ def _decode_metadata(n: int) -> AttentionMetadata:
 
 def test_tensors_outside_inputs_and_model_state_keep_the_model_eager(seed):
     model = _ReadsAGlobal()
-    captures = DecodeCaptures(model, [], enabled=True, record_after=0)
+    captures = DecodeCaptures(model, [], enabled=True, record_after=0, first_record_after=0)
     ids = torch.arange(4)
     md = _decode_metadata(4)
     assert torch.equal(captures.forward(ids, ids, md), ids.float())
@@ -318,7 +320,7 @@ def _replay_sizes(model, sizes, seed):
     """Runs each batch size three times through DecodeCaptures (recorded on
     its first step, then replays on fresh inputs) and checks every output against the eager model."""
     g = torch.Generator().manual_seed(seed)
-    captures = DecodeCaptures(model, [], enabled=True, record_after=0)
+    captures = DecodeCaptures(model, [], enabled=True, record_after=0, first_record_after=0)
     for n in sizes:
         for _ in range(3):
             ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
@@ -358,7 +360,7 @@ def test_a_batch_size_runs_record_after_eager_steps_before_it_is_recorded(seed):
     output is the eager model's. reset() forgets the counts too."""
     model = _BatchShaped(seed, alloc=lambda n: 3 * n)
     g = torch.Generator().manual_seed(seed)
-    captures = DecodeCaptures(model, [], enabled=True, record_after=2)
+    captures = DecodeCaptures(model, [], enabled=True, record_after=2, first_record_after=0)
 
     def step(n: int) -> None:
         ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
@@ -380,6 +382,31 @@ def test_a_batch_size_runs_record_after_eager_steps_before_it_is_recorded(seed):
     assert captures.recorded_batch_sizes == [], f"seed={seed}"
 
 
-def test_record_after_must_not_be_negative():
-    with pytest.raises(ValueError, match="record_after is a number of eager steps >= 0, got -1"):
-        DecodeCaptures(_ReadsAGlobal(), [], enabled=True, record_after=-1)
+def test_nothing_is_recorded_before_first_record_after_eager_steps(seed):
+    """first_record_after = 5: the first 5 decode steps, of any sizes, run eagerly (the first recording
+    compiles, which a short run would not win back); then sizes are recorded under record_after (0
+    here), including one met for the first time; reset() starts the count again."""
+    model = _BatchShaped(seed, alloc=lambda n: 3 * n)
+    g = torch.Generator().manual_seed(seed)
+    captures = DecodeCaptures(model, [], enabled=True, record_after=0, first_record_after=5)
+
+    def step(n: int) -> None:
+        ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
+        assert torch.equal(captures.forward(ids, pos, _decode_metadata(n)), model(ids, pos)), f"seed={seed} n={n}"
+
+    for n in (2, 3, 2, 3, 2):
+        step(n)
+    assert captures.recorded_batch_sizes == [] and captures.num_compiled == 0, f"seed={seed}"
+    step(3)  # the sixth step: recorded
+    assert captures.recorded_batch_sizes == [3] and captures.num_compiled == 1, f"seed={seed}"
+    step(5)  # a compiled forward exists: a new size is recorded at once
+    assert captures.recorded_batch_sizes == [3, 5], f"seed={seed}"
+    captures.reset()
+    step(3)
+    assert captures.recorded_batch_sizes == [], f"seed={seed}"
+
+
+@pytest.mark.parametrize("name", ["record_after", "first_record_after"])
+def test_recording_thresholds_must_not_be_negative(name):
+    with pytest.raises(ValueError, match=f"{name} is a number of eager steps >= 0, got -1"):
+        DecodeCaptures(_ReadsAGlobal(), [], enabled=True, **{name: -1})
