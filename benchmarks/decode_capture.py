@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """What a new decode batch size costs: recorded decode forwards compiled per size, or shared.
 
-The engine replays recorded decode forwards (fp8serve/engine/decode_capture.py). A batch size's
-first decode step records the forward and, unless an earlier size's compiled replay fits it
+The engine replays recorded decode forwards (fp8serve/engine/decode_capture.py). One decode step of
+each batch size (its fifth, and none of a fresh engine's first 64: DecodeCaptures.record_after and
+first_record_after) records the forward and, unless an earlier size's compiled replay fits it
 (`DecodeCaptures.share_compiled`, the default), compiles its own (TorchScript, ~0.13-0.2 s on the
 default model). A serving batch changes size with every admission, finish and preemption, and a
 run's drain walks down through every size.
@@ -11,14 +12,15 @@ Workload: --num-prompts requests of --input-len random token ids added at once, 
 the i-th with max_tokens = --first-output + i * --steps-per-size, so the batch drains from
 --num-prompts to 1 and each size lives --steps-per-size decode steps. The engines of --engines (by
 default two: one sharing compiled replays, one compiling every size) live in one process (same
-model and KV cache dtype) and run the drain in interleaved rounds; before every run the engine forgets its recordings, as a
-fresh server would start. Reported per run: the decode seconds of the drain, the median first and
-second step at a new size (a size is recorded after the engine's record_after eager steps, or
---engines' :rN; :fM sets first_record_after) and the median of the other decode steps, sizes recorded and compiled, the growth of the
-process's resident memory over the run, and each engine's ratio of drain time to the first one's in
-each round (the order of the engines alternates between rounds). For a
-clean memory figure run one engine per process (`--engines shared`, then `--engines per-size`):
-with both in one process, memory freed by one engine's reset may be reused by the other.
+model and KV cache dtype) and run the drain in interleaved rounds; before every run an engine
+forgets its recordings, as a fresh server would start. Reported per run: the decode seconds of the
+drain, the median first and second step at a new size (a size is recorded after record_after eager
+steps, and nothing before the engine's first_record_after: the engine's defaults, or --engines'
+:rN and :fM), the median of the other decode steps, sizes recorded and compiled, the growth of the
+process's resident memory over the run, and each engine's ratio of drain time to the first one's
+in each round (the order of the engines alternates between rounds). For a clean memory figure run
+one engine per process (`--engines shared`, then `--engines per-size`): with both in one process,
+memory freed by one engine's reset may be reused by the other.
 
     .venv/bin/python benchmarks/decode_capture.py                 # default model, bf16, FP8 KV, engine defaults
     .venv/bin/python benchmarks/decode_capture.py --num-prompts 4 --rounds 1   # smoke

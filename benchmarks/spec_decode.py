@@ -228,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
           + f"), greedy, at most {args.output_len} output tokens; torch threads {torch.get_num_threads()}\n")
     # Warm-up, one unreported pass of every measured run: kernel builds, first allocations, and
     # the decode recordings of every batch size and verify row count the runs reach (a recording
-    # costs ~0.05-0.7 s here), all recorded at first use for this pass (record_after = 0 and
-    # first_record_after = 0): the
-    # measured runs are the steady state of an engine that has met these shapes. A speculating
-    # engine decodes plainly only in steps without drafts, so it would otherwise record sizes at
-    # other times than `off` does. --fresh-recordings forgets the recordings before every
-    # measured run instead: what a new engine pays for the shapes it meets, under its record_after.
+    # costs ~0.05-0.7 s here), all recorded at first use for this pass (record_after and
+    # first_record_after 0): the measured runs are the steady state of an engine that has met
+    # these shapes. A speculating engine decodes plainly only in steps without drafts, so it
+    # would otherwise record sizes at other times than `off` does. --fresh-recordings forgets the
+    # recordings before every measured run instead: what a new engine pays for the shapes it
+    # meets, under its record_after and first_record_after.
     for llm in llms.values():
         captures = llm.llm_engine.model_runner.decode_captures
         settings = (captures.record_after, captures.first_record_after)

@@ -144,7 +144,9 @@ class DecodeCaptures:
             self._captures[key] = None
             return output
         if not self._logged:
-            logger.info("decode forwards are recorded once per batch size and replayed (--enforce-eager: off)")
+            logger.info("decode forwards are recorded once per batch size (after %d eager steps of it, and none "
+                        "in the engine's first %d) and replayed (--enforce-eager: off)",
+                        self.record_after, self.first_record_after)
             self._logged = True
         self._captures[key] = recorded
         if compiled:

@@ -382,7 +382,7 @@ def test_a_batch_size_runs_record_after_eager_steps_before_it_is_recorded(seed):
     assert captures.recorded_batch_sizes == [], f"seed={seed}"
 
 
-def test_nothing_is_recorded_before_first_record_after_eager_steps(seed):
+def test_nothing_is_recorded_before_first_record_after_eager_steps(seed, caplog):
     """first_record_after = 5: the first 5 decode steps, of any sizes, run eagerly (the first recording
     compiles, which a short run would not win back); then sizes are recorded under record_after (0
     here), including one met for the first time; reset() starts the count again."""
@@ -397,8 +397,10 @@ def test_nothing_is_recorded_before_first_record_after_eager_steps(seed):
     for n in (2, 3, 2, 3, 2):
         step(n)
     assert captures.recorded_batch_sizes == [] and captures.num_compiled == 0, f"seed={seed}"
-    step(3)  # the sixth step: recorded
+    with caplog.at_level("INFO", logger="fp8serve.engine.decode_capture"):
+        step(3)  # the sixth step: recorded
     assert captures.recorded_batch_sizes == [3] and captures.num_compiled == 1, f"seed={seed}"
+    assert "recorded once per batch size (after 0 eager steps of it, and none in the engine's first 5)" in caplog.text
     step(5)  # a compiled forward exists: a new size is recorded at once
     assert captures.recorded_batch_sizes == [3, 5], f"seed={seed}"
     captures.reset()
