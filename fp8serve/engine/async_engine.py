@@ -100,6 +100,11 @@ class AsyncLLMEngine:
         """log_stats: a stats line every `log_stats_interval` seconds of work (vLLM's; the server's
         --disable-log-stats turns it off)."""
         self.engine = engine
+        # A server lives long: it will run far more than the 64 eager decode steps a fresh engine
+        # waits before its first recording (a compile a short offline run would not win back), so
+        # it records as soon as a batch size has run its record_after eager steps
+        # (fp8serve/engine/decode_capture.py).
+        engine.model_runner.decode_captures.first_record_after = 0
         self.stall_timeout = stall_timeout
         self._stats_logger = StatsLogger(log_stats_interval, engine.block_manager.enable_prefix_caching,
                                                  spec_decode=engine.proposer is not None) \

@@ -62,6 +62,13 @@ def test_generate_matches_sync_engine_and_runs_concurrently(engine, llama_dir):
     assert engine.snapshot.num_free_blocks == engine.snapshot.num_blocks and engine.is_healthy()
 
 
+def test_a_server_engine_records_without_waiting_for_64_eager_steps(engine):
+    """The async (server) engine is long-lived: no engine-wide delay before its first recording,
+    while a batch size still runs its record_after eager steps first."""
+    captures = engine.engine.model_runner.decode_captures
+    assert captures.first_record_after == 0 and captures.record_after == 4
+
+
 def test_invalid_request_raises_without_affecting_others(engine):
     async def main():
         good = asyncio.ensure_future(_collect(engine, {"prompt_token_ids": [5, 6, 7]}, GREEDY))
