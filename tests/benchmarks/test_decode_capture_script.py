@@ -15,12 +15,16 @@ def rows(text: str) -> list[list[str]]:
             if ln.startswith("| 1 ") or ln.startswith("| 2 ")]
 
 
-def test_tiny_drain_shares_compiles(ops, tmp_path, capsys):
+def drain_tiny(tmp_path, *args: str) -> None:
+    """The script on a tiny checkpoint: 5 requests of 8 prompt tokens, the first stopping after 3 tokens."""
     model = write_tiny_llama(tmp_path / "tiny")
     with loaded_script("decode_capture.py") as script:
         assert script.main(["--model", str(model), "--dtype", "float32", "--kv-cache-dtype", "auto",
-                            "--num-prompts", "5", "--input-len", "8", "--first-output", "3",
-                            "--steps-per-size", "3", "--rounds", "2", "--engines", "shared:r1:f0,per-size:r1:f0"]) == 0
+                            "--num-prompts", "5", "--input-len", "8", "--first-output", "3", *args]) == 0
+
+
+def test_tiny_drain_shares_compiles(ops, tmp_path, capsys):
+    drain_tiny(tmp_path, "--steps-per-size", "3", "--rounds", "2", "--engines", "shared:r1:f0,per-size:r1:f0")
     out = capsys.readouterr().out
     table = rows(out)
     # ABBA: the second round runs the engines in the other order.
@@ -38,11 +42,7 @@ def test_tiny_drain_shares_compiles(ops, tmp_path, capsys):
 def test_sizes_that_live_one_step_are_not_recorded_after_an_eager_step(ops, tmp_path, capsys):
     """--steps-per-size 1: the first size lives 2 decode steps, the others 1. Recorded at once (:r0:f0),
     every size is recorded; after one eager step (:r1:f0), only the first."""
-    model = write_tiny_llama(tmp_path / "tiny")
-    with loaded_script("decode_capture.py") as script:
-        assert script.main(["--model", str(model), "--dtype", "float32", "--kv-cache-dtype", "auto",
-                            "--num-prompts", "5", "--input-len", "8", "--first-output", "3",
-                            "--steps-per-size", "1", "--rounds", "1", "--engines", "shared:r0:f0,shared:r1:f0"]) == 0
+    drain_tiny(tmp_path, "--steps-per-size", "1", "--rounds", "1", "--engines", "shared:r0:f0,shared:r1:f0")
     out = capsys.readouterr().out
     recorded = {r[1]: int(r[7]) for r in rows(out)}
     assert recorded == {"shared:r0:f0": 5, "shared:r1:f0": 1}, out

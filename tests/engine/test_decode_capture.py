@@ -354,17 +354,26 @@ def test_a_size_proportional_only_over_a_range_is_checked_at_every_size(seed):
     assert captures.num_compiled == 3, f"seed={seed}"  # 4, then 8 (shared by 6), then 2
 
 
+def _checked_steps(captures: DecodeCaptures, seed: int):
+    """step(n): one decode forward of batch size n on fresh inputs through `captures`, checked against
+    the eager model."""
+    g = torch.Generator().manual_seed(seed)
+
+    def step(n: int) -> None:
+        ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
+        got = captures.forward(ids, pos, _decode_metadata(n))
+        assert torch.equal(got, captures.model(ids, pos)), f"seed={seed} n={n}"
+
+    return step
+
+
 def test_a_batch_size_runs_record_after_eager_steps_before_it_is_recorded(seed):
     """record_after = 2: a size's first two steps run eagerly, the third is
     recorded, the rest replay; a size seen twice is never recorded; every
     output is the eager model's. reset() forgets the counts too."""
-    model = _BatchShaped(seed, alloc=lambda n: 3 * n)
-    g = torch.Generator().manual_seed(seed)
-    captures = DecodeCaptures(model, [], enabled=True, record_after=2, first_record_after=0)
-
-    def step(n: int) -> None:
-        ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
-        assert torch.equal(captures.forward(ids, pos, _decode_metadata(n)), model(ids, pos)), f"seed={seed} n={n}"
+    captures = DecodeCaptures(_BatchShaped(seed, alloc=lambda n: 3 * n), [], enabled=True, record_after=2,
+                              first_record_after=0)
+    step = _checked_steps(captures, seed)
 
     for _ in range(2):
         step(4)
@@ -386,13 +395,9 @@ def test_nothing_is_recorded_before_first_record_after_eager_steps(seed, caplog)
     """first_record_after = 5: the first 5 decode steps, of any sizes, run eagerly (the first recording
     compiles, which a short run would not win back); then sizes are recorded under record_after (0
     here), including one met for the first time; reset() starts the count again."""
-    model = _BatchShaped(seed, alloc=lambda n: 3 * n)
-    g = torch.Generator().manual_seed(seed)
-    captures = DecodeCaptures(model, [], enabled=True, record_after=0, first_record_after=5)
-
-    def step(n: int) -> None:
-        ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 100, (n,), generator=g)
-        assert torch.equal(captures.forward(ids, pos, _decode_metadata(n)), model(ids, pos)), f"seed={seed} n={n}"
+    captures = DecodeCaptures(_BatchShaped(seed, alloc=lambda n: 3 * n), [], enabled=True, record_after=0,
+                              first_record_after=5)
+    step = _checked_steps(captures, seed)
 
     for n in (2, 3, 2, 3, 2):
         step(n)
