@@ -40,6 +40,14 @@ NUM_TOKENS = 64
 # 16-bit RMSNorm: share of output elements allowed to differ from torch at all
 # (measured <= 3e-4).
 NORM_MAX_DIFF_FRACTION = 2e-3
+# ... counted over at least this many elements: over 64 rows of 13 (832
+# elements) two differing elements already exceed the share (CI seed
+# 751104956, float16), a sample too small for the bound to mean anything.
+NORM_MIN_ELEMENTS = 32768
+
+
+def norm_rows(hidden: int) -> int:
+    return max(NUM_TOKENS, -(-NORM_MIN_ELEMENTS // hidden))
 # float32 RMSNorm vs torch (measured <= 4.1e-7).
 NORM_RTOL_F32 = 1e-6
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}
@@ -126,7 +134,7 @@ def test_rms_norm_matches_native(seed, dtype, hidden):
     ctx = f"seed={seed} dtype={dtype} hidden={hidden}"
     norm = RMSNorm(hidden, eps=1e-6, dtype=dtype)
     norm.weight.data = random_weight(g, hidden, dtype)
-    x = random_rows(g, NUM_TOKENS, hidden, dtype)
+    x = random_rows(g, norm_rows(hidden), hidden, dtype)
     x_before = x.clone()
     ref = norm.forward_native(x)
     got = norm.forward_cpu(x)
@@ -162,7 +170,7 @@ def test_rms_norm_16bit_within_one_ulp(seed, dtype, hidden):
     ctx = f"seed={seed} dtype={dtype} hidden={hidden}"
     norm = RMSNorm(hidden, eps=1e-6, dtype=dtype)
     norm.weight.data = random_weight(g, hidden, dtype, powers_of_two=True)
-    x = random_rows(g, NUM_TOKENS, hidden, dtype)
+    x = random_rows(g, norm_rows(hidden), hidden, dtype)
     ref, got = norm.forward_native(x), norm.forward_cpu(x)
     assert bool((got.sign() == ref.sign()).all()), f"{ctx}: sign differs"
     dist = (int_view(got).int() - int_view(ref).int()).abs()
@@ -178,8 +186,8 @@ def test_fused_add_rms_norm_matches_native(seed, dtype, hidden):
     ctx = f"seed={seed} dtype={dtype} hidden={hidden}"
     norm = RMSNorm(hidden, eps=1e-5, dtype=dtype)
     norm.weight.data = random_weight(g, hidden, dtype)
-    x = random_rows(g, NUM_TOKENS, hidden, dtype)
-    residual = random_rows(g, NUM_TOKENS, hidden, dtype)
+    x = random_rows(g, norm_rows(hidden), hidden, dtype)
+    residual = random_rows(g, norm_rows(hidden), hidden, dtype)
     ref_out, ref_res = norm.forward_native(x, residual)
     x_ptr, r_ptr = x.data_ptr(), residual.data_ptr()
     out, res = norm.forward_cpu(x, residual)
