@@ -144,9 +144,9 @@ class DecodeCaptures:
             self._captures[key] = None
             return output
         if not self._logged:
-            logger.info("decode forwards are recorded once per batch size (after %d eager steps of it, and none "
-                        "in the engine's first %d) and replayed (--enforce-eager: off)",
-                        self.record_after, self.first_record_after)
+            wait = f", and none in the engine's first {self.first_record_after}" if self.first_record_after else ""
+            logger.info("decode forwards are recorded once per batch size (after %d eager steps of it%s) and "
+                        "replayed (--enforce-eager: off)", self.record_after, wait)
             self._logged = True
         self._captures[key] = recorded
         if compiled:

@@ -413,6 +413,18 @@ def test_nothing_is_recorded_before_first_record_after_eager_steps(seed, caplog)
     assert captures.recorded_batch_sizes == [], f"seed={seed}"
 
 
+def test_the_log_line_leaves_out_an_engine_wide_wait_of_zero(seed, caplog):
+    """A server's engine (first_record_after = 0) logs only the per-size rule."""
+    captures = DecodeCaptures(_BatchShaped(seed, alloc=lambda n: 3 * n), [], enabled=True, record_after=1,
+                              first_record_after=0)
+    step = _checked_steps(captures, seed)
+    with caplog.at_level("INFO", logger="fp8serve.engine.decode_capture"):
+        step(2)
+        step(2)
+    assert captures.recorded_batch_sizes == [2], f"seed={seed}"
+    assert "recorded once per batch size (after 1 eager steps of it) and replayed" in caplog.text
+
+
 @pytest.mark.parametrize("name", ["record_after", "first_record_after"])
 def test_recording_thresholds_must_not_be_negative(name):
     with pytest.raises(ValueError, match=f"{name} is a number of eager steps >= 0, got -1"):
