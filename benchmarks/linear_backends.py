@@ -60,7 +60,7 @@ def prepack(ws) -> None:
 
 def variants(m: int, dtype: torch.dtype = torch.float32) -> dict:
     out = {"F.linear": lambda x, w: F.linear(x, w)}
-    if onednn_linear.is_available():
+    if onednn_linear.is_available(dtype):
         out["oneDNN"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     if onednn_linear.packing_available(dtype):
         out["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, _packed(w), None, "none", [], "")

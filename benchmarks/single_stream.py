@@ -229,16 +229,16 @@ def llama_cpp_verdict(tok_s: float | None, measured_llama_tok_s: float | None) -
 # --------------------------------------------------------------------------- machine
 
 
-def matmul_variants() -> dict:
+def matmul_variants(dtype: torch.dtype = torch.float32) -> dict:
     """The GEMMs the peak is taken over: torch's F.linear and, where this torch has it, oneDNN's
     pointwise linear (what the engine runs for float32 on AMD CPUs, faster there than F.linear's
     MKL sgemm), on the plain weight and on the weight packed once (what the engine keeps on AMD
     CPUs without AMX; the packing is outside the timing). Taking the best keeps the peak the fastest
-    matmul on this machine."""
+    matmul on this machine. oneDNN only where it runs `dtype` (no bf16 on an AVX2-only CPU)."""
     from fp8serve.kernels import onednn_linear
 
     out = {"F.linear": lambda x, w: F.linear(x, w)}
-    if onednn_linear.is_available():
+    if onednn_linear.is_available(dtype):
         out["oneDNN"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         out["oneDNN packed"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return out
@@ -248,11 +248,11 @@ def measure_matmul(arch: Arch, m: int, dtype: torch.dtype, min_time: float,
                    repeats: int) -> dict[str, dict[str, float]]:
     """GFLOP/s of each hot GEMM of `matmul_variants` per projection shape ([m, K] x [N, K]^T)."""
     g = torch.Generator().manual_seed(0)
-    out: dict[str, dict[str, float]] = {v: {} for v in matmul_variants()}
+    out: dict[str, dict[str, float]] = {v: {} for v in matmul_variants(dtype)}
     for name, (k, n) in linear_shapes(arch).items():
         x = torch.randn(m, k, generator=g).to(dtype)
         w = (torch.randn(n, k, generator=g) * 0.02).to(dtype)
-        for v, fn in matmul_variants().items():
+        for v, fn in matmul_variants(dtype).items():
             if v == "oneDNN packed":
                 from fp8serve.kernels import onednn_linear
 

@@ -50,12 +50,14 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def is_available() -> bool:
-    """Whether this torch has oneDNN and its pointwise linear op (and the op runs)."""
+def is_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch has oneDNN and its pointwise linear op, and the op
+    runs for `dtype` on this CPU (oneDNN has no bf16 inner product for a CPU
+    without AVX-512: an AVX2-only Zen 3 refuses to create the primitive)."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     try:
-        x, w = torch.ones(2, 8), torch.ones(3, 8)
+        x, w = torch.ones(2, 8, dtype=dtype), torch.ones(3, 8, dtype=dtype)
         return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w)))
     except RuntimeError:
         return False
@@ -102,7 +104,7 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether this torch packs `dtype` linear weights for oneDNN, and the
     packed weight gives F.linear's result."""
-    if dtype not in PACKABLE_DTYPES or not is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if dtype not in PACKABLE_DTYPES or not is_available(dtype) or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     try:
         g = torch.Generator().manual_seed(0)

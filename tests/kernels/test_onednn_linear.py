@@ -118,6 +118,24 @@ def test_linear_layer_uses_it_for_many_float32_rows(monkeypatch, seed):
     assert _float32_sum_error(out, x, layer.weight, None, ref) <= 1.0, f"seed={seed}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_is_available_per_dtype_says_whether_the_op_runs(seed, dtype):
+    """oneDNN has no bf16 inner product on a CPU without AVX-512 (an AVX2-only
+    Zen 3 refuses to create the primitive): `is_available(dtype)` must say so
+    rather than let a caller crash, and where it says yes the op must give
+    F.linear's result; packing a dtype needs the op for it."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(5, 24, generator=g).to(dtype), torch.randn(7, 24, generator=g).to(dtype)
+    if onednn_linear.is_available(dtype):
+        out = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        torch.testing.assert_close(out.float(), F.linear(x, w).float(), rtol=2 ** -7, atol=1e-3)
+    else:
+        assert not onednn_linear.packing_available(dtype)
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+            with pytest.raises(RuntimeError):
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
 # ------------------------------------------------------------------ packed weights
 needs_packing = pytest.mark.skipif(not onednn_linear.packing_available(),
                                    reason="this torch cannot pack bf16 weights for oneDNN")
