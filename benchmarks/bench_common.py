@@ -141,11 +141,19 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
                 text = subprocess.run(["git", "show", f"{rev}:{csrc}/{name}"], cwd=repo, check=True,
                                       capture_output=True, text=True).stdout
                 if name == source:
+                    # Registered under `namespace`: literally, or (fp8_gemm.cpp) through the
+                    # FP8SERVE_GEMM_NS macro its tests already use, defined below. Anything else
+                    # would register fp8serve's ops a second time, which aborts the process.
                     text = text.replace("TORCH_LIBRARY_FRAGMENT(fp8serve, m)", f"TORCH_LIBRARY_FRAGMENT({namespace}, m)")
+                    if (f"TORCH_LIBRARY_FRAGMENT({namespace}, m)" not in text
+                            and "TORCH_LIBRARY_FRAGMENT(FP8SERVE_GEMM_NS, m)" not in text):
+                        raise SystemExit(f"{csrc}/{source} at {rev}: no TORCH_LIBRARY_FRAGMENT this script can "
+                                         "move to another namespace")
                 (tmp / name).write_text(text)
         # The engine's flags (fp8serve/kernels/cpu_ops.py).
         load(name=f"{namespace}_{Path(source).stem}", sources=[str(tmp / source)],
-             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fopenmp"],
+             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fopenmp",
+                           f"-DFP8SERVE_GEMM_NS={namespace}"],
              extra_ldflags=["-fopenmp"], build_directory=str(tmp), is_python_module=False, verbose=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the library stays mapped

@@ -20,6 +20,7 @@ by other processes on a shared machine does not count. --wall times with
 
     .venv/bin/python benchmarks/fp8_linear.py [--quick] [--wall --threads 2]
     .venv/bin/python benchmarks/fp8_linear.py --walks   # the fused kernel's two row walks at M = 1-2
+    .venv/bin/python benchmarks/fp8_linear.py --baseline-rev HEAD~1   # this tree vs fp8_gemm.cpp at a revision
 
 --walks times `fp8_linear`'s interleaved and sequential row walks (fp8_gemm.cpp
 `Walk`) on SmolLM2-135M's 120 decode linears (e4m3 codes on 2 MiB pages, as the
@@ -77,26 +78,76 @@ def time_rounds(variants: dict, rounds: int, clock, flops_per_call: float) -> di
     return best
 
 
+DECODE_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N), SmolLM2-135M
+
+
+def decode_linears(layers: int, gen: torch.Generator) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """`layers` decoder layers' worth of e4m3 codes (no NaN codes) on 2 MiB pages in call order, as the
+    engine packs them, and a per-row scale per output size."""
+    from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
+
+    holder = torch.nn.Module()
+    codes = []
+    for _ in range(layers):
+        for k, n in DECODE_SHAPES:
+            c = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+            codes.append(torch.nn.Parameter(torch.where((c & 0x7F) == 0x7F, c ^ 1, c), requires_grad=False))
+    holder.ws = torch.nn.ParameterList(codes)
+    pack_parameters_on_huge_pages(holder)
+    scales = {n: torch.rand(n, generator=gen) * 1e-2 + 1e-4 for _, n in DECODE_SHAPES}
+    return list(holder.ws), scales
+
+
+BASELINE_ROWS = (1, 2, 4, 8, 16)  # M of --baseline-rev
+
+
+def versus_revision(rev: str, rounds: int, layers: int) -> None:
+    """This tree's fp8_linear against fp8_gemm.cpp at git revision `rev` on the decode linears, ABBA rounds."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import alternate, build_kernel_at_rev, command_line, describe_machine, machine_info
+
+    ours = load_cpu_ops()
+    base = build_kernel_at_rev(rev, "fp8_gemm.cpp", "fp8serve_base_fp8_gemm")
+    gen = torch.Generator().manual_seed(0)
+    ws, scales = decode_linears(layers, gen)
+    nbytes = sum(w.numel() for w in ws)
+    print(f"# fp8_linear: this tree vs {rev}\n")
+    print(f"Command: `{command_line()}`\n")
+    for line in describe_machine(machine_info()):
+        print(line)
+    print(f"- {len(ws)} decode linears, {nbytes / 1e6:.0f} MB of codes; medians of {rounds} ABBA rounds; "
+          "GB/s = code bytes / time\n")
+    print(f"| x dtype | M | {rev} ms | GB/s | this tree ms | GB/s | speedup | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dt in (torch.float32, torch.bfloat16):
+        for m in BASELINE_ROWS:
+            xs = {k: torch.randn(m, k, generator=gen).to(dt) for k, _ in DECODE_SHAPES}
+
+            def run(op, xs=xs):
+                t = time.perf_counter()
+                for w in ws:
+                    op(xs[w.shape[1]], w, scales[w.shape[0]], None)
+                return time.perf_counter() - t
+
+            med = alternate({"base": lambda: run(base.fp8_linear), "ours": lambda: run(ours.fp8_linear)}, rounds)
+            b, o = med["base"], med["ours"]
+            # The two builds' outputs on every shape: a change of schedule alone leaves them bit-identical.
+            diff = max((ours.fp8_linear(xs[k], w, scales[n], None).float()
+                        - base.fp8_linear(xs[k], w, scales[n], None).float()).abs().max().item()
+                       for w, (k, n) in zip(ws, DECODE_SHAPES))
+            print(f"| {str(dt).removeprefix('torch.')} | {m} | {b * 1e3:.2f} | {nbytes / b / 1e9:.1f} | {o * 1e3:.2f} | "
+                  f"{nbytes / o / 1e9:.1f} | {b / o:.2f}x | {diff:.3g} |", flush=True)
+
+
 def walks(rounds: int, layers: int) -> None:
     """Interleaved vs sequential row walks of the fused kernel at M = 1-2, ABBA rounds."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_common import alternate, command_line, describe_machine, machine_info
 
-    from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
-
     ops = load_cpu_ops()
-    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N), SmolLM2-135M
-    holder = torch.nn.Module()
+    shapes = DECODE_SHAPES
     gen = torch.Generator().manual_seed(0)
-    codes = []
-    for _ in range(layers):
-        for k, n in shapes:
-            c = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
-            codes.append(torch.nn.Parameter(torch.where((c & 0x7F) == 0x7F, c ^ 1, c), requires_grad=False))
-    holder.ws = torch.nn.ParameterList(codes)
-    pack_parameters_on_huge_pages(holder)
-    ws = list(holder.ws)
-    scales = {n: torch.rand(n, generator=gen) * 1e-2 + 1e-4 for _, n in shapes}
+    ws, scales = decode_linears(layers, gen)
     nbytes = sum(w.numel() for w in ws)
     flat = torch.ones(nbytes // 4)
     print("# fp8_linear row walks\n")
@@ -134,7 +185,10 @@ def walks(rounds: int, layers: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--walks", action="store_true", help="compare the fused kernel's two row walks at M = 1-2")
-    ap.add_argument("--layers", type=int, default=30, help="decoder layers' linears per pass for --walks")
+    ap.add_argument("--layers", type=int, default=30,
+                    help="decoder layers' linears per pass for --walks and --baseline-rev")
+    ap.add_argument("--baseline-rev", help="time fp8_gemm.cpp as of this git revision beside this tree's "
+                    "(the decode linears at M = 1-16)")
     ap.add_argument("--wall", action="store_true", help="wall-clock time instead of thread CPU time")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
@@ -144,10 +198,15 @@ def main() -> None:
     for name in ("rounds", "layers"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.walks:
+    if args.walks and args.baseline_rev:
+        ap.error("give one of --walks and --baseline-rev")
+    if args.walks or args.baseline_rev:
         if load_cpu_ops() is None:
             sys.exit("C++ CPU kernels unavailable")
-        walks(args.rounds, args.layers)
+        if args.walks:
+            walks(args.rounds, args.layers)
+        else:
+            versus_revision(args.baseline_rev, args.rounds, args.layers)
         return
     if args.wall:
         torch.set_num_threads(args.threads)

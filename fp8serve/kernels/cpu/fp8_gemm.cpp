@@ -33,7 +33,8 @@
 // model's 120 decode linears 1.28-1.41x as fast at M = 1 (1.22-1.26x on the
 // 16-code AVX2 loop) and 1.07-1.20x at M = 2
 // (benchmarks/results/fp8_linear_2026-11-30_zen4.md). AMD CPUs take it at
-// M <= 2; Intel CPUs keep the interleaved walk.
+// M <= 2; Intel CPUs keep the interleaved walk. On AVX2-only builds (Zen 3)
+// the sequential walk prefetches 4 KiB down its stream (kSeqPrefetchBytes).
 
 // ATen rather than torch/torch.h: same types, a fraction of the compile time.
 #include <ATen/ATen.h>
@@ -244,6 +245,22 @@ constexpr int64_t kColBlock = (4096 / MT) / 16 * 16;
 // How many row tiles ahead dot_tile prefetches (see there).
 constexpr int64_t kPrefetchTiles = 2;
 
+// How far ahead (bytes, in the order the sequential walk reads w) that walk
+// prefetches. Whole rows (K <= kColBlock) make one stream through w: the
+// prefetch goes kSeqPrefetchBytes down it. Column blocks (larger K): the next
+// row's same columns. On the AVX2-only Zen 3 EPYC (2 vCPUs, 2026-12-01) the
+// default model's 120 decode linears ran 1.09-1.11x as fast at M = 1-2 with
+// it, flat from 2 to 16 KiB ahead (ABBA, 10 rounds), and the sequential walk
+// with it ran 1.30x (M = 1) and 1.05x (M = 2) as fast as the interleaved one.
+// Builds with AVX-512 (the Zen 4 guest, where this walk was measured best
+// without a prefetch, and dense_gemv's prefetch 1-4 rows ahead cost 20-40%)
+// keep none: not re-measured there.
+#ifdef __AVX512F__
+constexpr int64_t kSeqPrefetchBytes = 0;
+#else
+constexpr int64_t kSeqPrefetchBytes = 4096;
+#endif
+
 // Rows [n_begin, n_end) of out (row stride N) for MT activation rows; `dots`
 // holds (n_end - n_begin) * MT partial sums across column blocks.
 template <int R, int MT, bool kWide, bool kSeq>
@@ -253,11 +270,14 @@ void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale,
   std::fill(dots, dots + (n_end - n_begin) * MT, 0.f);
   for (int64_t k0 = 0; k0 < K; k0 += kColBlock<MT>) {
     const int64_t len = std::min(kColBlock<MT>, K - k0);
+    const int64_t seq_ahead = kSeqPrefetchBytes == 0 ? 0 : len == K ? kSeqPrefetchBytes : K;
     int64_t n = n_begin;
     for (; n + R <= n_end; n += R)
-      dot_tile<R, MT, kWide, kSeq>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, tiles_ahead * R * K);
+      dot_tile<R, MT, kWide, kSeq>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT,
+                                   kSeq ? seq_ahead : tiles_ahead * R * K);
     for (; n < n_end; ++n)
-      dot_tile<1, MT, kWide, kSeq>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT, tiles_ahead * K);
+      dot_tile<1, MT, kWide, kSeq>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT,
+                                   kSeq ? seq_ahead : tiles_ahead * K);
   }
   for (int64_t n = n_begin; n < n_end; ++n) {
     const float s = scale[n] * kE4M3DecodeMultiplier, b = bias ? bias[n] : 0.f;
