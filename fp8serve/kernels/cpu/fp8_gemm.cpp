@@ -250,8 +250,10 @@ constexpr int64_t kPrefetchTiles = 2;
 // prefetch goes kSeqPrefetchBytes down it. Column blocks (larger K): the next
 // row's same columns. On the AVX2-only Zen 3 EPYC (2 vCPUs, 2026-12-01) the
 // default model's 120 decode linears ran 1.09-1.11x as fast at M = 1-2 with
-// it, flat from 2 to 16 KiB ahead (ABBA, 10 rounds), and the sequential walk
-// with it ran 1.30x (M = 1) and 1.05x (M = 2) as fast as the interleaved one.
+// it in a scan (flat from 2 to 16 KiB ahead, ABBA, 10 rounds) and 1.02-1.09x
+// against the build without it (float32 activations, two runs of
+// benchmarks/fp8_linear.py --baseline-rev); the sequential walk with it ran
+// 1.30x (M = 1) and 1.05x (M = 2) as fast as the interleaved one.
 // Builds with AVX-512 (the Zen 4 guest, where this walk was measured best
 // without a prefetch, and dense_gemv's prefetch 1-4 rows ahead cost 20-40%)
 // keep none: not re-measured there.
