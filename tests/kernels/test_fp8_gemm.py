@@ -94,6 +94,59 @@ def test_each_row_walk_matches_float64_reference(walk, wide, m, x_dtype):
         assert_close(out, x, w, scale, bias, seed, f"{walk} wide={wide} M={m} N={n} K={k} {x_dtype}")
 
 
+def subnormal_codes(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Codes with a zero exponent field only (e4m3 subnormals and +-0)."""
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    return (codes & 0x07) | ((codes & 0x08) << 4)
+
+
+@pytest.mark.parametrize("flush_denormal", [False, True], ids=["denormals", "flush_denormal"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_sequential_walk_keeps_subnormal_codes_exact(m, flush_denormal):
+    """The sequential walk decodes codes straight to float32 bits, where e4m3
+    subnormals become float32 denormals: still exact, and with
+    torch.set_flush_denormal(True) (DAZ/FTZ) it keeps to the F16C decode
+    instead of reading them as zero."""
+    ops = load_cpu_ops()
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for n, k in [(37, 64), (19, 203), (9, 1037)]:
+            seed = fresh_seed()
+            gen = torch.Generator().manual_seed(seed)
+            x, _, scale, bias = make_case(m, n, k, torch.float32, True, seed)
+            w = subnormal_codes(n, k, gen)
+            out = ops.fp8_linear_walk(x, w, scale, bias, True, 2)
+            assert_close(out, x, w, scale, bias, seed, f"subnormal codes M={m} N={n} K={k}")
+            # Every code subnormal and x of one sign: a flushed decode would lose the whole dot product.
+            x_pos = x.abs() + 0.5
+            assert_close(ops.fp8_linear_walk(x_pos, w, scale, None, True, 2), x_pos, w, scale, None, seed,
+                         f"subnormal codes, positive x, M={m} N={n} K={k}")
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("exponent", [-60, -20, 0, 40])
+def test_sequential_walk_at_any_activation_scale(m, exponent):
+    """The sequential walk's direct decode works in units of 2^-120 of a code,
+    where small sums would be float32 denormals; it scales the activations by
+    a power of two first, so tiny and large activations alike keep float32's
+    relative accuracy."""
+    ops = load_cpu_ops()
+    for n, k in [(37, 64), (19, 203), (9, 1037)]:
+        seed = fresh_seed()
+        x, w, scale, _ = make_case(m, n, k, torch.float32, False, seed)
+        x = x * 2.0**exponent
+        out = ops.fp8_linear_walk(x, w, scale, None, True, 2)
+        ref, magnitude = reference(x, w, scale, None)
+        bound = 1e-5 * (magnitude + ref.abs())  # no absolute slack: it would hide a lost tiny result
+        err = (out.double() - ref).abs()
+        assert bool((err <= bound).all()), (
+            f"seed={seed} M={m} N={n} K={k} x*2^{exponent}: worst error/bound {(err / bound).max():.3g}"
+        )
+
+
 def test_auto_walk_follows_the_cpu_vendor():
     from pathlib import Path
 

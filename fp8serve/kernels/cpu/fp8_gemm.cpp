@@ -123,6 +123,28 @@ inline __m256 decode8(const uint8_t* w) {
   return _mm256_cvtph_ps(h);
 }
 
+// 8 codes -> 8 floats worth value * 2^-120, straight to float32 bits: the
+// sign-extending widen to 32 bits shifted left by 20 puts the sign in bit 31
+// and the magnitude's exponent and mantissa in the low bits of float32's
+// exponent and the top of its mantissa (mask 0x87f00000). Same integer work
+// per 16 codes as decode16 and no F16C conversion (two uops each on Zen 3).
+// The bias difference (127 - 7) makes subnormal codes float32 denormals:
+// exact, and full speed on the AMD CPUs that take the sequential walk (the
+// only user). Two things keep it as accurate as decode16 (tests check both):
+// a thread that flushes denormals (MXCSR DAZ or FTZ, e.g.
+// torch.set_flush_denormal(True)) would read subnormal codes as zero, so the
+// walk asks denormals_kept() first; and sums this small would themselves be
+// denormals, so the walk multiplies activations by a power of two first
+// (DirectX), which keeps them ~2^100 above that range.
+inline __m256 decode8_direct(const uint8_t* w) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87f00000u))));
+}
+
+// Whether this thread computes with denormals (neither DAZ nor FTZ is set).
+inline bool denormals_kept() { return (_mm_getcsr() & 0x8040u) == 0; }
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define FP8SERVE_GEMM_AVX512 1
 // 32 codes -> two vectors of 16 floats (value * 2^-8), in order.
@@ -141,6 +163,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+// Activations for decode8_direct's loop: x * 2^shift (exact: a power of two),
+// with shift chosen per call so that max |x| * 2^shift is about 2^100, and the
+// factor that brings those sums back to the 2^-8 units of the other loops.
+// x == nullptr: the loop is not used (no AVX2, x all zero or not finite).
+struct DirectX {
+  const float* x = nullptr;  // [M, K], row stride K like the caller's x
+  float rescale = 1.f;       // 2^(112 - shift)
+};
 
 // Dot products of R weight rows with MT activation rows over `len` columns
 // (row stride ld for both): dots[r][m] += sum_k decode(w[r * ld + k]) * x[m * ld + k].
@@ -161,7 +192,7 @@ inline float hsum(__m256 v) {
 // prefetch_ahead 0: no software prefetch.
 template <int R, int MT, bool kWide, bool kSplit = false>
 inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, float* dots,
-                     int64_t prefetch_ahead) {
+                     int64_t prefetch_ahead, const float* x_direct = nullptr, float rescale = 1.f) {
   int64_t k = 0;
 #ifdef FP8SERVE_GEMM_AVX2
   __m256 acc[R][MT], acc_hi[R][MT];
@@ -197,6 +228,23 @@ inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, 
                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[r][m]), 1)));
   }
 #endif
+  if (kSplit && R * MT == 1 && x_direct != nullptr) {
+    // The sequential walk at one activation row: decode8_direct (on x_direct,
+    // see there) and four FMA chains over 32 codes, so the loop does not wait
+    // on FMA latency (two chains: one 4-cycle FMA latency per 16 codes).
+    __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+    for (; k + 32 <= len; k += 32) {
+      if (prefetch_ahead > 0 && (k & 63) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + k + prefetch_ahead), _MM_HINT_T0);
+      acc[0][0] = _mm256_fmadd_ps(decode8_direct(w + k), _mm256_loadu_ps(x_direct + k), acc[0][0]);
+      acc_hi[0][0] = _mm256_fmadd_ps(decode8_direct(w + k + 8), _mm256_loadu_ps(x_direct + k + 8), acc_hi[0][0]);
+      acc2 = _mm256_fmadd_ps(decode8_direct(w + k + 16), _mm256_loadu_ps(x_direct + k + 16), acc2);
+      acc3 = _mm256_fmadd_ps(decode8_direct(w + k + 24), _mm256_loadu_ps(x_direct + k + 24), acc3);
+    }
+    const __m256 back = _mm256_set1_ps(rescale);
+    acc[0][0] = _mm256_mul_ps(_mm256_add_ps(acc[0][0], acc2), back);
+    acc_hi[0][0] = _mm256_mul_ps(_mm256_add_ps(acc_hi[0][0], acc3), back);
+  }
   for (; k + 16 <= len; k += 16) {
     if (prefetch_ahead > 0 && (k & 63) == 0) {
       // Past the end of w this is a no-op: prefetches never fault.
@@ -267,19 +315,24 @@ constexpr int64_t kSeqPrefetchBytes = 4096;
 // holds (n_end - n_begin) * MT partial sums across column blocks.
 template <int R, int MT, bool kWide, bool kSeq>
 void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale, const float* bias, int64_t N,
-               int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
+               int64_t K, int64_t n_begin, int64_t n_end, float* dots, DirectX direct) {
   const int64_t tiles_ahead = kSeq ? 0 : kPrefetchTiles;
+#ifdef FP8SERVE_GEMM_AVX2
+  // Per task: MXCSR is per thread.
+  if (!kSeq || !denormals_kept()) direct.x = nullptr;
+#endif
   std::fill(dots, dots + (n_end - n_begin) * MT, 0.f);
   for (int64_t k0 = 0; k0 < K; k0 += kColBlock<MT>) {
     const int64_t len = std::min(kColBlock<MT>, K - k0);
     const int64_t seq_ahead = kSeqPrefetchBytes == 0 ? 0 : len == K ? kSeqPrefetchBytes : K;
+    const float* xd = direct.x ? direct.x + k0 : nullptr;
     int64_t n = n_begin;
     for (; n + R <= n_end; n += R)
       dot_tile<R, MT, kWide, kSeq>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT,
-                                   kSeq ? seq_ahead : tiles_ahead * R * K);
+                                   kSeq ? seq_ahead : tiles_ahead * R * K, xd, direct.rescale);
     for (; n < n_end; ++n)
       dot_tile<1, MT, kWide, kSeq>(w + n * K + k0, x + k0, K, len, dots + (n - n_begin) * MT,
-                                   kSeq ? seq_ahead : tiles_ahead * K);
+                                   kSeq ? seq_ahead : tiles_ahead * K, xd, direct.rescale);
   }
   for (int64_t n = n_begin; n < n_end; ++n) {
     const float s = scale[n] * kE4M3DecodeMultiplier, b = bias ? bias[n] : 0.f;
@@ -291,28 +344,70 @@ void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale,
 // (interleaved walk), or one row per tile (sequential walk).
 template <int MT, bool kWide, bool kSeq>
 void rows_mtile(float* out, const float* x, const uint8_t* w, const float* scale, const float* bias, int64_t N,
-                int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
+                int64_t K, int64_t n_begin, int64_t n_end, float* dots, DirectX direct) {
   constexpr int R = kSeq ? 1 : MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
-  rows_tile<R, MT, kWide, kSeq>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
+  rows_tile<R, MT, kWide, kSeq>(out, x, w, scale, bias, N, K, n_begin, n_end, dots, direct);
 }
 
 template <bool kWide>
 void rows_any_m(int64_t mt, bool seq, float* out, const float* x, const uint8_t* w, const float* scale,
-                const float* bias, int64_t N, int64_t K, int64_t n_begin, int64_t n_end, float* dots) {
+                const float* bias, int64_t N, int64_t K, int64_t n_begin, int64_t n_end, float* dots,
+                DirectX direct) {
   if (seq) {
     TORCH_CHECK(mt <= kMaxSequentialRows, "the sequential walk takes at most ", kMaxSequentialRows, " rows");
-    if (mt == 1) rows_mtile<1, kWide, true>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
-    else rows_mtile<2, kWide, true>(out, x, w, scale, bias, N, K, n_begin, n_end, dots);
+    if (mt == 1) rows_mtile<1, kWide, true>(out, x, w, scale, bias, N, K, n_begin, n_end, dots, direct);
+    else rows_mtile<2, kWide, true>(out, x, w, scale, bias, N, K, n_begin, n_end, dots, direct);
     return;
   }
   switch (mt) {
 #define FP8SERVE_CASE(T) \
-  case T: rows_mtile<T, kWide, false>(out, x, w, scale, bias, N, K, n_begin, n_end, dots); break;
+  case T: rows_mtile<T, kWide, false>(out, x, w, scale, bias, N, K, n_begin, n_end, dots, {}); break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
 #undef FP8SERVE_CASE
     default: TORCH_CHECK(false, "bad activation tile ", mt);
   }
+}
+
+// x * 2^shift into buf for decode8_direct's loop (see DirectX); an empty
+// DirectX where that loop is not built or x is all zero or not finite.
+DirectX scaled_for_direct_decode(const float* x, int64_t n, std::vector<float>& buf) {
+#ifdef FP8SERVE_GEMM_AVX2
+  // One pass for max |x| and "any inf or NaN" (|v| !< inf), vectorized: a
+  // scalar std::abs/isfinite loop cost as much as the GEMV at M = 2.
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 inf = _mm256_set1_ps(INFINITY);
+  __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask);
+    vmax = _mm256_max_ps(vmax, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float amax = *std::max_element(lanes, lanes + 8);
+  bool finite = _mm256_movemask_ps(bad) == 0;
+  for (; i < n; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::abs(x[i]));
+  }
+  if (amax == 0.f || !finite) return {};
+  // max |x| * 2^shift in [2^99, 2^100): with weights in [2^-129, 2^-111]
+  // the largest product lies in [2^-30, 2^-11], so a sum reaches float32's
+  // denormal range (2^-126) only after cancelling 96 binades, where float32
+  // has long lost every digit anyway, and never overflows. The loop's sums are
+  // then decode16's times 2^(shift - 112), exactly. shift in [0, 112] keeps
+  // the rescale a normal float.
+  const int shift = std::clamp(99 - std::ilogb(amax), 0, 112);
+  buf.resize(n);
+  const float factor = std::ldexp(1.f, shift);  // a power of two: x * factor is exact
+  for (int64_t j = 0; j < n; ++j) buf[j] = x[j] * factor;
+  return {buf.data(), std::ldexp(1.f, 112 - shift)};
+#else
+  (void)x, (void)n, (void)buf;
+  return {};
+#endif
 }
 
 constexpr int64_t kMaxTileM = 8;
@@ -361,14 +456,20 @@ at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::op
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  // The sequential walk's direct decode at M = 1 only: at M = 2 the kernel ran
+  // it 0.75-0.8x as fast as decode16 (one thread, hot and cold), though the
+  // same loop alone in a test program ran 1.2x as fast; not understood.
+  std::vector<float> x_direct_buf;
+  const DirectX direct = seq && M == 1 ? scaled_for_direct_decode(xp, K, x_direct_buf) : DirectX{};
   at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> dots(kRowBlock * kMaxTileM);
     for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
       const int64_t n1 = std::min(end, n0 + kRowBlock);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM) {
         const int64_t mt = std::min(kMaxTileM, M - m0);
-        if (wide) rows_any_m<true>(mt, seq, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
-        else rows_any_m<false>(mt, seq, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data());
+        const DirectX d{direct.x ? direct.x + m0 * K : nullptr, direct.rescale};
+        if (wide) rows_any_m<true>(mt, seq, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data(), d);
+        else rows_any_m<false>(mt, seq, op + m0 * N, xp + m0 * K, wp, sp, bp, N, K, n0, n1, dots.data(), d);
       }
     }
     io.narrow(M, begin, end);
