@@ -195,6 +195,32 @@ def test_large_call_matches_the_forced_paths(ops, seed, kv_format):
         assert err < TOL_SAME_CODES[kv_format], f"seed={seed} path={path}: {err:.2e}"
 
 
+@pytest.mark.parametrize("flush_denormal", [False, True], ids=["denormals", "flush_denormal"])
+@pytest.mark.parametrize("head_size", [64, 72])
+def test_e4m3_subnormal_codes_on_every_path(ops, seed, head_size, flush_denormal):
+    """Half the K codes and every V code subnormal (zero exponent field): the
+    AVX2 tiles on AMD CPUs decode e4m3 straight to float32 bits, where
+    subnormal codes are float32 denormals, so a decode that flushed them (or a
+    thread with DAZ/FTZ set, which must fall back to the F16C decode) would
+    lose part of every score and all of the output. Head size 72 also runs the
+    8-lane tail."""
+    case = Case(seed, "fp8_e4m3", head_size, num_kv_heads=2, group=3, seq_lens=[1, 37, 300])
+    g = torch.Generator().manual_seed(seed + 1)
+    for cache, share in ((case.key_cache, 0.5), (case.value_cache, 1.0)):
+        codes = cache.view(torch.uint8)
+        subnormal = torch.rand(codes.shape, generator=g) < share
+        codes[subnormal] &= 0x87
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        ref = case.reference_same_codes()
+        for path in ("best", "avx2", "scalar") + (("avx512",) if ops.has_avx512() else ()):
+            err = rel_err(case.run(path), ref)
+            assert err < TOL_SAME_CODES["fp8_e4m3"], f"seed={seed} path={path}: {err:.2e}"
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def test_unknown_path_is_rejected(ops, seed):
     case = Case(seed, "bfloat16", 64, num_kv_heads=2, group=3, seq_lens=[5])
     with pytest.raises(ValueError, match="path"):

@@ -12,6 +12,12 @@
 //   codes 0x7f/0xff decode as 480: quantize_fp8 never writes them for finite
 //   inputs.) In 16-bit lanes holding code << 8, the e4m3 pattern is one
 //   arithmetic shift right and one AND away.
+// On AMD CPUs the AVX2 tiles decode e4m3 straight to float32 bits instead
+// (e4m3_direct8: no F16C conversion) and fix the units inside the tile and
+// once per item, so the caller's contract is the same. Against the F16C
+// decode on the AVX2-only Zen 3 EPYC (SmolLM2 shapes, batch 1-64 x 512-2048
+// tokens, ABBA): 1.05-1.19x, every cell then at or below the bf16 cache's time
+// (benchmarks/results/attention_direct_e4m3_2026-12-02_zen3.md).
 //
 // Schedule. The work is split into items (sequence, range of its context),
 // each covering every kv head, so one item streams whole blocks (contiguous
@@ -48,6 +54,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vendor.h"
 #include "fp8_bf16_lut.h"
 #include "prefetch_level.h"
 #include "scalar_convert.h"
@@ -72,6 +79,14 @@ constexpr int64_t kBf16DotTileTokens = 64;
 constexpr int64_t kMinSplitTokens = 64;
 // Largest GQA group handled in registers at once; bigger groups go in slices.
 constexpr int kMaxGroupSlice = 8;
+
+// The AVX2 tiles' direct e4m3 decode (e4m3_direct8): its units, and the CPUs
+// that take it (AMD: denormal operands at full speed there; not measured on
+// Intel).
+constexpr float kDirectScoreFix = 0x1p112f;  // direct scores -> load16 units
+constexpr float kDirectPScale = 0x1p56f;     // p as stored for the weighted V
+constexpr float kDirectAccFix = 0x1p56f;     // weighted V -> load16 units
+inline bool direct_e4m3_cpu() { return fp8serve_cpu::is_amd(); }
 
 struct Problem {
   float* out;                // [num_seqs, num_heads, head_size]
@@ -299,8 +314,42 @@ inline void prefetch_row_pair(const NextRows& next, int64_t t, fp8serve_prefetch
   }
 }
 
+// e4m3 straight to float32 bits, worth value * 2^-120 (as fp8_gemm.cpp's
+// decode8_direct): widened with sign extension to 32 bits, shifted left by
+// 20, masked to sign, exponent low bits and mantissa top. Per 16 codes that
+// is six integer instructions and no F16C conversion (two uops each on Zen
+// 3) against load16's two unpacks, two shifts, two masks and two
+// conversions. Subnormal codes become float32 denormals: exact, and at full
+// speed on AMD CPUs, the only ones that take these tiles (direct_e4m3_cpu). Units:
+// scores come out 2^-112 of load16's and are multiplied back per 8 tokens;
+// the weighted V is kept at 2^-56 of load16's units (p is stored times 2^56,
+// so no product of a small p and a small value falls into the denormal range)
+// and run_item multiplies it back once per item.
+inline __m256 e4m3_direct8(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87f00000u))));
+}
+
+template <int64_t F, bool kDirect>
+inline void load16_any(const uint8_t* row, int64_t i, __m256& lo, __m256& hi) {
+  if constexpr (kDirect) {
+    lo = e4m3_direct8(row + i);
+    hi = e4m3_direct8(row + i + 8);
+  } else {
+    load16<F>(row, i, lo, hi);
+  }
+}
+
+template <int64_t F, bool kDirect>
+inline __m256 load8_any(const uint8_t* row, int64_t i) {
+  if constexpr (kDirect) return e4m3_direct8(row + i);
+  else return load8<F>(row, i);
+}
+
 // One tile of n <= 16 tokens for G query heads sharing one kv head (see header).
-template <int64_t F, int G>
+// kDirect: e4m3 through e4m3_direct8 (see there).
+template <int64_t F, int G, bool kDirect = false>
 void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
                int64_t head_size, const float* q, HeadState st, NextRows next) {
   // Two accumulator sets per head while registers allow: shorter FMA chains.
@@ -318,7 +367,7 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
     int64_t d = 0;
     for (; d + 16 <= head_size; d += 16) {
       __m256 x0, x1;
-      load16<F>(row, d, x0, x1);
+      load16_any<F, kDirect>(row, d, x0, x1);
       for (int g = 0; g < G; ++g) {
         const float* qg = q + g * head_size + d;
         a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), x0, a[g]);
@@ -330,13 +379,17 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
       }
     }
     if (d < head_size) {
-      const __m256 x0 = load8<F>(row, d);
+      const __m256 x0 = load8_any<F, kDirect>(row, d);
       for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_size + d), x0, a[g]);
     }
     for (int g = 0; g < G; ++g) partial[g][t & 7] = kSplitAcc ? _mm256_add_ps(a[g], b[g]) : a[g];
     if ((t & 7) == 7 || t == n - 1) {
       // Lanes past t hold stale data; they are masked below.
-      for (int g = 0; g < G; ++g) _mm256_store_ps(&s[g][t & ~int64_t{7}], transpose_sum8(partial[g]));
+      for (int g = 0; g < G; ++g) {
+        __m256 sums = transpose_sum8(partial[g]);
+        if constexpr (kDirect) sums = _mm256_mul_ps(sums, _mm256_set1_ps(kDirectScoreFix));
+        _mm256_store_ps(&s[g][t & ~int64_t{7}], sums);
+      }
     }
   }
 
@@ -353,8 +406,13 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
     const __m256 vm = _mm256_set1_ps(st.m[g]);
     const __m256 p0 = _mm256_and_ps(exp256(_mm256_sub_ps(s0, vm)), valid0);
     const __m256 p1 = _mm256_and_ps(exp256(_mm256_sub_ps(s1, vm)), valid1);
-    _mm256_store_ps(s[g], p0);
-    _mm256_store_ps(s[g] + 8, p1);
+    if constexpr (kDirect) {
+      _mm256_store_ps(s[g], _mm256_mul_ps(p0, _mm256_set1_ps(kDirectPScale)));
+      _mm256_store_ps(s[g] + 8, _mm256_mul_ps(p1, _mm256_set1_ps(kDirectPScale)));
+    } else {
+      _mm256_store_ps(s[g], p0);
+      _mm256_store_ps(s[g] + 8, p1);
+    }
     st.l[g] += hsum(_mm256_add_ps(p0, p1));
   }
 
@@ -370,7 +428,7 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
       }
       for (int64_t t = 0; t < n; ++t) {
         __m256 x0, x1;
-        load16<F>(vrows[t] + head_off, d, x0, x1);
+        load16_any<F, kDirect>(vrows[t] + head_off, d, x0, x1);
         for (int g = 0; g < G; ++g) {
           const __m256 p = _mm256_broadcast_ss(&s[g][t]);
           a0[g] = _mm256_fmadd_ps(p, x0, a0[g]);
@@ -387,7 +445,7 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
     __m256 a0[G];
     for (int g = 0; g < G; ++g) a0[g] = _mm256_loadu_ps(st.acc + g * head_size + d);
     for (int64_t t = 0; t < n; ++t) {
-      const __m256 x0 = load8<F>(vrows[t] + head_off, d);
+      const __m256 x0 = load8_any<F, kDirect>(vrows[t] + head_off, d);
       for (int g = 0; g < G; ++g) a0[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&s[g][t]), x0, a0[g]);
     }
     for (int g = 0; g < G; ++g) _mm256_storeu_ps(st.acc + g * head_size + d, a0[g]);
@@ -779,6 +837,7 @@ inline bool bf16_dot_head_size(int64_t head_size) { return head_size == 64 || he
 template <int64_t F>
 struct TileTable {
   TileFn avx2[kMaxGroupSlice + 1] = {};    // [g] handles a slice of g query heads
+  TileFn avx2_direct[kMaxGroupSlice + 1] = {};  // same, e4m3 through e4m3_direct8 (AMD)
   TileFn avx512[kMaxGroupSlice + 1] = {};  // same, head_size % 16 == 0 only
   TileFn bf16dot[kMaxGroupSlice + 1] = {};  // same, FP8 formats and bf16_dot_head_size only
   TileTable() {
@@ -791,6 +850,16 @@ struct TileTable {
     avx2[6] = tile_avx2<F, 6>;
     avx2[7] = tile_avx2<F, 7>;
     avx2[8] = tile_avx2<F, 8>;
+    if constexpr (F == kE4M3) {
+      avx2_direct[1] = tile_avx2<F, 1, true>;
+      avx2_direct[2] = tile_avx2<F, 2, true>;
+      avx2_direct[3] = tile_avx2<F, 3, true>;
+      avx2_direct[4] = tile_avx2<F, 4, true>;
+      avx2_direct[5] = tile_avx2<F, 5, true>;
+      avx2_direct[6] = tile_avx2<F, 6, true>;
+      avx2_direct[7] = tile_avx2<F, 7, true>;
+      avx2_direct[8] = tile_avx2<F, 8, true>;
+    }
 #endif
 #ifdef FP8SERVE_AVX512
     avx512[1] = tile_avx512<F, 1>;
@@ -815,14 +884,15 @@ struct TileTable {
     }
 #endif
   }
-  // nullptr: use the scalar tile.
-  const TileFn* pick(int path, int64_t head_size) const {
+  // nullptr: use the scalar tile. direct_ok: the AVX2 e4m3 tiles may decode
+  // through e4m3_direct8 (direct_e4m3_cpu() and this thread keeps denormals).
+  const TileFn* pick(int path, int64_t head_size, bool direct_ok) const {
     if (path == kScalarPath || avx2[1] == nullptr || head_size % 8 != 0) return nullptr;
     // The bf16 path where it applies; other formats and head sizes take "best".
     if (path == kBf16DotPath && bf16dot[1] != nullptr && bf16_dot_head_size(head_size)) return bf16dot;
     const bool wants_avx512 = path == kBestPath || path == kAvx512Path || path == kBf16DotPath;
     if (wants_avx512 && avx512[1] != nullptr && head_size % 16 == 0) return avx512;
-    return avx2;
+    return direct_ok && avx2_direct[1] != nullptr ? avx2_direct : avx2;
   }
 };
 
@@ -851,7 +921,13 @@ inline void tile_rows(const Problem& p, const int64_t* bt, int64_t t, int64_t n,
 template <int64_t F>
 void run_item(const Problem& p, const WorkItem& item, int path, float* m, float* l, float* acc) {
   static const TileTable<F> table;
-  const TileFn* tiles = table.pick(path, p.head_size);
+#ifdef FP8SERVE_AVX2
+  // MXCSR is per thread: DAZ or FTZ would read subnormal codes as zero.
+  const bool direct_ok = direct_e4m3_cpu() && (_mm_getcsr() & 0x8040u) == 0;
+#else
+  const bool direct_ok = false;
+#endif
+  const TileFn* tiles = table.pick(path, p.head_size, direct_ok);
   const bool vector_path = tiles != nullptr;
   const int64_t group = p.num_heads / p.num_kv_heads, hs = p.head_size;
   const int64_t* bt = p.block_tables + item.seq * p.max_blocks;
@@ -900,6 +976,8 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
 #ifdef FP8SERVE_BF16_DOT
   if (vector_path && tiles == table.bf16dot) unpermute_bf16_dot_acc(acc, p.num_heads * hs);
 #endif
+  if (vector_path && tiles == table.avx2_direct)
+    for (int64_t i = 0; i < p.num_heads * hs; ++i) acc[i] *= kDirectAccFix;
 }
 
 template <int64_t F>
