@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import best_time, build_kernel_at_rev, describe_machine, machine_info
+from bench_common import alternate, best_time, build_kernel_at_rev, describe_machine, machine_info, require_positive
 
 from fp8serve.attention.backends.cpu_paged import CpuPagedBackend
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
@@ -189,6 +189,8 @@ def main() -> None:
     p.add_argument("--baseline-lib", help="another build of the kernel library to time side by side")
     p.add_argument("--baseline-namespace", default="fp8serve_base", help="its torch.ops namespace")
     p.add_argument("--baseline-rev", help="time paged_attention.cpp as of this git revision side by side")
+    p.add_argument("--baseline-rounds", type=int, default=8,
+                   help="with a baseline column: alternating (ABBA) rounds of kernel and baseline, medians")
     p.add_argument("--no-avx2-column", action="store_true",
                    help="on an AVX-512 build, do not also time the AVX2 tiles")
     p.add_argument("--output", type=Path, default=None,
@@ -201,6 +203,7 @@ def main() -> None:
         p.error(f"--cold-flush-mib must be >= 0, got {args.cold_flush_mib}")
     if args.cold_rounds < 1:
         p.error(f"--cold-rounds must be >= 1, got {args.cold_rounds}")
+    require_positive(p, args, "baseline_rounds")
     if args.threads:
         torch.set_num_threads(args.threads)
     if load_cpu_ops() is None:
@@ -256,7 +259,16 @@ def main() -> None:
             for context in args.context_lens:
                 case = DecodeCase(args, kv_dtype, batch, context, seed=batch * 100003 + context)
                 r = dict(kv_dtype=kv_dtype, batch=batch, context=context, mib=case.bytes_read / 2**20)
-                r["kernel"] = best_time(case.kernel, args.min_time, args.repeats)
+                if baseline:
+                    # Side by side: short best-of-2 loops of each, alternating in ABBA rounds
+                    # (medians), so a slow stretch of a shared machine weighs on both columns.
+                    per = args.min_time / args.baseline_rounds
+                    both = alternate({"kernel": lambda: best_time(case.kernel, per, 2),
+                                      "base": lambda: best_time(lambda: case.kernel(baseline), per, 2)},
+                                     args.baseline_rounds)
+                    r["kernel"], r["base"] = both["kernel"], both["base"]
+                else:
+                    r["kernel"] = best_time(case.kernel, args.min_time, args.repeats)
                 r["gbs"] = case.bytes_read / r["kernel"] / 1e9
                 kernel_ms[kv_dtype, batch, context] = r["kernel"] * 1e3
                 if flush is not None:
@@ -268,8 +280,6 @@ def main() -> None:
                     r["cold_gbs"] = case.bytes_read / r["cold"] / 1e9
                     cold_ms[kv_dtype, batch, context] = r["cold"] * 1e3
                     del others
-                if baseline:
-                    r["base"] = best_time(lambda: case.kernel(baseline), args.min_time, args.repeats)
                 r["paged"] = best_time(lambda: case.backend_step(case.paged), args.min_time, args.repeats)
                 if not args.skip_reference:
                     case.reference.build_metadata(case.md)

@@ -40,7 +40,8 @@ def test_cold_columns_and_ratio_table(ops, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("bad, message", [(["--cold-flush-mib", "-1"], "--cold-flush-mib must be >= 0, got -1"),
-                                          (["--cold-rounds", "0"], "--cold-rounds must be >= 1, got 0")])
+                                          (["--cold-rounds", "0"], "--cold-rounds must be >= 1, got 0"),
+                                          (["--baseline-rounds", "0"], "--baseline-rounds must be >= 1, got 0")])
 def test_rejects_bad_cold_arguments(bad, message, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["attention.py", *bad, "--no-save"])
     with loaded_script("attention.py") as script, pytest.raises(SystemExit):

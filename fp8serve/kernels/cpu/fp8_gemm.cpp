@@ -35,6 +35,12 @@
 // (benchmarks/results/fp8_linear_2026-11-30_zen4.md). AMD CPUs take it at
 // M <= 2; Intel CPUs keep the interleaved walk. On AVX2-only builds (Zen 3)
 // the sequential walk prefetches 4 KiB down its stream (kSeqPrefetchBytes).
+// At M = 1 it also decodes codes straight to float32 bits (decode8_direct,
+// on activations scaled by a power of two: DirectX) over four FMA chains:
+// the default model's 120 decode linears from memory ran 1.09-1.17x as fast on
+// the AVX2-only Zen 3 EPYC (float32 and bf16 activations, two runs of
+// benchmarks/fp8_linear.py --baseline-rev against the F16C decode;
+// benchmarks/results/fp8_linear_direct_decode_2026-12-02_zen3.md).
 
 // ATen rather than torch/torch.h: same types, a fraction of the compile time.
 #include <ATen/ATen.h>
