@@ -16,7 +16,8 @@
 // (e4m3_direct8: no F16C conversion) and fix the units inside the tile and
 // once per item, so the caller's contract is the same. Against the F16C
 // decode on the AVX2-only Zen 3 EPYC (SmolLM2 shapes, batch 1-64 x 512-2048
-// tokens, ABBA): 1.05-1.19x, every cell then at or below the bf16 cache's time
+// tokens, hot, 10 alternating rounds): 1.03-1.12x, with unchanged formats
+// at 0.96-1.17x in the same run
 // (benchmarks/results/attention_direct_e4m3_2026-12-02_zen3.md).
 //
 // Schedule. The work is split into items (sequence, range of its context),
