@@ -234,7 +234,7 @@ inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, 
                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[r][m]), 1)));
   }
 #endif
-  if (kSplit && R * MT == 1 && x_direct != nullptr) {
+  if (kSplit && R * MT == 1 && x_direct != nullptr && k == 0) {  // k > 0: the 16-lane loop took the row
     // The sequential walk at one activation row: decode8_direct (on x_direct,
     // see there) and four FMA chains over 32 codes, so the loop does not wait
     // on FMA latency (two chains: one 4-cycle FMA latency per 16 codes).
@@ -323,9 +323,16 @@ template <int R, int MT, bool kWide, bool kSeq>
 void rows_tile(float* out, const float* x, const uint8_t* w, const float* scale, const float* bias, int64_t N,
                int64_t K, int64_t n_begin, int64_t n_end, float* dots, DirectX direct) {
   const int64_t tiles_ahead = kSeq ? 0 : kPrefetchTiles;
+#ifdef FP8SERVE_GEMM_AVX512
+  constexpr bool kWideLoop = kWide;
+#else
+  constexpr bool kWideLoop = false;
+#endif
 #ifdef FP8SERVE_GEMM_AVX2
-  // Per task: MXCSR is per thread.
-  if (!kSeq || !denormals_kept()) direct.x = nullptr;
+  // The direct loop is one of the 8-lane loops: where the 16-lane loop runs
+  // (AVX-512 builds, kWide) it has already taken the row, in 2^-8 units.
+  // denormals_kept per task: MXCSR is per thread.
+  if (!kSeq || kWideLoop || !denormals_kept()) direct.x = nullptr;
 #endif
   std::fill(dots, dots + (n_end - n_begin) * MT, 0.f);
   for (int64_t k0 = 0; k0 < K; k0 += kColBlock<MT>) {
