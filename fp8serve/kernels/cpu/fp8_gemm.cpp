@@ -48,6 +48,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "e4m3_direct.h"
 #include "row_walk.h"
 #include "float_staging.h"
 #include "vec16.h"
@@ -129,27 +130,13 @@ inline __m256 decode8(const uint8_t* w) {
   return _mm256_cvtph_ps(h);
 }
 
-// 8 codes -> 8 floats worth value * 2^-120, straight to float32 bits: the
-// sign-extending widen to 32 bits shifted left by 20 puts the sign in bit 31
-// and the magnitude's exponent and mantissa in the low bits of float32's
-// exponent and the top of its mantissa (mask 0x87f00000). Same integer work
-// per 16 codes as decode16 and no F16C conversion (two uops each on Zen 3).
-// The bias difference (127 - 7) makes subnormal codes float32 denormals:
-// exact, and full speed on the AMD CPUs that take the sequential walk (the
-// only user). Two things keep it as accurate as decode16 (tests check both):
-// a thread that flushes denormals (MXCSR DAZ or FTZ, e.g.
-// torch.set_flush_denormal(True)) would read subnormal codes as zero, so the
-// walk asks denormals_kept() first; and sums this small would themselves be
-// denormals, so the walk multiplies activations by a power of two first
-// (DirectX), which keeps them ~2^100 above that range.
-inline __m256 decode8_direct(const uint8_t* w) {
-  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-  return _mm256_castsi256_ps(
-      _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87f00000u))));
-}
-
-// Whether this thread computes with denormals (neither DAZ nor FTZ is set).
-inline bool denormals_kept() { return (_mm_getcsr() & 0x8040u) == 0; }
+// decode8_direct: e4m3_direct.h (value * 2^-120 per code, exact; no F16C
+// conversion), used by the sequential walk at one activation row, the only
+// caller, on AMD CPUs. Its sums stay clear of float32's denormal range because
+// the walk multiplies the activations by a power of two first (DirectX), and
+// a thread that flushes denormals keeps decode16 (denormals_kept).
+using fp8serve_e4m3::denormals_kept;
+inline __m256 decode8_direct(const uint8_t* w) { return fp8serve_e4m3::direct8(w); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define FP8SERVE_GEMM_AVX512 1

@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "cpu_vendor.h"
+#include "e4m3_direct.h"
 #include "fp8_bf16_lut.h"
 #include "prefetch_level.h"
 #include "scalar_convert.h"
@@ -315,22 +316,14 @@ inline void prefetch_row_pair(const NextRows& next, int64_t t, fp8serve_prefetch
   }
 }
 
-// e4m3 straight to float32 bits, worth value * 2^-120 (as fp8_gemm.cpp's
-// decode8_direct): widened with sign extension to 32 bits, shifted left by
-// 20, masked to sign, exponent low bits and mantissa top. Per 16 codes that
-// is six integer instructions and no F16C conversion (two uops each on Zen
-// 3) against load16's two unpacks, two shifts, two masks and two
-// conversions. Subnormal codes become float32 denormals: exact, and at full
-// speed on AMD CPUs, the only ones that take these tiles (direct_e4m3_cpu). Units:
-// scores come out 2^-112 of load16's and are multiplied back per 8 tokens;
-// the weighted V is kept at 2^-56 of load16's units (p is stored times 2^56,
-// so no product of a small p and a small value falls into the denormal range)
-// and run_item multiplies it back once per item.
-inline __m256 e4m3_direct8(const uint8_t* p) {
-  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(
-      _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87f00000u))));
-}
+// e4m3 through e4m3_direct.h (value * 2^-120 per code, exact; no F16C
+// conversion: per 16 codes six integer instructions against load16's two
+// unpacks, two shifts, two masks and two conversions), on AMD CPUs only
+// (direct_e4m3_cpu). Units: scores come out 2^-112 of load16's and are
+// multiplied back per 8 tokens; the weighted V is kept at 2^-56 of load16's
+// units (p is stored times 2^56, so no product of a small p and a small value
+// falls into the denormal range) and run_item multiplies it back once per item.
+inline __m256 e4m3_direct8(const uint8_t* p) { return fp8serve_e4m3::direct8(p); }
 
 template <int64_t F, bool kDirect>
 inline void load16_any(const uint8_t* row, int64_t i, __m256& lo, __m256& hi) {
@@ -924,7 +917,7 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
   static const TileTable<F> table;
 #ifdef FP8SERVE_AVX2
   // MXCSR is per thread: DAZ or FTZ would read subnormal codes as zero.
-  const bool direct_ok = direct_e4m3_cpu() && (_mm_getcsr() & 0x8040u) == 0;
+  const bool direct_ok = direct_e4m3_cpu() && fp8serve_e4m3::denormals_kept();
 #else
   const bool direct_ok = false;
 #endif
