@@ -459,8 +459,16 @@ at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::op
   // The sequential walk's direct decode at M = 1 only: at M = 2 the kernel ran
   // it 0.75-0.8x as fast as decode16 (one thread, hot and cold), though the
   // same loop alone in a test program ran 1.2x as fast; not understood.
+  // Not where the 16-lane loop takes the rows (AVX-512 builds, `wide`): the
+  // scaled copy would go unused (rows_tile drops it there too).
+#ifdef FP8SERVE_GEMM_AVX512
+  const bool wide_loop = wide;
+#else
+  const bool wide_loop = false;
+#endif
   std::vector<float> x_direct_buf;
-  const DirectX direct = seq && M == 1 ? scaled_for_direct_decode(xp, K, x_direct_buf) : DirectX{};
+  const DirectX direct =
+      seq && M == 1 && !wide_loop ? scaled_for_direct_decode(xp, K, x_direct_buf) : DirectX{};
   at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> dots(kRowBlock * kMaxTileM);
     for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
