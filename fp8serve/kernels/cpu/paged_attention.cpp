@@ -53,6 +53,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_vendor.h"
@@ -341,11 +342,21 @@ inline __m256 load8_any(const uint8_t* row, int64_t i) {
   else return load8<F>(row, i);
 }
 
-// One tile of n <= 16 tokens for G query heads sharing one kv head (see header).
-// kDirect: e4m3 through e4m3_direct8 (see there).
-template <int64_t F, int G, bool kDirect = false>
+// One tile of n <= 16 tokens for G query heads sharing one kv head (see
+// header). kDirect: e4m3 through e4m3_direct8 (see there). HS: the head size
+// when known at compile time (64, 128), else 0 (head_size at run time): a
+// known size unrolls the score loop over the row, so all of a token's
+// decodes and FMAs are in view of the out-of-order core at once instead of
+// four iterations of a loop (Zen 3, against the run-time loop: 1.06-1.15x
+// for e4m3 and 0.98-1.16x for the other formats on attention.py's cells,
+// benchmarks/results/attention_head_size_unroll_2026-12-02_zen3.md).
+// Tried and dropped: 32- and 64-token tiles (fewer softmax reductions per
+// token: 1.03-1.11x hot in L2, but 0.90-0.97x on contexts streamed from
+// memory, where the next tile's prefetch works best one block ahead).
+template <int64_t F, int G, bool kDirect = false, int64_t HS = 0>
 void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
-               int64_t head_size, const float* q, HeadState st, NextRows next) {
+               int64_t head_size_arg, const float* q, HeadState st, NextRows next) {
+  const int64_t head_size = HS != 0 ? HS : head_size_arg;
   // Two accumulator sets per head while registers allow: shorter FMA chains.
   constexpr bool kSplitAcc = G <= 4;
   alignas(32) __m256 partial[G][8];  // per-token dot-product lanes, 8 tokens at a time
@@ -358,8 +369,7 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
     const uint8_t* row = krows[t] + head_off;
     __m256 a[G], b[G];
     for (int g = 0; g < G; ++g) a[g] = b[g] = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= head_size; d += 16) {
+    const auto step16 = [&](int64_t d) {
       __m256 x0, x1;
       load16_any<F, kDirect>(row, d, x0, x1);
       for (int g = 0; g < G; ++g) {
@@ -371,6 +381,15 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
           a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), x1, a[g]);
         }
       }
+    };
+    int64_t d = 0;
+    if constexpr (HS != 0) {
+      static_assert(HS % 16 == 0, "compile-time head sizes are multiples of 16");
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < HS; i += 16) step16(i);
+      d = HS;
+    } else {
+      for (; d + 16 <= head_size; d += 16) step16(d);
     }
     if (d < head_size) {
       const __m256 x0 = load8_any<F, kDirect>(row, d);
@@ -828,32 +847,37 @@ enum Path : int { kScalarPath = 0, kAvx2Path = 1, kBestPath = 2, kAvx512Path = 3
 
 inline bool bf16_dot_head_size(int64_t head_size) { return head_size == 64 || head_size == 128; }
 
+// Head sizes the AVX2 tiles know at compile time (see tile_avx2); class 0 is
+// any other size, read at run time.
+inline int avx2_head_size_class(int64_t head_size) { return head_size == 64 ? 1 : head_size == 128 ? 2 : 0; }
+
+#ifdef FP8SERVE_AVX2
+template <int64_t F, bool kDirect, int64_t HS, int... G>
+void fill_avx2_tiles(TileFn* row, std::integer_sequence<int, G...>) {
+  ((row[G] = tile_avx2<F, G, kDirect, HS>), ...);
+}
+
+template <int64_t F, bool kDirect>
+void fill_avx2_classes(TileFn (*rows)[kMaxGroupSlice + 1]) {
+  using Groups = std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7, 8>;
+  static_assert(kMaxGroupSlice == 8, "Groups lists 1..kMaxGroupSlice");
+  fill_avx2_tiles<F, kDirect, 0>(rows[0], Groups{});
+  fill_avx2_tiles<F, kDirect, 64>(rows[1], Groups{});
+  fill_avx2_tiles<F, kDirect, 128>(rows[2], Groups{});
+}
+#endif
+
 template <int64_t F>
 struct TileTable {
-  TileFn avx2[kMaxGroupSlice + 1] = {};    // [g] handles a slice of g query heads
-  TileFn avx2_direct[kMaxGroupSlice + 1] = {};  // same, e4m3 through e4m3_direct8 (AMD)
-  TileFn avx512[kMaxGroupSlice + 1] = {};  // same, head_size % 16 == 0 only
+  // [head-size class][g]: a slice of g query heads (avx2_head_size_class).
+  TileFn avx2[3][kMaxGroupSlice + 1] = {};
+  TileFn avx2_direct[3][kMaxGroupSlice + 1] = {};  // same, e4m3 through e4m3_direct8 (AMD)
+  TileFn avx512[kMaxGroupSlice + 1] = {};  // [g], head_size % 16 == 0 only
   TileFn bf16dot[kMaxGroupSlice + 1] = {};  // same, FP8 formats and bf16_dot_head_size only
   TileTable() {
 #ifdef FP8SERVE_AVX2
-    avx2[1] = tile_avx2<F, 1>;
-    avx2[2] = tile_avx2<F, 2>;
-    avx2[3] = tile_avx2<F, 3>;
-    avx2[4] = tile_avx2<F, 4>;
-    avx2[5] = tile_avx2<F, 5>;
-    avx2[6] = tile_avx2<F, 6>;
-    avx2[7] = tile_avx2<F, 7>;
-    avx2[8] = tile_avx2<F, 8>;
-    if constexpr (F == kE4M3) {
-      avx2_direct[1] = tile_avx2<F, 1, true>;
-      avx2_direct[2] = tile_avx2<F, 2, true>;
-      avx2_direct[3] = tile_avx2<F, 3, true>;
-      avx2_direct[4] = tile_avx2<F, 4, true>;
-      avx2_direct[5] = tile_avx2<F, 5, true>;
-      avx2_direct[6] = tile_avx2<F, 6, true>;
-      avx2_direct[7] = tile_avx2<F, 7, true>;
-      avx2_direct[8] = tile_avx2<F, 8, true>;
-    }
+    fill_avx2_classes<F, false>(avx2);
+    if constexpr (F == kE4M3) fill_avx2_classes<F, true>(avx2_direct);
 #endif
 #ifdef FP8SERVE_AVX512
     avx512[1] = tile_avx512<F, 1>;
@@ -881,12 +905,13 @@ struct TileTable {
   // nullptr: use the scalar tile. direct_ok: the AVX2 e4m3 tiles may decode
   // through e4m3_direct8 (direct_e4m3_cpu() and this thread keeps denormals).
   const TileFn* pick(int path, int64_t head_size, bool direct_ok) const {
-    if (path == kScalarPath || avx2[1] == nullptr || head_size % 8 != 0) return nullptr;
+    if (path == kScalarPath || avx2[0][1] == nullptr || head_size % 8 != 0) return nullptr;
     // The bf16 path where it applies; other formats and head sizes take "best".
     if (path == kBf16DotPath && bf16dot[1] != nullptr && bf16_dot_head_size(head_size)) return bf16dot;
     const bool wants_avx512 = path == kBestPath || path == kAvx512Path || path == kBf16DotPath;
     if (wants_avx512 && avx512[1] != nullptr && head_size % 16 == 0) return avx512;
-    return direct_ok && avx2_direct[1] != nullptr ? avx2_direct : avx2;
+    const int c = avx2_head_size_class(head_size);
+    return direct_ok && avx2_direct[c][1] != nullptr ? avx2_direct[c] : avx2[c];
   }
 };
 
@@ -970,7 +995,7 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
 #ifdef FP8SERVE_BF16_DOT
   if (vector_path && tiles == table.bf16dot) unpermute_bf16_dot_acc(acc, p.num_heads * hs);
 #endif
-  if (vector_path && tiles == table.avx2_direct)
+  if (vector_path && tiles == table.avx2_direct[avx2_head_size_class(hs)])
     for (int64_t i = 0; i < p.num_heads * hs; ++i) acc[i] *= kDirectAccFix;
 }
 
