@@ -347,8 +347,9 @@ inline __m256 load8_any(const uint8_t* row, int64_t i) {
 // when known at compile time (64, 128), else 0 (head_size at run time): a
 // known size unrolls the score loop over the row, so all of a token's
 // decodes and FMAs are in view of the out-of-order core at once instead of
-// four iterations of a loop (Zen 3, against the run-time loop: 1.06-1.15x
-// for e4m3 and 0.98-1.16x for the other formats on attention.py's cells,
+// four iterations of a loop (Zen 3, against the run-time loop, two runs of
+// attention.py's 24 hot cells: e4m3 1.04-1.15x in 11 of 12 cell pairs, 0.93x
+// in one; the other formats 0.92-1.16x, median 1.05x;
 // benchmarks/results/attention_head_size_unroll_2026-12-02_zen3.md).
 // Tried and dropped: 32- and 64-token tiles (fewer softmax reductions per
 // token: 1.03-1.11x hot in L2, but 0.90-0.97x on contexts streamed from
