@@ -351,9 +351,11 @@ inline __m256 load8_any(const uint8_t* row, int64_t i) {
 // attention.py's 24 hot cells: e4m3 1.04-1.15x in 11 of 12 cell pairs, 0.93x
 // in one; the other formats 0.92-1.16x, median 1.05x;
 // benchmarks/results/attention_head_size_unroll_2026-12-02_zen3.md).
-// Tried and dropped: 32- and 64-token tiles (fewer softmax reductions per
-// token: 1.03-1.11x hot in L2, but 0.90-0.97x on contexts streamed from
-// memory, where the next tile's prefetch works best one block ahead).
+// Tried and dropped (standalone copy of the tile, one thread): 32- and
+// 64-token tiles, one softmax reduction per 32 or 64 tokens: hot in L2
+// 1.03-1.11x the run-time loop's tile but no faster than this one
+// (0.96-1.01x), and 0.90-0.97x the run-time loop's tile on contexts streamed
+// from memory, where the next tile's prefetch works best one block ahead.
 template <int64_t F, int G, bool kDirect = false, int64_t HS = 0>
 void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
                int64_t head_size_arg, const float* q, HeadState st, NextRows next) {
