@@ -22,7 +22,10 @@ larger than the cache is read, then the pass calls the kernel on several
 copies of the cell (different caches and block tables), so every call reads
 K+V that no recent call touched, as in an engine step, where the weights and
 the other layers' caches stream between two calls of one layer. Cold times are
-medians of --cold-rounds passes.
+medians of --cold-rounds passes. With a baseline (--baseline-rev, --baseline-lib,
+or the columns the script adds by itself) the cold passes of the kernel and of
+the baseline alternate too, and the cold speedup gets its own column: changes
+to prefetching show there, not in the hot cells.
 
 Timings are the best of several repeats after warm-up (the CPU may be shared:
 the best repeat is the least disturbed one); every ratio comes from the same
@@ -136,15 +139,16 @@ class DecodeCase:
                                softmax_scale=self.softmax_scale, k_scale=K_SCALE, v_scale=V_SCALE)
 
 
-def time_cold(cases: list[DecodeCase], flush: torch.Tensor, rounds: int) -> float:
-    """Median seconds per kernel call over `rounds` passes, each after reading
-    `flush` (larger than the last-level cache) and calling every case once."""
+def time_cold(cases: list[DecodeCase], flush: torch.Tensor, rounds: int, op=None) -> float:
+    """Median seconds per kernel call (`op`, default the kernel) over `rounds`
+    passes, each after reading `flush` (larger than the last-level cache) and
+    calling every case once."""
     times = []
     for _ in range(rounds):
         flush.sum()
         t = time.perf_counter()
         for case in cases:
-            case.kernel()
+            case.kernel(op)
         times.append((time.perf_counter() - t) / len(cases))
     return statistics.median(times)
 
@@ -276,10 +280,16 @@ def main() -> None:
                     n = max(1, min(8, math.ceil((8 << 20) / case.bytes_read)))
                     others = [DecodeCase(args, kv_dtype, batch, context, seed=batch * 100003 + context + i)
                               for i in range(1, n)]
-                    r["cold"] = time_cold([case, *others], flush, args.cold_rounds)
+                    cases = [case, *others]
+                    if baseline:
+                        both = alternate({"kernel": lambda: time_cold(cases, flush, 1),
+                                          "base": lambda: time_cold(cases, flush, 1, baseline)}, args.cold_rounds)
+                        r["cold"], r["cold_base"] = both["kernel"], both["base"]
+                    else:
+                        r["cold"] = time_cold(cases, flush, args.cold_rounds)
                     r["cold_gbs"] = case.bytes_read / r["cold"] / 1e9
                     cold_ms[kv_dtype, batch, context] = r["cold"] * 1e3
-                    del others
+                    del others, cases
                 r["paged"] = best_time(lambda: case.backend_step(case.paged), args.min_time, args.repeats)
                 if not args.skip_reference:
                     case.reference.build_metadata(case.md)
@@ -307,8 +317,10 @@ def main() -> None:
              "(`paged_attention_decode_avx2`, what AVX2-only CPUs run) on the same data; "
              "speedup = AVX2 tiles / kernel.")
     emit()
-    base_cols = f" {base_label} ms | speedup |" if baseline else ""
-    base_sep = "---|---|" if baseline else ""
+    cold_base = baseline is not None and flush is not None
+    base_cols = (f" {base_label} ms | speedup |" if baseline else "") + (
+        f" cold {base_label} ms | cold speedup |" if cold_base else "")
+    base_sep = ("---|---|" if baseline else "") + ("---|---|" if cold_base else "")
     cold_cols = " cold ms | cold GB/s | cold % copy |" if flush is not None else ""
     cold_sep = "---|---|---|" if flush is not None else ""
     emit(f"| kv dtype | batch | context | K+V MiB | kernel ms | GB/s | % copy | % read |{cold_cols}{base_cols}"
@@ -321,6 +333,8 @@ def main() -> None:
             line += f" {r['cold'] * 1e3:.3f} | {r['cold_gbs']:.1f} | {100 * r['cold_gbs'] / copy_bw:.0f}% |"
         if baseline:
             line += f" {r['base'] * 1e3:.3f} | {r['base'] / r['kernel']:.2f}x |"
+        if cold_base:
+            line += f" {r['cold_base'] * 1e3:.3f} | {r['cold_base'] / r['cold']:.2f}x |"
         if "ref" in r:
             line += f" {r['paged'] * 1e3:.3f} | {r['ref'] * 1e3:.3f} | {r['ref'] / r['paged']:.1f}x |"
         else:

@@ -67,6 +67,28 @@ def test_bf16_query_times_the_bf16_tiles_against_the_float32_tiles(ops, monkeypa
     assert len(rows) == 2 and all(float(r.split("|")[5]) > 0 and float(r.split("|")[9]) > 0 for r in rows)
 
 
+def test_a_baseline_gets_cold_columns_timed_alternately(ops, monkeypatch, capsys):
+    """With a baseline and cold passes, the baseline's cold time and the cold
+    speedup get their own columns (the float32-tiles baseline of a bf16 query
+    stands in for --baseline-rev, which would build a kernel)."""
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--batch-sizes", "2", "--context-lens", "40",
+                                      "--kv-dtypes", "fp8_e4m3", "--min-time", "0.01", "--repeats", "1",
+                                      "--skip-reference", "--cold-flush-mib", "4", "--cold-rounds", "2",
+                                      "--query-dtype", "bfloat16", "--no-save"])
+    with loaded_script("attention.py") as script:
+        script.main()
+    out = capsys.readouterr().out
+    header = next(ln for ln in out.splitlines() if ln.startswith("| kv dtype | batch"))
+    assert "| cold ms | cold GB/s | cold % copy | float32 tiles ms | speedup | cold float32 tiles ms | cold speedup |" \
+        in header
+    row = next(ln for ln in out.splitlines() if ln.startswith("| fp8_e4m3 | 2 | 40 |")).split("|")
+    cold, cold_base, cold_speedup = float(row[9]), float(row[14]), row[15].strip()
+    assert cold > 0 and cold_base > 0
+    # The ratio of the unrounded times; the ms columns are rounded to 1 us.
+    assert cold_speedup.endswith("x") and float(cold_speedup[:-1]) == pytest.approx(cold_base / cold, abs=0.01,
+                                                                                    rel=0.002 / cold)
+
+
 def test_rejects_an_unknown_query_dtype(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["attention.py", "--query-dtype", "float16", "--no-save"])
     with loaded_script("attention.py") as script, pytest.raises(SystemExit):
