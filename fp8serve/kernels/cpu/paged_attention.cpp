@@ -348,7 +348,7 @@ inline __m256 load8_any(const uint8_t* row, int64_t i) {
 // known size unrolls the score loop over the row, so all of a token's
 // decodes and FMAs are in view of the out-of-order core at once instead of
 // four iterations of a loop (Zen 3, against the run-time loop, three runs of
-// attention.py's 24 hot cells: e4m3 1.04-1.21x in 16 of 18 cell runs, the
+// attention.py's 24 hot cells: e4m3 1.04-1.21x in 17 of 18 cell runs, the
 // other formats 0.92-1.16x, mostly 1.0-1.1x; cold, one run: e4m3 0.94-1.11x,
 // the others 0.96-1.12x; benchmarks/results/attention_head_size_unroll_*).
 // Tried and dropped (standalone copy of the tile, one thread): 32- and
