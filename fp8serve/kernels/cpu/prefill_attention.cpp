@@ -75,6 +75,14 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // tiles 6x4 as above, 3x4 1.88 / 23.7, 12x2 2.77 / 41.4. On hot data the
 // 8x2 score tile and the 6x4 output tile run at 165-185 GFLOP/s per core,
 // F.linear's per-core rate.
+// AVX2: the output tile is 6 rows x 2 vectors, like the score tile: 12
+// accumulators, and per key 2 V loads and 6 P broadcasts. The 2 x 4 tile it
+// replaced had 8 accumulators, exactly the FMAs in flight that two FMA pipes
+// of 4-cycle latency need, and 6 loads per 8 FMAs; perf had its P V at 30% of
+// a 1 x 512 call against 24% for the scores (same FLOPs). On the AVX2-only
+// Zen 3 EPYC (2 vCPUs) the whole kernel ran 1.17-1.30x as fast at 1 x 512 to
+// 16 x 512 and 1 x 2048, bit-identical (each output's sums keep their order;
+// benchmarks/results/prefill_attention_pv_tile_2026-12-02_zen3.md).
 struct Scalar {
   using T = float;
   static constexpr int W = 1, kQkRows = 4, kQkVecs = 4, kPvRows = 4, kPvVecs = 1;
@@ -96,7 +104,7 @@ struct Scalar {
 #ifdef FP8SERVE_VEC8
 struct Avx2 {
   using T = __m256;
-  static constexpr int W = 8, kQkRows = 6, kQkVecs = 2, kPvRows = 2, kPvVecs = 4;
+  static constexpr int W = 8, kQkRows = 6, kQkVecs = 2, kPvRows = 6, kPvVecs = 2;
   static T zero() { return _mm256_setzero_ps(); }
   static T set1(float x) { return _mm256_set1_ps(x); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
