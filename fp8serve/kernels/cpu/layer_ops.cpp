@@ -27,6 +27,10 @@
 // 16-lane loop uses an FMA exp and a reciprocal instead of a division
 // (vec16.h silu_f32_fast): 512 x 3072 366 -> 306 us (now bound by reading the
 // 6 MB input), max relative error vs float64 2.1e-7 (torch's own: 1.9e-7).
+// The 8-lane loop does the same for float32 (vec8.h silu_f32_fast, vrcpps and
+// a Newton step): on the AVX2-only Zen 3 EPYC (2 vCPUs) 1.15-1.39x at 1-2048
+// rows x 1536, 512 x 1536 555 -> 401 us, max relative error vs float64
+// 2.4e-7 (benchmarks/results/silu_and_mul_avx2_fast_2026-12-02_zen3.md).
 // RoPE runs 16 lanes too (it had only the 8-lane loop): 512 tokens x (9 + 3)
 // heads of 64, hot, 2 threads: bf16 139 -> 67 us, fp16 64 -> 50 us, float32
 // 40 -> 32 us.
@@ -271,6 +275,14 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
         const __m256 one = _mm256_set1_ps(1.0f);
         for (; i + 8 <= d; i += 8) {
           const __m256 gv = v8::load<T>(g, i);
+          if constexpr (T == 0) {
+            // float32: vec8.h silu_f32_fast, as the 16-lane loop does.
+            if (!_mm256_movemask_ps(_mm256_cmp_ps(gv, _mm256_set1_ps(-80.f), _CMP_LT_OQ))) {
+              _mm256_storeu_ps(static_cast<float*>(o) + i,
+                               _mm256_mul_ps(v8::silu_f32_fast(gv), _mm256_loadu_ps(reinterpret_cast<const float*>(u) + i)));
+              continue;
+            }
+          }
           const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gv);
           const __m256 s = v8::round_to<T>(_mm256_div_ps(gv, _mm256_add_ps(one, v8::exp(neg))));
           v8::store<T>(o, i, _mm256_mul_ps(s, v8::load<T>(u, i)));

@@ -114,28 +114,8 @@ struct Avx2 {
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
-  // exp(x) for x <= 0 (scores minus their running max): exp_poly's
-  // reduction and polynomial, 2^n built in the exponent field (n >= -126
-  // after the clamp, and no overflow case to handle).
-  static T exp_le0(T x) {
-    __m256 n;
-    const __m256 p = exp_poly(x, n);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  }
-  static T exp_poly(T x, T& n) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    T r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    T p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    return _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-  }
+  // exp(x) for x <= 0 (scores minus their running max): vec8.h exp_fma.
+  static T exp_le0(T x) { return fp8serve_vec8::exp_fma(x); }
   static float hmax(T a) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));

@@ -136,6 +136,42 @@ inline __m256 exp(__m256 x) {
   return _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(p, e1), e2), _mm256_set1_ps(__builtin_inff()), overflow);
 }
 
+// exp(x) for x <= 88 where nothing has to match a scalar twin bit for bit
+// (so not covered by the bit-identity promise above): the reduction and
+// polynomial of exp with FMAs, 2^n built in the exponent field (~17
+// instructions against ~30 for exp above). Inputs below -87.3 give
+// exp(-87.3); a NaN input gives exp(-87.3) too (vmaxps returns its second
+// operand for NaN), so callers must keep NaN another way. Used by the
+// float32-only paths: the prefill attention's softmax (x <= 0) and
+// silu_f32_fast; vec16.h exp_fma is the 16-lane twin.
+inline __m256 exp_fma(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// silu(g) = g / (1 + exp(-g)) for float32 results, vec16.h silu_f32_fast on
+// 8 lanes: exp_fma and a reciprocal (vrcpps, 12 bits, and one Newton step:
+// ~2^-23) instead of exp and a vdivps. Valid for g >= -80 (callers take the
+// exact path for vectors with a lane below -80); NaN stays NaN (g * inv).
+inline __m256 silu_f32_fast(__m256 g) {
+  const __m256 den = _mm256_add_ps(exp_fma(_mm256_sub_ps(_mm256_setzero_ps(), g)), _mm256_set1_ps(1.f));
+  __m256 inv = _mm256_rcp_ps(den);  // den in [1, e^80 + 1]
+  inv = _mm256_fmadd_ps(inv, _mm256_fnmadd_ps(den, inv, _mm256_set1_ps(1.f)), inv);
+  return _mm256_mul_ps(g, inv);
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
