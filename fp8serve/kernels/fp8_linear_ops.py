@@ -12,6 +12,16 @@ reference, and the choice between the two ways to run it.
 - In between, on CPUs with AMX and bf16 activations (decode batches of 13-64
   rows): the same decoded buffer, multiplied by the AMX linear kernel
   (`amx_linear_ops`) instead of torch's GEMM.
+- On AVX2 CPUs without AVX-512, float32 activations past 24 rows (decode
+  batches and prefills): `fp8_tiled_gemm` (`cpu/fp8_tiled_gemm.cpp`), a GEMM
+  that decodes 16 weight rows at a time into a cache-sized panel, so neither
+  the float weight nor oneDNN's per-call reorder of it exists. On the AVX2-only
+  Zen 3 EPYC it ran the default model's shapes 1.23-2.44x as fast as
+  dequantize + oneDNN at 16-128 rows and 0.89-1.21x at 512, and engine decode
+  steps at batch 64 1.28x (benchmarks/results/fp8_tiled_gemm_2026-12-02_zen3.md,
+  fp8_weight_paths_2026-12-02_zen3.md). AVX-512 builds keep
+  oneDNN, whose 16-lane kernels this 8-lane GEMM does not match.
+  FP8SERVE_FP8_TILED_GEMM=0 / 1 turns it off / on regardless of the CPU.
 
 `max_fused_rows` says where the switch happens; the numbers come from
 `benchmarks/fp8_linear.py` (see benchmarks/results/fp8_linear_*.md).
@@ -25,6 +35,7 @@ import torch
 
 from fp8serve.kernels import amx_linear_ops, onednn_linear
 from fp8serve.kernels.cpu_ops import load_cpu_ops
+from fp8serve.utils.env_switch import env_switch
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -45,6 +56,12 @@ _MAX_FUSED_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 #   AMX        33.4   35.8   35.6   33.6   37.4   41.3   48.9   69.5
 # (before: fused kernel up to 16 rows, dequantize + torch.mm above.)
 _MAX_FUSED_ROWS_AMX_BF16 = 12
+# Where fp8_tiled_gemm runs (float32 x), the fused kernel keeps decode batches
+# up to 24 rows: on the Zen 3 EPYC the tiled GEMM ran 0.70-0.97x the fused
+# kernel at 16 rows, 0.93-1.11x at 24, 0.85-1.16x at 32 and 1.11-1.35x at 64
+# (benchmarks/results/fp8_tiled_gemm_2026-12-02_zen3.md).
+_MAX_FUSED_ROWS_TILED = 24
+TILED_GEMM_ENV = "FP8SERVE_FP8_TILED_GEMM"
 
 # Weight rows decoded per GEMM call on the large-M path: as many as fit in
 # 8 MiB of the activation dtype (at least 128). One GEMM per layer for small
@@ -63,7 +80,22 @@ def max_fused_rows(dtype: torch.dtype) -> int:
     """Largest number of activation rows the fused kernel takes for x of `dtype`."""
     if dtype == torch.bfloat16 and amx_linear_ops.is_available():
         return _MAX_FUSED_ROWS_AMX_BF16
+    if dtype == torch.float32 and tiled_gemm_enabled():
+        return _MAX_FUSED_ROWS_TILED
     return _MAX_FUSED_ROWS[dtype]
+
+
+@functools.cache
+def tiled_gemm_enabled() -> bool:
+    """Whether float32 activations past the fused kernel's rows run
+    `fp8_tiled_gemm`: where the kernels were built with it (AVX2, FMA, F16C)
+    and not for AVX-512 (oneDNN is faster there), unless FP8SERVE_FP8_TILED_GEMM
+    says otherwise (asked once per process)."""
+    ops = load_cpu_ops()
+    if ops is None or not hasattr(ops, "fp8_tiled_gemm_available") or not ops.fp8_tiled_gemm_available():
+        return False
+    wanted = env_switch(TILED_GEMM_ENV)
+    return (not ops.fp8_gemm_has_avx512()) if wanted is None else wanted
 
 
 @functools.cache
@@ -109,6 +141,8 @@ def fp8_linear(
     weight = weight.contiguous()
     if x.shape[0] <= _fused_rows_by_dtype()[x.dtype]:
         return ops.fp8_linear(x, weight, weight_scale.contiguous(), None if bias is None else bias.float().contiguous())
+    if x.dtype == torch.float32 and tiled_gemm_enabled():
+        return ops.fp8_tiled_gemm(x, weight, weight_scale.contiguous(), None if bias is None else bias.float().contiguous())
     return _dequantize_and_matmul(ops, x, weight, weight_scale.contiguous(), bias)
 
 

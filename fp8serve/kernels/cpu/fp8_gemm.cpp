@@ -49,6 +49,7 @@
 #include <torch/library.h>
 
 #include "e4m3_direct.h"
+#include "e4m3_half.h"
 #include "row_walk.h"
 #include "float_staging.h"
 #include "vec16.h"
@@ -79,11 +80,8 @@ using fp8serve_walk::kInterleaved;
 using fp8serve_walk::kMaxSequentialRows;
 using fp8serve_walk::kSequential;
 
-constexpr float kE4M3DecodeMultiplier = 256.f;  // 2^8, see header
-
-inline uint16_t e4m3_to_half_bits(uint8_t code) {
-  return static_cast<uint16_t>(((code & 0x80u) << 8) | ((code & 0x7fu) << 7));
-}
+constexpr float kE4M3DecodeMultiplier = fp8serve_e4m3::kE4M3HalfMultiplier;  // 2^8, see header
+using fp8serve_e4m3::e4m3_to_half_bits;
 
 inline float half_bits_to_float(uint16_t h) {
 #ifdef FP8SERVE_GEMM_AVX2
@@ -124,11 +122,7 @@ inline void decode16(const uint8_t* w, __m256& lo, __m256& hi) {
 }
 
 // 8 codes -> 8 floats (value * 2^-8).
-inline __m256 decode8(const uint8_t* w) {
-  __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-  h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xbfff)));
-  return _mm256_cvtph_ps(h);
-}
+inline __m256 decode8(const uint8_t* w) { return fp8serve_e4m3::half_decode8(w); }
 
 // decode8_direct: e4m3_direct.h (value * 2^-120 per code, exact; no F16C
 // conversion), used by the sequential walk at one activation row, the only

@@ -1,0 +1,273 @@
+// FP8-weight linear layers for many activation rows (prefills, decode
+// batches past the GEMV's rows), float32 activations, AVX2 + FMA + F16C:
+//   out[m, n] = sum_k x[m, k] * (e4m3(w[n, k]) * scale[n]) + bias[n]
+// with the weights kept as one byte each, in the [N, K] layout the GEMV
+// (fp8_gemm.cpp) reads: no second copy of any weight.
+//
+// Why: the other path for many rows decodes the whole weight to a float32
+// buffer every call and hands it to oneDNN, which reorders a plain weight into
+// its blocked layout every call too; on the AVX2-only Zen 3 EPYC that ran the
+// default model's shapes at 0.64-0.76x of oneDNN on a packed float32 weight at
+// 64 rows and 0.91-0.93x at 512. This kernel ran them 1.23-2.44x as fast as
+// that path at 16-128 rows and 0.89-1.21x at 512, about float32's speed
+// (benchmarks/results/fp8_tiled_gemm_2026-12-02_zen3.md).
+//
+// Schedule (a BLIS-style GEMM whose B packing is the FP8 decode):
+//   - K in blocks of at most kMaxKc; rows of x in blocks of kMcTiles tiles of
+//     kMr rows, packed per block as [tile][k][kMr] floats (each tile's
+//     broadcasts read consecutively);
+//   - per block of 16 output columns (a "panel") and K block, the 16 weight
+//     rows are decoded once into a [k][16] float buffer (L1) with their
+//     scales applied (fp8_dequantize's rounding: value * 2^-8, then
+//     * (scale * 2^8)), 8 rows x 8 codes at a time through an 8 x 8 register
+//     transpose, then every row tile of the block runs over it;
+//   - register tile: 6 rows x 16 columns, 12 accumulators, per k 2 loads of
+//     the panel and 6 broadcasts for 12 FMAs (the same tile as the prefill
+//     attention's scores). A K block's sums are added to the output, the
+//     bias after the last block.
+// Threads: with enough panels each thread takes a range of panels for all
+// rows (it packs the rows it needs itself: one parallel region, no shared
+// scratch); otherwise each takes a range of row tiles for all panels.
+//
+// Sums run in a different order from a float GEMM library's, so results
+// match fp8_linear_ref to float32 rounding, not bit for bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "e4m3_half.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FP8SERVE_TILED_GEMM 1
+#endif
+
+namespace {
+
+#ifdef FP8SERVE_TILED_GEMM
+
+constexpr int kMr = 6;             // rows per register tile
+constexpr int kNr = 16;            // columns per register tile (a panel)
+// K per block at most 640, so the default model's K = 576 is one block and
+// each output tile is written once: with 256 (three blocks, a decoded panel
+// in L1) the 576 -> 3072 projection at 512 rows took 15.7 ms against 12.6
+// (its 6 MB output went through L3 three times); the 36 KiB panel of 576
+// comes from L1/L2 at 2 loads per 12 FMAs. Row tiles per block: 24, 144 rows
+// x 576 floats = 324 KiB of packed x (L2 is 512 KiB per core on Zen 3).
+constexpr int64_t kMaxKc = 640;
+constexpr int64_t kMcTiles = 24;
+
+// Accumulators of a kMr x kNr tile over kc steps, then out (+)= them (+ bias).
+// `accumulate`: add to what out holds (a later K block); bias: only with the
+// last K block. nvalid < kNr: the last panel of an N that is not a multiple
+// of 16 (the same additions in the same order, element by element).
+template <int R>
+__attribute__((always_inline)) inline void tile(const float* __restrict a, const float* __restrict b, int64_t kc,
+                                                float* c, int64_t ldc, bool accumulate, const float* bias, int nvalid) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * kNr), b1 = _mm256_loadu_ps(b + k * kNr + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(a + k * kMr + r);
+      lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
+    }
+  }
+  if (nvalid == kNr) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float* cr = c + r * ldc;
+      if (accumulate) {
+        lo[r] = _mm256_add_ps(_mm256_loadu_ps(cr), lo[r]);
+        hi[r] = _mm256_add_ps(_mm256_loadu_ps(cr + 8), hi[r]);
+      }
+      if (bias) {
+        lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(bias));
+        hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(bias + 8));
+      }
+      _mm256_storeu_ps(cr, lo[r]);
+      _mm256_storeu_ps(cr + 8, hi[r]);
+    }
+    return;
+  }
+  alignas(32) float t[R][kNr];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(t[r], lo[r]);
+    _mm256_store_ps(t[r] + 8, hi[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * ldc;
+    for (int j = 0; j < nvalid; ++j) {
+      float v = accumulate ? cr[j] + t[r][j] : t[r][j];
+      cr[j] = bias ? v + bias[j] : v;
+    }
+  }
+}
+
+void tile_rows(int rows, const float* a, const float* b, int64_t kc, float* c, int64_t ldc, bool accumulate,
+               const float* bias, int nvalid) {
+  switch (rows) {
+    case 6: return tile<6>(a, b, kc, c, ldc, accumulate, bias, nvalid);
+    case 5: return tile<5>(a, b, kc, c, ldc, accumulate, bias, nvalid);
+    case 4: return tile<4>(a, b, kc, c, ldc, accumulate, bias, nvalid);
+    case 3: return tile<3>(a, b, kc, c, ldc, accumulate, bias, nvalid);
+    case 2: return tile<2>(a, b, kc, c, ldc, accumulate, bias, nvalid);
+    default: return tile<1>(a, b, kc, c, ldc, accumulate, bias, nvalid);
+  }
+}
+
+// In place: r[j] (row j, 8 lanes k) -> r[k] (8 lanes j).
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// panel[k][j] = e4m3(w[n0 + j, k0 + k]) * scale[n0 + j] for k < kc, j < 16;
+// 0 for j >= nvalid. `s8` holds scale * 2^8 of the panel's rows (0 past nvalid).
+void decode_panel(const uint8_t* w, int64_t K, int64_t n0, int nvalid, int64_t k0, int64_t kc, const float* s8,
+                  float* panel) {
+  int64_t k = 0;
+  for (; k + 8 <= kc; k += 8) {
+    for (int half = 0; half < 2; ++half) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) {
+        const int row = half * 8 + j;
+        r[j] = row < nvalid ? fp8serve_e4m3::half_decode8(w + (n0 + row) * K + k0 + k) : _mm256_setzero_ps();
+      }
+      transpose8(r);
+      const __m256 sv = _mm256_loadu_ps(s8 + half * 8);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kNr + half * 8, _mm256_mul_ps(r[i], sv));
+    }
+  }
+  for (; k < kc; ++k)
+    for (int j = 0; j < kNr; ++j)
+      panel[k * kNr + j] =
+          j < nvalid ? _cvtsh_ss(fp8serve_e4m3::e4m3_to_half_bits(w[(n0 + j) * K + k0 + k])) * s8[j] : 0.f;
+}
+
+// packed[t][k][r] = x[m0 + t * kMr + r, k0 + k] (0 past row M) for `tiles` tiles.
+void pack_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t tiles, int64_t k0, int64_t kc,
+               float* packed) {
+  for (int64_t t = 0; t < tiles; ++t) {
+    float* d = packed + t * kc * kMr;
+    for (int r = 0; r < kMr; ++r) {
+      const int64_t m = m0 + t * kMr + r;
+      if (m < M) {
+        const float* src = x + m * K + k0;
+        for (int64_t k = 0; k < kc; ++k) d[k * kMr + r] = src[k];
+      } else {
+        for (int64_t k = 0; k < kc; ++k) d[k * kMr + r] = 0.f;
+      }
+    }
+  }
+}
+
+// One thread's share: row tiles [t0, t1) x panels [p0, p1), all of K.
+void run_share(const float* x, const uint8_t* w, const float* scale, const float* bias, float* out, int64_t M,
+               int64_t N, int64_t K, int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+  const int64_t nkb = (K + kMaxKc - 1) / kMaxKc;
+  const int64_t kc_max = (K + nkb - 1) / nkb;  // equal K blocks
+  std::vector<float> packed(kMcTiles * kMr * kc_max), panel(kc_max * kNr);
+  alignas(32) float s8[kNr];
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t k0 = kb * kc_max, kc = std::min(kc_max, K - k0);
+    const bool last = kb == nkb - 1;
+    for (int64_t tb = t0; tb < t1; tb += kMcTiles) {
+      const int64_t tiles = std::min(kMcTiles, t1 - tb);
+      pack_rows(x, M, K, tb * kMr, tiles, k0, kc, packed.data());
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kNr;
+        const int nvalid = static_cast<int>(std::min<int64_t>(kNr, N - n0));
+        for (int j = 0; j < kNr; ++j) s8[j] = j < nvalid ? scale[n0 + j] * fp8serve_e4m3::kE4M3HalfMultiplier : 0.f;
+        decode_panel(w, K, n0, nvalid, k0, kc, s8, panel.data());
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = (tb + t) * kMr;
+          tile_rows(static_cast<int>(std::min<int64_t>(kMr, M - m)), packed.data() + t * kc * kMr, panel.data(), kc,
+                    out + m * N + n0, N, kb > 0, last && bias ? bias + n0 : nullptr, nvalid);
+        }
+      }
+    }
+  }
+}
+
+#endif  // FP8SERVE_TILED_GEMM
+
+at::Tensor fp8_tiled_gemm(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
+#ifndef FP8SERVE_TILED_GEMM
+  TORCH_CHECK(false, "fp8_tiled_gemm needs a build with AVX2, FMA and F16C (see fp8_tiled_gemm_available)");
+#else
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "w must be contiguous uint8 e4m3 codes [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "x is [", M, ", ", K, "] but w is [", N, ", ", w.size(1), "]: K must match");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "scale must be a contiguous float32 [N] tensor, N = ", N);
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be a contiguous float32 [N] tensor, N = ", N);
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return bias ? out.copy_(bias->expand({M, N})) : out.zero_();
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t tiles = (M + kMr - 1) / kMr, panels = (N + kNr - 1) / kNr;
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(tiles, panels)));
+  // Panels split while each thread gets a few of them (they share the packed
+  // rows' work, which is small); otherwise rows split.
+  const bool by_panels = panels >= 4 * nt || panels >= tiles;
+  at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (by_panels) {
+        run_share(xp, wp, sp, bp, op, M, N, K, 0, tiles, panels * i / nt, panels * (i + 1) / nt);
+      } else {
+        run_share(xp, wp, sp, bp, op, M, N, K, tiles * i / nt, tiles * (i + 1) / nt, 0, panels);
+      }
+    }
+  });
+  return out;
+#endif
+}
+
+bool fp8_tiled_gemm_available() {
+#ifdef FP8SERVE_TILED_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
+  m.def("fp8_tiled_gemm", &fp8_tiled_gemm);
+  m.def("fp8_tiled_gemm_available", &fp8_tiled_gemm_available);
+}
