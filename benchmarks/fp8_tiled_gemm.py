@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import alternate, command_line, describe_machine, machine_info  # noqa: E402
+from bench_common import alternate, command_line, describe_machine, machine_info, require_positive  # noqa: E402
 
 from fp8serve.kernels import fp8_linear_ops, onednn_linear  # noqa: E402
 from fp8serve.kernels.cpu_ops import load_cpu_ops  # noqa: E402
@@ -70,9 +70,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--output", type=Path, help="also write the table (markdown) here")
     args = p.parse_args()
-    for flag, value in (("--rounds", args.rounds), *((f"--rows ({r})", r) for r in args.rows)):
-        if value < 1:
-            p.error(f"{flag} must be at least 1, got {value}")
+    require_positive(p, args, "rounds")
+    if min(args.rows) < 1:
+        p.error(f"--rows must all be >= 1, got {args.rows}")
     ops = load_cpu_ops()
     if ops is None or not hasattr(ops, "fp8_tiled_gemm_available") or not ops.fp8_tiled_gemm_available():
         sys.exit("fp8_tiled_gemm is not built on this machine (it needs AVX2, FMA and F16C and the C++ kernels)")

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import command_line, describe_machine, machine_info, record_as_a_warm_engine  # noqa: E402
+from bench_common import (  # noqa: E402
+    command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive)
 
 from fp8serve.kernels import fp8_linear_ops  # noqa: E402
 
@@ -99,9 +100,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, help="also write the table (markdown) here")
     args = p.parse_args()
-    for flag in ("prompt_len", "prefills", "decode_batch", "decode_context", "decode_steps", "rounds"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    require_positive(p, args, "prompt_len", "prefills", "decode_batch", "decode_context", "decode_steps", "rounds")
     if fp8_linear_ops.TILED_GEMM_ENV in os.environ:
         p.error(f"unset {fp8_linear_ops.TILED_GEMM_ENV}: this script switches it itself")
     from single_stream import ensure_fp8_checkpoint, fp8_checkpoint_dir

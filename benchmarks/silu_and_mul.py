@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import alternate, build_kernel_at_rev, command_line, describe_machine, machine_info  # noqa: E402
+from bench_common import (  # noqa: E402
+    alternate, build_kernel_at_rev, command_line, describe_machine, machine_info, require_positive)
 
 from fp8serve.kernels.cpu_ops import load_cpu_ops  # noqa: E402
 
@@ -61,10 +62,9 @@ def main() -> None:
     p.add_argument("--baseline-rev", help="also time the op as built from this git revision")
     p.add_argument("--output", type=Path, help="also write the table (markdown) here")
     args = p.parse_args()
-    for flag, value in (("--intermediate-size", args.intermediate_size), ("--rounds", args.rounds),
-                        *((f"--rows ({r})", r) for r in args.rows)):
-        if value < 1:
-            p.error(f"{flag} must be at least 1, got {value}")
+    require_positive(p, args, "intermediate_size", "rounds")
+    if min(args.rows) < 1:
+        p.error(f"--rows must all be >= 1, got {args.rows}")
     for name in args.dtypes:
         if name not in DTYPES:
             p.error(f"--dtypes: unknown dtype {name!r}, expected one of {', '.join(DTYPES)}")

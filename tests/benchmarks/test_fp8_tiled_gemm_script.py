@@ -64,9 +64,9 @@ def test_weight_paths_switch_inside_one_engine(ops, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("script, bad, message", [
-    ("fp8_tiled_gemm.py", ["--rounds", "0"], "must be at least 1"),
-    ("fp8_tiled_gemm.py", ["--rows", "0,4"], "must be at least 1"),
-    ("fp8_weight_paths.py", ["--decode-batch", "0"], "--decode-batch must be at least 1"),
+    ("fp8_tiled_gemm.py", ["--rounds", "0"], "--rounds must be >= 1"),
+    ("fp8_tiled_gemm.py", ["--rows", "0,4"], "--rows must all be >= 1"),
+    ("fp8_weight_paths.py", ["--decode-batch", "0"], "--decode-batch must be >= 1"),
 ])
 def test_rejects_bad_arguments(script, bad, message, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [script, *bad])

@@ -40,9 +40,9 @@ def test_baseline_from_git_runs_side_by_side(ops, monkeypatch, tmp_path):
         assert float(r[7]) <= 1e-6 if r[0] == "float32" else float(r[7]) == 0.0
 
 
-@pytest.mark.parametrize("bad, message", [(["--rounds", "0"], "must be at least 1"),
-                                          (["--rows", "0,4"], "must be at least 1"),
-                                          (["--intermediate-size", "-1"], "must be at least 1"),
+@pytest.mark.parametrize("bad, message", [(["--rounds", "0"], "--rounds must be >= 1"),
+                                          (["--rows", "0,4"], "--rows must all be >= 1"),
+                                          (["--intermediate-size", "-1"], "--intermediate-size must be >= 1"),
                                           (["--dtypes", "float32,int8"], "unknown dtype 'int8'")])
 def test_rejects_bad_arguments(bad, message, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["silu_and_mul.py", *bad])
