@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import alternate, build_kernel_at_rev, command_line, describe_machine, machine_info  # noqa: E402
+from bench_common import alternate, command_line, describe_machine, machine_info, ops_side_by_side  # noqa: E402
 
 from fp8serve.kernels import amx_linear_ops  # noqa: E402
 from fp8serve.kernels.cpu_ops import load_cpu_ops  # noqa: E402
@@ -61,10 +61,7 @@ def main() -> None:
     if load_cpu_ops() is None or not amx_linear_ops.is_available():
         sys.exit("amx_linear is unavailable here (no C++ kernels, no AMX in this CPU or build, or tiles refused)")
 
-    fns = {"this tree": load_cpu_ops().amx_linear}
-    if args.baseline_rev:
-        fns = {"baseline": build_kernel_at_rev(args.baseline_rev, "amx_linear.cpp", "fp8serve_base").amx_linear,
-               **fns}
+    fns = ops_side_by_side(load_cpu_ops(), "amx_linear", "amx_linear.cpp", args.baseline_rev)
     ws = weights(args.hot, seed=0)
     passes = 8 if args.hot else 1  # a hot pass is short: several per timing
     nbytes = passes * sum(w.numel() * 2 for w in ws)

@@ -160,6 +160,16 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
     return getattr(torch.ops, namespace)
 
 
+def ops_side_by_side(ops, name: str, source: str, baseline_rev: str | None) -> dict:
+    """{"this tree": ops.NAME}, and first {"baseline": the same op built from
+    fp8serve/kernels/cpu/SOURCE at `baseline_rev`} when one is given: the
+    variants a kernel script times in alternating rounds."""
+    fns = {"this tree": getattr(ops, name)}
+    if baseline_rev:
+        fns = {"baseline": getattr(build_kernel_at_rev(baseline_rev, source, "fp8serve_base"), name), **fns}
+    return fns
+
+
 def alternate(measures: dict, rounds: int) -> dict[str, float]:
     """Runs each zero-argument `measures[name]()` (which returns seconds)
     once per round, the order reversed every other round (ABBA: a slow

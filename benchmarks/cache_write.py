@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import alternate, build_kernel_at_rev, command_line, describe_machine, machine_info  # noqa: E402
+from bench_common import alternate, command_line, describe_machine, machine_info, ops_side_by_side  # noqa: E402
 
 from fp8serve.kernels.cpu_ops import KV_FORMATS, KV_STORAGE_DTYPES, load_cpu_ops  # noqa: E402
 
@@ -67,10 +67,7 @@ def main() -> None:
     ops = load_cpu_ops()
     if ops is None:
         sys.exit("the C++ CPU kernels are unavailable on this machine (see the warning above)")
-    fns = {"this tree": ops.reshape_and_cache}
-    if args.baseline_rev:
-        fns = {"baseline": build_kernel_at_rev(args.baseline_rev, "cache_ops.cpp", "fp8serve_base").reshape_and_cache,
-               **fns}
+    fns = ops_side_by_side(ops, "reshape_and_cache", "cache_ops.cpp", args.baseline_rev)
     g = torch.Generator().manual_seed(0)
     H, D = args.num_kv_heads, args.head_size
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),

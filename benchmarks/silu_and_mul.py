@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, build_kernel_at_rev, command_line, describe_machine, machine_info, require_positive)
+    alternate, command_line, describe_machine, machine_info, ops_side_by_side, require_positive)
 
 from fp8serve.kernels.cpu_ops import load_cpu_ops  # noqa: E402
 
@@ -72,10 +72,7 @@ def main() -> None:
     ops = load_cpu_ops()
     if ops is None:
         sys.exit("the C++ CPU kernels are unavailable on this machine (see the warning above)")
-    fns = {"this tree": ops.silu_and_mul}
-    if args.baseline_rev:
-        fns = {"baseline": build_kernel_at_rev(args.baseline_rev, "layer_ops.cpp", "fp8serve_base").silu_and_mul,
-               **fns}
+    fns = ops_side_by_side(ops, "silu_and_mul", "layer_ops.cpp", args.baseline_rev)
     g = torch.Generator().manual_seed(0)
     d = args.intermediate_size
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),
