@@ -91,10 +91,10 @@ def tiled_gemm_enabled() -> bool:
     `fp8_tiled_gemm`: where the kernels were built with it (AVX2, FMA, F16C)
     and not for AVX-512 (oneDNN is faster there), unless FP8SERVE_FP8_TILED_GEMM
     says otherwise (asked once per process)."""
+    wanted = env_switch(TILED_GEMM_ENV)  # a bad value is an error on any build
     ops = load_cpu_ops()
     if ops is None or not hasattr(ops, "fp8_tiled_gemm_available") or not ops.fp8_tiled_gemm_available():
         return False
-    wanted = env_switch(TILED_GEMM_ENV)
     return (not ops.fp8_gemm_has_avx512()) if wanted is None else wanted
 
 
