@@ -1,12 +1,14 @@
 """Linear layers over FP8 e4m3 weights kept at one byte per element on CPU:
-a thin wrapper over the C++ kernels in `cpu/fp8_gemm.cpp`, its float64
-reference, and the choice between the two ways to run it.
+a thin wrapper over the C++ kernels in `cpu/fp8_gemm.cpp` and
+`cpu/fp8_tiled_gemm.cpp`, their float64 reference, and the choice between
+the ways to run them.
 
 - Few activation rows (decode): `fp8_linear` decodes the weights in registers
   and multiplies them with up to 8 rows at once. The call is bound by reading
   the weights, so one byte per weight beats a float32 matmul.
-- Many rows (prefill): the matmul is bound by arithmetic, which a float GEMM
-  library does better than our FMA loops. Weights are decoded block by block
+- Many rows (prefill) with bf16 activations, or float32 on AVX-512 builds:
+  the matmul is bound by arithmetic, which a float GEMM library does better
+  than the GEMV's FMA loops. Weights are decoded block by block
   into a small buffer in x's dtype and multiplied there, so the full-size
   float weight never exists.
 - In between, on CPUs with AMX and bf16 activations (decode batches of 13-64

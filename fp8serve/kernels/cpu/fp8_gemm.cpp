@@ -5,7 +5,9 @@
 // activation rows at once (decode, small M): the weight matrix is read from
 // memory once per call, at one byte per element instead of four (float32) or
 // two (bf16). fp8_dequantize writes decoded rows to a float buffer for the
-// large-M path, where a float GEMM library is faster than our FMA loops.
+// large-M path, where a float GEMM library is faster than these FMA loops
+// (bf16 activations, and float32 on AVX-512 builds: AVX2-only builds run
+// float32 activations on fp8_tiled_gemm.cpp, which decodes as it goes).
 //
 // e4m3 -> fp16 bits (see paged_attention.cpp): the fp16 pattern
 // (sign << 15) | ((code & 0x7f) << 7) is worth value * 2^-8 for normals and
