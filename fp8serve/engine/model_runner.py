@@ -22,7 +22,7 @@ from fp8serve.config import EngineConfig
 from fp8serve.engine.decode_capture import DecodeCaptures
 from fp8serve.engine.sequence import Sequence
 from fp8serve.errors import ConfigError
-from fp8serve.kernels import gemv_packing, onednn_linear
+from fp8serve.kernels import gemv_packing, onednn_linear, screened_argmax
 from fp8serve.layers.attention import Attention
 from fp8serve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
 from fp8serve.model_loader.loader import load_weights
@@ -91,6 +91,7 @@ class ModelRunner:
             pack_parameters_on_huge_pages(self.model)  # decode reads every weight once per step
             onednn_linear.pack_weights(self.model, self.dtype)  # where it pays and fits: see onednn_linear.py
             gemv_packing.pack_gemv_weights(self.model, self.dtype)  # likewise, for decode: see gemv_packing.py
+            screened_argmax.attach_screens(self.model, self.dtype)  # greedy steps: see screened_argmax.py
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         logger.info(
             "Loaded %s (%s, %s weights) in %.1f s",
@@ -391,9 +392,24 @@ class ModelRunner:
             # A decode step's hidden states are already one row per sequence.
             last_hidden = hidden.index_select(0, query_start_loc[1:] - 1) if is_prefill else hidden
             sample_seqs = seqs
-        logits = self.model.compute_logits(last_hidden)  # [num_sampled, vocab]
-        out = self.sampler(logits, self._sampling_metadata(sample_seqs, eos_token_id))
+        sampling = self._sampling_metadata(sample_seqs, eos_token_id)
+        tokens = self._plain_greedy_tokens(last_hidden, sampling)
+        if tokens is not None:
+            out = SamplerOutput(tokens, None, None, None, None)
+        else:
+            logits = self.model.compute_logits(last_hidden)  # [num_sampled, vocab]
+            out = self.sampler(logits, sampling)
         return ModelRunnerOutput(out, prompt_logprobs, sampled_rows)
+
+    def _plain_greedy_tokens(self, hidden: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor | None:
+        """The sampled tokens of a step whose rows all want the plain argmax
+        and no logprobs, from the model's screened greedy head
+        (kernels/screened_argmax.py: the same tokens, without reading the
+        whole head); None where that does not serve: sample from logits."""
+        if not sampling.plain_greedy or sampling.max_num_logprobs is not None:
+            return None
+        compute = getattr(self.model, "compute_greedy_tokens", None)
+        return compute(hidden) if compute is not None else None
 
     def _prepare_verify(self, seqs: list[Sequence],
                         drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

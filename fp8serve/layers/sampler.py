@@ -78,6 +78,13 @@ class SamplingMetadata:
         return self.repetition_penalty is not None
 
     @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy with nothing applied to its logits first: the
+        token is the argmax of the raw logits."""
+        return (self.all_greedy and not self.has_penalties and self.banned_token_ids is None
+                and self.logit_bias is None)
+
+    @property
     def depends_on_step(self) -> bool:
         """Whether the next step of the same rows needs new metadata: seeded rows
         draw from a per-step generator, penalties count the tokens so far and
@@ -250,9 +257,7 @@ class Sampler(torch.nn.Module):
         greedy (the argmax of a float32 copy is the same)."""
         if logits.dim() != 2 or logits.shape[0] != metadata.num_seqs:
             raise ValueError(f"logits must be [{metadata.num_seqs}, vocab], got {tuple(logits.shape)}.")
-        plain_greedy = (metadata.all_greedy and not metadata.has_penalties and metadata.banned_token_ids is None
-                        and metadata.logit_bias is None)
-        if plain_greedy:
+        if metadata.plain_greedy:
             return logits
         logits = logits.to(torch.float32, copy=True)
         if metadata.logit_bias is not None:

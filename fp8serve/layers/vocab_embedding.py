@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8serve.kernels import amx_linear_ops, cpu_ops, onednn_linear
+from fp8serve.kernels import amx_linear_ops, cpu_ops, onednn_linear, screened_argmax
 
 # Vocabulary rows upcast per F.linear call when the head's weight is narrower
 # than the activations (8192 x 4096 float32 = 128 MiB at most, 18 MiB for SmolLM2).
@@ -45,6 +45,15 @@ class LMHead(nn.Module):
         # oneDNN's and dense_gemv's packed copies of the weight (see MergedLinear).
         self.register_buffer("weight_packed", None, persistent=False)
         self.register_buffer("weight_gemv_packed", None, persistent=False)
+        # The int8 screen of the exact greedy head (kernels/screened_argmax.py),
+        # set by the model runner where it serves.
+        self.greedy_screen: screened_argmax.GreedyScreen | None = None
+
+    def _takes_dense_gemv(self, hidden_states: torch.Tensor) -> bool:
+        return (not amx_linear_ops.applies(hidden_states, self.weight)
+                and not cpu_ops.dense_gemv_packed_applies(hidden_states, self.weight_gemv_packed,
+                                                          cpu_ops.LM_HEAD_PACKED_MIN_ROWS)
+                and cpu_ops.dense_gemv_applies(hidden_states, self.weight))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the compute dtype: sampling and logprobs
@@ -62,3 +71,15 @@ class LMHead(nn.Module):
         # (exact), never the whole table.
         return torch.cat([F.linear(hidden_states, self.weight[i:i + _UPCAST_ROWS].to(hidden_states.dtype)).float()
                           for i in range(0, self.weight.shape[0], _UPCAST_ROWS)], dim=1)
+
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """int64 [num_rows]: the token greedy sampling of `forward`'s logits
+        picks for each row (first index of the largest), found through the
+        screen without computing every logit; None where the screen does not
+        serve this call (no screen, other rows or dtypes, a path other than
+        dense_gemv, non-finite activations): compute the logits then."""
+        if (self.greedy_screen is None or hidden_states.dtype != torch.float32
+                or not 1 <= hidden_states.shape[0] <= screened_argmax.engine_rows(self.weight.dtype)
+                or not self._takes_dense_gemv(hidden_states)):
+            return None
+        return screened_argmax.greedy_tokens(hidden_states, self.weight, self.greedy_screen)

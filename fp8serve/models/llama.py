@@ -146,3 +146,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
+
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The argmax of compute_logits' rows without all of them, or None (see LMHead.greedy_tokens)."""
+        return self.lm_head.greedy_tokens(hidden_states)

@@ -76,17 +76,27 @@ def test_model_weight_bytes_on_loaded_models(ss, tmp_path):
     from fp8serve.calibration.fp8_checkpoint import write_fp8_checkpoint
     from fp8serve.layers.linear import MergedLinear
 
+    from fp8serve.kernels.cpu_ops import load_cpu_ops
+
+    # Under float32 compute with the C++ kernels the head gets its int8 greedy
+    # screen (codes, then a float32 scale and slack per row): reported apart,
+    # not in the total (the model's weight bytes).
+    kernels = load_cpu_ops() is not None
+    screen = TINY_HEAD + 8 * (TINY_HEAD // 64) if kernels else 0
+    screened = " (greedy: int8 screen)" if kernels else ""
     untied = write_tiny_llama(tmp_path / "untied")
     got, label, _ = _model_bytes(ss, untied, "float32")
-    assert got == {"linear": 4 * TINY_LINEAR, "scales": 0, "lm_head": 4 * TINY_HEAD, "total": 425984}
-    assert label == "float32"
+    assert got == {"linear": 4 * TINY_LINEAR, "scales": 0, "lm_head": 4 * TINY_HEAD, "lm_head_screen": screen,
+                   "total": 425984}
+    assert label == "float32" + (f" + lm_head{screened}" if kernels else "")
     got, label, _ = _model_bytes(ss, untied, "bfloat16")
-    assert got["total"] == 212992 and label == "bfloat16"
+    assert got["total"] == 212992 and got["lm_head_screen"] == 0 and label == "bfloat16"
 
     # Tied: the embedding and the lm_head are one Parameter, counted once.
     tied = write_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
     got, _, _ = _model_bytes(ss, tied, "float32")
-    assert got == {"linear": 4 * TINY_LINEAR, "scales": 0, "lm_head": 4 * TINY_HEAD, "total": 425984}
+    assert got == {"linear": 4 * TINY_LINEAR, "scales": 0, "lm_head": 4 * TINY_HEAD, "lm_head_screen": screen,
+                   "total": 425984}
 
     fp8 = tmp_path / "fp8"
     write_fp8_checkpoint(untied, fp8, activation_scheme="dynamic")
@@ -94,11 +104,13 @@ def test_model_weight_bytes_on_loaded_models(ss, tmp_path):
     backends = {m.fp8_backend for m in model.modules() if isinstance(m, MergedLinear)}
     assert len(backends) == 1
     if backends == {"cpu_kernel"}:  # one byte per weight + float32 per-row scales
-        assert got == {"linear": TINY_LINEAR, "scales": 4 * TINY_ROWS, "lm_head": 4 * TINY_HEAD, "total": 208896}
-        assert label == "fp8_e4m3 (cpu_kernel) + float32 lm_head"
+        assert got == {"linear": TINY_LINEAR, "scales": 4 * TINY_ROWS, "lm_head": 4 * TINY_HEAD,
+                       "lm_head_screen": screen, "total": 208896}
+        assert label == f"fp8_e4m3 (cpu_kernel) + float32 lm_head{screened}"
     else:  # no C++ kernels: dequantized to the compute dtype, scales no longer read
         assert backends == {"dequantized"}
-        assert got == {"linear": 4 * TINY_LINEAR, "scales": 0, "lm_head": 4 * TINY_HEAD, "total": 425984}
+        assert got == {"linear": 4 * TINY_LINEAR, "scales": 0, "lm_head": 4 * TINY_HEAD, "lm_head_screen": 0,
+                       "total": 425984}
 
 
 def test_verdicts_and_configs(ss):

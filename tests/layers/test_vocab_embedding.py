@@ -49,3 +49,24 @@ def test_narrow_embedding_returns_compute_dtype_rows(seed):
     rows = emb(ids)
     assert rows.dtype == torch.float32
     assert torch.equal(rows, emb.weight[ids].float()), f"seed={seed}"
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_the_argmax_of_the_heads_logits(ops, seed, weight_dtype):
+    """With a screen (kernels/screened_argmax.py), the float32 rows it pays
+    for get the argmax of forward's logits; without one, or for rows the
+    screen does not take, None (the caller computes the logits)."""
+    from fp8serve.kernels import cpu_ops, screened_argmax
+    from fp8serve.kernels.screened_argmax import build_screen
+
+    g = torch.Generator().manual_seed(seed)
+    lm = LMHead(1500, 96, torch.float32, weight_dtype=weight_dtype)
+    lm.weight.data.copy_(torch.randn(1500, 96, generator=g) * 0.05)
+    rows = screened_argmax.engine_rows(weight_dtype)
+    assert rows == (8 if weight_dtype == torch.float32 else 4)
+    x = torch.randn(rows, 96, generator=g)
+    assert lm.greedy_tokens(x) is None
+    lm.greedy_screen = build_screen(lm.weight)
+    assert torch.equal(lm.greedy_tokens(x), cpu_ops.greedy_argmax(lm(x))), seed
+    assert lm.greedy_tokens(torch.randn(rows + 1, 96, generator=g)) is None  # past the rows it pays for
+    assert lm.greedy_tokens(x.bfloat16()) is None  # the screen takes float32 rows

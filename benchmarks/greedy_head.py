@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""The exact greedy LM head (fp8serve/kernels/screened_argmax.py) against
+the full head, inside one engine per checkpoint, float32 activations.
+
+Per config (`base`: the model as it is; `fp8`: its FP8 checkpoint, whose
+16-bit head stays bf16) it
+  1. records the LM head's input rows of a greedy generation from text and
+     reports how many vocabulary rows the screen keeps for them;
+  2. times the head alone, cold (a 64 MiB read before every call), on those
+     rows at M = 1, 2, 4, 8: the full path (logits, then the sampler's argmax)
+     against the screened one, alternating (ABBA), medians of --rounds, and
+     checks that both give the same tokens (the "engine screens" column says
+     whether the engine takes the screen at that many rows:
+     screened_argmax.engine_rows, chosen from this table);
+  3. times batch-1 (and --decode-batch) engine decode steps with the screen
+     on and off, switched between rounds in the same engine (ABBA), and
+     checks that both produce the same tokens.
+
+    python benchmarks/greedy_head.py                           # default model and its FP8 checkpoint
+    python benchmarks/greedy_head.py --configs base --rounds 8 --output benchmarks/results/x.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402
+    alternate, command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive,
+    token_source)
+
+from fp8serve.kernels import cpu_ops, screened_argmax  # noqa: E402
+
+ROWS = (1, 2, 4, 8)
+
+
+def head_rows(engine, draw, rng: random.Random, prompt_len: int, steps: int) -> torch.Tensor:
+    """The LM head's input rows ([n, hidden] float32) of a greedy generation
+    from a window of text: one per decode step."""
+    from fp8serve import SamplingParams
+
+    head = engine.model_runner.model.lm_head
+    rows: list[torch.Tensor] = []
+    real = head.greedy_tokens
+
+    def record(hidden):
+        rows.extend(hidden.clone())
+        return real(hidden)
+
+    head.greedy_tokens = record
+    try:
+        engine.add_request(None, {"prompt_token_ids": draw(prompt_len, rng)},
+                           SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        del head.greedy_tokens
+    return torch.stack(rows)
+
+
+def time_head(head, screen, x: torch.Tensor, flush: torch.Tensor, calls: int, rounds: int):
+    """Median seconds of the full head (logits, then the sampler's argmax)
+    and of the screen's tokens on x, cold, at any row count (the engine
+    screens only `engine_rows`); and whether their tokens agree."""
+    def timed(fn) -> float:
+        times = []
+        for _ in range(calls):
+            flush.sum()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    full = lambda: cpu_ops.greedy_argmax(head(x))
+    screened = lambda: screened_argmax.greedy_tokens(x, head.weight, screen)
+    med = alternate({"full": lambda: timed(full), "screened": lambda: timed(screened)}, rounds)
+    tokens = screened()
+    return med["full"], med["screened"], tokens is not None and torch.equal(tokens, full())
+
+
+def time_decode(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+    """Median decode step of len(prompts) greedy requests once all decode, and their tokens."""
+    from fp8serve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    ids = [engine.new_request_id() for _ in prompts]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+    started: set[str] = set()
+    times, tokens = [], {}
+    while engine.has_unfinished_requests():
+        all_decoding = len(started) == len(prompts)
+        gc.collect()
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        if all_decoding and any(not o.finished for o in outs):
+            times.append(dt)
+        for o in outs:
+            if o.outputs and o.outputs[0].token_ids:
+                started.add(o.request_id)
+            if o.finished:
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+    if not times:
+        raise RuntimeError("no step decoded the whole batch")
+    return statistics.median(times), [tokens[i] for i in ids]
+
+
+def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
+    from fp8serve import LLM
+
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=args.decode_context + args.decode_steps + 64,
+              max_num_seqs=max(8, max(args.decode_batch)), device="cpu", seed=args.seed,
+              kv_cache_memory=args.kv_cache_memory)
+    engine = llm.llm_engine
+    record_as_a_warm_engine(engine)
+    head = engine.model_runner.model.lm_head
+    screen = head.greedy_screen
+    if screen is None:
+        sys.exit(f"{name}: the engine built no screen for its LM head (FP8SERVE_SCREENED_ARGMAX=0, no C++ "
+                 f"kernels, or a compute dtype other than float32)")
+    rng = random.Random(args.seed)
+    draw = token_source(engine, args.prompts)
+    rows = head_rows(engine, draw, rng, args.decode_context, args.sample_steps)
+    counts = [screened_argmax.screened_candidates(r.unsqueeze(0), screen).numel() for r in rows]
+    w = head.weight
+    lines.append(f"- {name}: {model_dir}; head {tuple(w.shape)} {w.dtype}, {w.numel() * w.element_size() / 2**20:.1f} "
+                 f"MiB; screen {screen.nbytes / 2**20:.1f} MiB; candidates per row over {len(counts)} decode rows: "
+                 f"median {statistics.median(counts):.0f}, mean {statistics.mean(counts):.1f}, max {max(counts)}")
+    flush = torch.ones((64 << 20) // 4)
+    for m in ROWS:
+        x = rows[torch.arange(m) % len(rows)].contiguous()
+        full, screened, same = time_head(head, screen, x, flush, args.calls, args.rounds)
+        screens = "yes" if m <= screened_argmax.engine_rows(w.dtype) else "no"
+        lines.append(f"| {name} | head alone, cold | {m} | {screens} | {1e3 * full:.2f} | {1e3 * screened:.2f} | "
+                     f"{full / screened:.2f}x | {'yes' if same else 'NO'} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    for batch in args.decode_batch:
+        prompts = [draw(args.decode_context, rng) for _ in range(batch)]
+        res: dict[str, list[float]] = {"full": [], "screened": []}
+        toks: dict[str, list] = {}
+        for r in range(args.rounds):
+            for side in (("full", "screened") if r % 2 == 0 else ("screened", "full")):
+                head.greedy_screen = screen if side == "screened" else None
+                t, toks[side] = time_decode(engine, prompts, args.decode_steps)
+                res[side].append(t)
+        head.greedy_screen = screen
+        full, screened = statistics.median(res["full"]), statistics.median(res["screened"])
+        screens = "yes" if batch <= screened_argmax.engine_rows(w.dtype) else "no"
+        lines.append(f"| {name} | engine decode step, batch {batch} x ~{args.decode_context} | {batch} | {screens} | "
+                     f"{1e3 * full:.2f} | {1e3 * screened:.2f} | {full / screened:.2f}x | "
+                     f"{'yes' if toks['full'] == toks['screened'] else 'NO'} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint (default: the built-in default model)")
+    p.add_argument("--fp8-model", default=None, help="FP8 checkpoint for the fp8 config (default: written once "
+                   "from --model, as single_stream.py does)")
+    p.add_argument("--configs", default="base,fp8", help="comma-separated: base, fp8")
+    p.add_argument("--decode-batch", default="1", help="comma-separated batch sizes of the engine decode steps")
+    p.add_argument("--decode-context", type=int, default=512)
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--sample-steps", type=int, default=64, help="decode steps whose head rows are recorded")
+    p.add_argument("--calls", type=int, default=5, help="cold head calls per round (median)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--prompts", choices=("text", "random"), default="text")
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, help="also write the table (markdown) here")
+    args = p.parse_args()
+    require_positive(p, args, "decode_context", "decode_steps", "sample_steps", "calls", "rounds")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in ("base", "fp8")]
+    if bad or not configs:
+        p.error(f"--configs: expected a list of base, fp8; got {args.configs!r}")
+    try:
+        args.decode_batch = [int(b) for b in args.decode_batch.split(",")]
+    except ValueError:
+        p.error(f"--decode-batch: expected comma-separated integers, got {args.decode_batch!r}")
+    if any(b < 1 for b in args.decode_batch):
+        p.error(f"--decode-batch: batch sizes must be >= 1, got {args.decode_batch}")
+    if cpu_ops.load_cpu_ops() is None:
+        sys.exit("the C++ CPU kernels are not available: the screen needs them")
+    from single_stream import ensure_fp8_checkpoint, fp8_checkpoint_dir
+
+    from fp8serve.default_model import ensure_default_model
+
+    src = Path(args.model) if args.model else ensure_default_model()
+    lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),
+             f"- float32 activations; medians of {args.rounds} ABBA rounds; head rows recorded from a greedy "
+             f"generation ({args.prompts} prompts)"]
+    table = ["", "| config | cell | rows | engine screens | full ms | screened ms | full / screened | same tokens |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in configs:
+        if name == "base":
+            model_dir = src
+        else:
+            model_dir = Path(args.fp8_model) if args.fp8_model else ensure_fp8_checkpoint(
+                src, fp8_checkpoint_dir(src, args.model is None))
+        config_lines: list[str] = []
+        run_config(name, model_dir, args, config_lines)
+        lines += [x for x in config_lines if x.startswith("- ")]
+        table += [x for x in config_lines if x.startswith("| ")]
+        gc.collect()
+    print("\n".join(lines + table), flush=True)
+    if args.output:
+        args.output.write_text("\n".join(lines + table) + "\n")
+
+
+if __name__ == "__main__":
+    main()

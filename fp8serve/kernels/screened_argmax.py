@@ -1,0 +1,189 @@
+"""The exact greedy LM head: the argmax of each row's logits without reading
+the whole head.
+
+A greedy step with nothing applied to its logits (no penalties, bias, bans
+or logprobs) needs one index per row: the first index of the largest logit.
+At decode batch 1 the LM head is the largest single read of a step (the
+default model's tied float32 head: 113 MB of 538). An int8 copy of the head
+(`GreedyScreen`: one scale per row, a quarter of float32's bytes) screens the
+vocabulary: every row's screened logit, widened by a proven bound on its
+error, either can or cannot reach the best screened lower bound. The rows
+that can (the candidates; on the default model a median of 6 of 49152) get
+their logits from the same kernel, with the same arithmetic per row, as the
+full head would give them, and the token is their argmax. So the token is
+the one greedy sampling of the full logits picks, ties and all: the row with
+the largest float32 logit is always a candidate (proof at `build_screen`), and
+so is every row tied with it.
+
+Where it serves (`LMHead.greedy_tokens`): CPU, float32 activations, a
+float32 head at 1-8 rows or a bf16 one at 1-4 (`engine_rows`), whose full
+path is dense_gemv.
+FP8SERVE_SCREENED_ARGMAX=0 turns it off (the engine then computes every
+logit, as before); auto (the default) or 1 leaves it on."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from fp8serve.kernels import cpu_ops
+from fp8serve.utils.env_switch import env_switch
+from fp8serve.utils.weight_copies import copy_fits
+
+logger = logging.getLogger(__name__)
+
+# Activation rows per screened call (the C++ screen's register tiles).
+MAX_ROWS = 8
+# Rows the engine screens, by the head's dtype: where the screen beat the full
+# head alone (cold, decode rows of the default model, AMD Zen 3 EPYC, three
+# runs: benchmarks/results/greedy_head_2026-12-02_zen3.md). A float32 head
+# reads 4x the screen's bytes: 2.7-3.6x at 1 row, 1.3-1.7x at 8. A bf16 head
+# reads 2x: 1.6-2.1x at 1 row, 1.35-1.7x at 4, 0.9-0.96x at 8, where the
+# screen's conversions and FMAs, not its bytes, set its time.
+_ENGINE_ROWS = {torch.float32: MAX_ROWS, torch.bfloat16: 4}
+
+
+def engine_rows(head_dtype: torch.dtype) -> int:
+    """The most rows the engine screens for a head stored in `head_dtype` (0: none)."""
+    return _ENGINE_ROWS.get(head_dtype, 0)
+# Vocabulary rows converted to float64 at a time while a screen is built.
+_BUILD_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class GreedyScreen:
+    """An int8 copy of a [V, K] head and each row's error bound."""
+
+    codes: torch.Tensor  # [V, K] int8
+    scale: torch.Tensor  # [V] float32: row v ~ scale[v] * codes[v]
+    slack: torch.Tensor  # [V] float32: |screened - full logit| <= |x|_2 * slack[v]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.slack))
+
+
+SCREENED_ARGMAX_ENV = "FP8SERVE_SCREENED_ARGMAX"
+
+
+def enabled() -> bool:
+    """FP8SERVE_SCREENED_ARGMAX: auto (the default) and 1 build the screen
+    where it serves, 0 never; anything else is a ConfigError."""
+    return env_switch(SCREENED_ARGMAX_ENV) is not False
+
+
+def build_screen(weight: torch.Tensor) -> GreedyScreen | None:
+    """The screen of a [V, K] float32 or bf16 head, or None where its values
+    are not all finite.
+
+    Why the candidates hold the argmax. For an activation row x (float32) and
+    vocabulary row v, let l_v be the full head's float32 logit and a_v the
+    screen's, a_v = fl(scale_v * fl(x . codes_v)). Both are float32 dot
+    products of K terms: each is within gamma_K |x|_2 |w|_2 of its exact value
+    (gamma_K = K u / (1 - K u), u = 2^-24; |sum x_k w_k| <= |x|_2 |w|_2), the
+    screen's within gamma_(K+1) with its final multiply. With c_v = |w_v -
+    w~_v|_2 + gamma_K |w_v|_2 + gamma_(K+1) |w~_v|_2 (w~_v = scale_v codes_v):
+    |a_v - l_v| <= |x|_2 c_v. Take slack_v >= c_v (computed here in float64,
+    widened by 2^-10 and rounded up). If l_* is the largest logit, then for
+    every row u: a_* + |x| slack_* >= l_* >= l_u >= a_u - |x| slack_u, so the
+    argmax, and every row tied with it, passes the screen's test (the C++
+    comparisons carry a margin for their own float32 rounding)."""
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"build_screen takes a [V, K] float32 or bf16 head, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    num_rows, k = weight.shape
+    u = 2.0 ** -24
+    gamma_k = k * u / (1 - k * u)
+    gamma_k1 = (k + 1) * u / (1 - (k + 1) * u)
+    codes = torch.empty(num_rows, k, dtype=torch.int8)
+    scale = torch.empty(num_rows, dtype=torch.float32)
+    slack = torch.empty(num_rows, dtype=torch.float32)
+    for start in range(0, num_rows, _BUILD_ROWS):
+        w = weight[start:start + _BUILD_ROWS].double()
+        if not torch.isfinite(w).all():
+            return None
+        amax = w.abs().amax(dim=1)
+        # The float32 scale the kernel multiplies by; an all-zero row gets 1.
+        s = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).float()
+        q = torch.round(w / s.double().unsqueeze(1)).clamp_(-127, 127)
+        approx = q * s.double().unsqueeze(1)
+        c = ((w - approx).norm(dim=1) + gamma_k * w.norm(dim=1) + gamma_k1 * approx.norm(dim=1)) * (1 + 2.0 ** -10)
+        c32 = c.float()
+        c32 = torch.where(c32.double() < c, torch.nextafter(c32, torch.full_like(c32, float("inf"))), c32)
+        codes[start:start + _BUILD_ROWS] = q.to(torch.int8)
+        scale[start:start + _BUILD_ROWS] = s
+        slack[start:start + _BUILD_ROWS] = c32
+    if not torch.isfinite(slack).all():
+        return None
+    return GreedyScreen(codes, scale, slack)
+
+
+def screened_candidates(x: torch.Tensor, screen: GreedyScreen) -> torch.Tensor:
+    """Sorted vocabulary rows that may hold some row of x's largest logit
+    (int64 [C]); empty when x is not finite. x: [M, K] float32, 1 <= M <= MAX_ROWS."""
+    if x.dim() != 2 or x.dtype != torch.float32 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"screened_candidates takes [1..{MAX_ROWS}, K] float32 rows, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if x.shape[1] != screen.codes.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} columns, the screen {screen.codes.shape[1]}")
+    ops = cpu_ops.load_cpu_ops()
+    if ops is None:
+        return screened_candidates_ref(x, screen)
+    return ops.screened_candidates(x, screen.codes, screen.scale, screen.slack)
+
+
+def screened_candidates_ref(x: torch.Tensor, screen: GreedyScreen) -> torch.Tensor:
+    """The reference the kernel is tested against: the same test in float64
+    (a superset of the kernel's candidates up to its float32 margin)."""
+    x64 = x.double()
+    norm = x64.norm(dim=1, keepdim=True)
+    if not torch.isfinite(norm).all():
+        return torch.empty(0, dtype=torch.int64)
+    a = (x64 @ screen.codes.double().T) * screen.scale.double()
+    bound = norm * screen.slack.double()
+    best = (a - bound).max(dim=1, keepdim=True).values
+    return torch.nonzero((a + bound >= best).any(dim=0)).flatten()
+
+
+def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, screen: GreedyScreen) -> torch.Tensor | None:
+    """int64 [M]: for each row of x, the first index of the largest logit of
+    dense_gemv(x, weight), found from the screen; None when x is not finite
+    (the caller computes the logits). The candidates' logits come from
+    dense_gemv on the gathered rows: its arithmetic per (row, vocabulary row)
+    depends only on M and the CPU, so they are the full head's values bit for
+    bit; the candidates are sorted, so the first maximum among them is the
+    first in the vocabulary."""
+    candidates = screened_candidates(x, screen)
+    if candidates.numel() == 0:
+        return None
+    logits = cpu_ops.dense_gemv(x, weight.index_select(0, candidates)).float()
+    return candidates[cpu_ops.greedy_argmax(logits)]
+
+
+def attach_screens(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
+    """Give the model's LM heads (modules with a `greedy_screen` slot) their
+    screen, under float32 compute on CPU, when FP8SERVE_SCREENED_ARGMAX allows
+    and the copy fits in memory. Returns the bytes added."""
+    if not enabled() or compute_dtype != torch.float32 or cpu_ops.load_cpu_ops() is None:
+        return 0
+    total = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not hasattr(m, "greedy_screen") or not isinstance(w, torch.Tensor) or w.device.type != "cpu":
+            continue
+        if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16):
+            continue
+        if not copy_fits(w.shape[0] * (w.shape[1] + 8), "greedy LM head: int8 screen", logger):
+            continue
+        screen = build_screen(w)
+        if screen is None:
+            logger.info("greedy LM head: the head has non-finite values; no screen")
+            continue
+        m.greedy_screen = screen
+        total += screen.nbytes
+        logger.info("greedy LM head: int8 screen of the %s head (%.0f MiB); plain greedy steps read it and a few "
+                    "exact rows instead of all %.0f MiB (FP8SERVE_SCREENED_ARGMAX=0: off)",
+                    w.dtype, screen.nbytes / 2**20, w.numel() * w.element_size() / 2**20)
+    return total

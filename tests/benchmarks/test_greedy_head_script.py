@@ -1,0 +1,56 @@
+"""benchmarks/greedy_head.py on a tiny tied checkpoint and its FP8 copy:
+every cell timed, the screened and full heads agreeing on every token, and
+bad arguments rejected."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from benchmark_scripts import loaded_script
+from checkpoints import write_tiny_llama
+
+
+def _run(monkeypatch, tmp_path, *argv):
+    out = tmp_path / "table.md"
+    monkeypatch.setattr(sys, "argv", ["greedy_head.py", *argv, "--output", str(out)])
+    with loaded_script("greedy_head.py") as script:
+        script.main()
+    text = out.read_text()
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines()
+            if ln.startswith("| ") and not ln.startswith("| config")]
+    return text, rows
+
+
+def test_every_cell_is_timed_and_the_tokens_agree(ops, monkeypatch, tmp_path):
+    from fp8serve.calibration.fp8_checkpoint import write_fp8_checkpoint
+
+    src, fp8 = tmp_path / "llama", tmp_path / "fp8"
+    # bf16 like SmolLM2: the FP8 checkpoint keeps a bf16 head (1-4 rows screened), the base model's becomes float32.
+    write_tiny_llama(src, vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
+    write_fp8_checkpoint(src, fp8, activation_scheme="dynamic")
+    monkeypatch.delenv("FP8SERVE_SCREENED_ARGMAX", raising=False)
+    text, rows = _run(monkeypatch, tmp_path, "--model", str(src), "--fp8-model", str(fp8), "--decode-batch", "1,3",
+                      "--decode-context", "20", "--decode-steps", "3", "--sample-steps", "4", "--calls", "1",
+                      "--rounds", "2", "--prompts", "random")
+    assert [(r[0], r[2]) for r in rows] == [(c, m) for c in ("base", "fp8") for m in ("1", "2", "4", "8", "1", "3")]
+    for r in rows:
+        assert float(r[4]) > 0 and float(r[5]) > 0 and r[6].endswith("x"), r
+        assert r[7] == "yes", r
+    # A float32 head is screened at 1-8 rows, a bf16 one at 1-4.
+    assert [r[3] for r in rows] == ["yes"] * 6 + ["yes", "yes", "yes", "no", "yes", "yes"]
+    assert "candidates per row" in text and "torch.float32" in text and "torch.bfloat16" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "base,int4"], "--configs"),
+    (["--decode-batch", "1,x"], "--decode-batch"),
+    (["--decode-batch", "0"], "--decode-batch"),
+    (["--rounds", "0"], "--rounds"),
+])
+def test_bad_arguments_are_rejected(monkeypatch, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, tmp_path, *argv)
+    assert message in capsys.readouterr().err

@@ -1,0 +1,159 @@
+"""The exact greedy LM head (kernels/screened_argmax.py): the token it finds
+must be the full head's greedy token, ties and near-ties included, and its
+candidates must be a screen (few rows), not the vocabulary. Fresh random
+data each run (the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8serve.errors import ConfigError
+from fp8serve.kernels import cpu_ops, screened_argmax
+from fp8serve.kernels.screened_argmax import build_screen, greedy_tokens, screened_candidates, screened_candidates_ref
+
+
+def full_tokens(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the sampler picks from the full head's logits."""
+    return cpu_ops.greedy_argmax(cpu_ops.dense_gemv(x, w).float())
+
+
+def head(g: torch.Generator, vocab: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    # Rows of different norms, like an embedding table's.
+    w = torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g).add_(0.2) * 0.05
+    return w.to(dtype).contiguous()
+
+
+def test_slack_bounds_the_screened_logits_error(seed):
+    """|a - l| <= |x| slack for every row, a computed in float64 from the
+    copy (the kernel's own rounding is inside slack's gamma terms) and l the
+    full head's float32 logits."""
+    g = torch.Generator().manual_seed(seed)
+    w = head(g, 777, 96, torch.float32)
+    screen = build_screen(w)
+    assert screen.codes.dtype == torch.int8 and screen.codes.abs().max() <= 127, seed
+    x = torch.randn(4, 96, generator=g) * 4
+    full = cpu_ops.dense_gemv(x, w).double()
+    approx = (x.double() @ screen.codes.double().T) * screen.scale.double()
+    bound = x.double().norm(dim=1, keepdim=True) * screen.slack.double()
+    assert ((approx - full).abs() <= bound).all(), seed
+    # ...and is not vacuous: the copy's own error dominates it, ~1% of |x| |w|.
+    ratio = screen.slack.double() / w.double().norm(dim=1)
+    assert ratio.max() < 0.05, (ratio.max().item(), seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 49, 64), (3, 1001, 72), (8, 2048, 100), (5, 4096, 576)])
+def test_greedy_tokens_equal_the_full_heads(ops, seed, dtype, shape):
+    """Rows 1-8, odd vocabularies, hidden sizes with a tail past the 8-lane
+    loop, float32 and bf16 heads."""
+    m, vocab, hidden = shape
+    g = torch.Generator().manual_seed(seed)
+    w = head(g, vocab, hidden, dtype)
+    screen = build_screen(w)
+    for trial in range(5):
+        x = torch.randn(m, hidden, generator=g) * (0.5 + 4 * trial)
+        got = greedy_tokens(x, w, screen)
+        assert got is not None and got.dtype == torch.int64, seed
+        assert torch.equal(got, full_tokens(x, w)), (trial, seed)
+
+
+def test_ties_keep_the_first_index(ops, seed):
+    """Copies of one row at several places: the full head's logits tie
+    exactly there, and the sampler's rule (first index of the maximum) must
+    survive the screen."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, hidden = 3000, 64
+    w = head(g, vocab, hidden, torch.float32)
+    x = torch.randn(2, hidden, generator=g)
+    winner = w[int(full_tokens(x[:1], w))].clone() * 1.5  # beats every other row for x[0]
+    places = sorted(torch.randperm(vocab, generator=g)[:4].tolist())
+    for p in places:
+        w[p] = winner
+    screen = build_screen(w)
+    got = greedy_tokens(x, w, screen)
+    want = full_tokens(x, w)
+    assert int(want[0]) == places[0], seed
+    assert torch.equal(got, want), (got, want, seed)
+
+
+def test_near_ties_follow_the_float32_logits(ops, seed):
+    """Rows one ulp apart from the best one: their logits differ in the last
+    bits, below the copy's resolution, so the exact candidate pass decides."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, hidden = 2000, 128
+    w = head(g, vocab, hidden, torch.float32)
+    x = torch.randn(1, hidden, generator=g)
+    best = w[int(full_tokens(x, w))].clone() * 1.5
+    rows = torch.randperm(vocab, generator=g)[:16]
+    for i, r in enumerate(rows.tolist()):
+        nudged = best.clone()
+        j = i % hidden
+        direction = float("inf") if (i % 2) else float("-inf")
+        nudged[j] = torch.nextafter(nudged[j], torch.tensor(direction))
+        w[r] = nudged
+    screen = build_screen(w)
+    assert screened_candidates(x, screen).numel() >= 16, seed  # all near-ties stay candidates
+    assert torch.equal(greedy_tokens(x, w, screen), full_tokens(x, w)), seed
+
+
+def test_candidates_are_a_screen_and_match_the_float64_test(ops, seed):
+    """The kernel keeps every row the float64 reference keeps except, at
+    most, rows on the boundary (within float32 rounding of it); and a head
+    whose rows point different ways leaves few candidates."""
+    g = torch.Generator().manual_seed(seed)
+    w = head(g, 8192, 256, torch.float32)
+    screen = build_screen(w)
+    x = torch.randn(3, 256, generator=g) * 3
+    got = set(screened_candidates(x, screen).tolist())
+    ref = set(screened_candidates_ref(x, screen).tolist())
+    x64 = x.double()
+    a = (x64 @ screen.codes.double().T) * screen.scale.double()
+    bound = x64.norm(dim=1, keepdim=True) * screen.slack.double()
+    best = (a - bound).max(dim=1, keepdim=True).values
+    gap = ((a + bound) - best).max(dim=0).values  # >= 0 exactly for the reference's rows
+    scale = float((a.abs() + bound).max())
+    for v in got ^ ref:
+        assert abs(float(gap[v])) <= 1e-5 * scale, (v, float(gap[v]), seed)
+    assert len(got) < 8192 // 20, (len(got), seed)
+
+
+def test_non_finite_rows_fall_back_to_the_full_head(ops, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = head(g, 500, 64, torch.float32)
+    screen = build_screen(w)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 64, generator=g)
+        x[1, 5] = bad
+        assert screened_candidates(x, screen).numel() == 0
+        assert greedy_tokens(x, w, screen) is None
+    assert screened_candidates_ref(x, screen).numel() == 0
+    w[3, 0] = float("inf")
+    assert build_screen(w) is None
+
+
+def test_bad_arguments_are_errors(ops):
+    w = torch.randn(100, 64)
+    screen = build_screen(w)
+    with pytest.raises(ValueError, match="float32 rows"):
+        screened_candidates(torch.randn(9, 64), screen)
+    with pytest.raises(ValueError, match="columns"):
+        screened_candidates(torch.randn(1, 32), screen)
+    with pytest.raises(ValueError, match="float32 or bf16 head"):
+        build_screen(torch.randn(100, 64).half())
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.screened_candidates(torch.randn(1, 64), screen.codes.to(torch.uint8), screen.scale, screen.slack)
+    with pytest.raises(RuntimeError, match=r"\[V\] float32"):
+        ops.screened_candidates(torch.randn(1, 64), screen.codes, screen.scale[:5], screen.slack)
+
+
+def test_the_switch_reads_auto_1_0_and_rejects_the_rest(monkeypatch):
+    monkeypatch.setenv(screened_argmax.SCREENED_ARGMAX_ENV, "0")
+    assert not screened_argmax.enabled()
+    monkeypatch.setenv(screened_argmax.SCREENED_ARGMAX_ENV, "1")
+    assert screened_argmax.enabled()
+    monkeypatch.setenv(screened_argmax.SCREENED_ARGMAX_ENV, "fast")
+    with pytest.raises(ConfigError, match="FP8SERVE_SCREENED_ARGMAX"):
+        screened_argmax.enabled()
+    monkeypatch.delenv(screened_argmax.SCREENED_ARGMAX_ENV)
+    assert screened_argmax.enabled()
