@@ -42,7 +42,8 @@ COMPONENTS = [
     "engine.step", "scheduler.schedule", "runner.execute", "runner._prepare", "backend.build_metadata",
     "model.forward", "layer:VocabEmbedding", "layer:RMSNorm", "layer:QKVLinear", "layer:RotaryEmbedding",
     "layer:Attention", "backend.forward", "layer:Linear", "layer:MergedLinear", "layer:SiluAndMul",
-    "model.compute_logits", "SamplingMetadata.from_params", "sampler.forward", "engine._process",
+    "model.compute_logits", "model.compute_greedy_tokens", "SamplingMetadata.from_params", "sampler.forward",
+    "engine._process",
 ]
 
 
@@ -71,6 +72,8 @@ def instrument(llm) -> None:
     _wrap(runner.backend, "forward", "backend.forward")
     _wrap(runner.model, "forward", "model.forward")
     _wrap(runner.model, "compute_logits", "model.compute_logits")
+    if hasattr(runner.model, "compute_greedy_tokens"):  # plain greedy steps: the screened head, no logits
+        _wrap(runner.model, "compute_greedy_tokens", "model.compute_greedy_tokens")
     _wrap(runner.sampler, "forward", "sampler.forward")
     orig = sampler_mod.SamplingMetadata.from_params
     if not getattr(orig, "_profiled", False):

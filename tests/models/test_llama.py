@@ -45,7 +45,9 @@ class LogitsRecorder:
 
     `execute` receives the scheduled Sequences, so the row of each is known; the first
     `compute_logits` call inside it is the one whose rows are sampled (later calls, for
-    prompt_logprobs, are not recorded). Both wrappers return the real results.
+    prompt_logprobs, are not recorded). Both wrappers return the real results. Every step
+    must compute its logits, so the exact greedy head (which finds greedy tokens without
+    them; tests/kernels/test_screened_argmax.py) is turned off.
     """
 
     def __init__(self, llm: LLM) -> None:
@@ -72,6 +74,7 @@ class LogitsRecorder:
             return out
 
         runner.model.compute_logits = compute_logits
+        runner.model.compute_greedy_tokens = lambda hidden_states: None
         runner.execute = execute
 
 

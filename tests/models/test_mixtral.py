@@ -25,7 +25,8 @@ KV_CACHE_MEMORY = 1 << 20
 def record_logits(llm: LLM) -> dict[str, dict[int, torch.Tensor]]:
     """request id -> {token count before the step: the logits row sampled from}. The wrappers
     return the real results; only the first compute_logits call of a step (the sampled rows)
-    is recorded, not the prompt-logprob ones."""
+    is recorded, not the prompt-logprob ones. The exact greedy head, which finds greedy tokens
+    without the logits, is turned off: every step computes them."""
     runner = llm.llm_engine.model_runner
     rows: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     real_execute, real_compute_logits = runner.execute, runner.model.compute_logits
@@ -46,6 +47,7 @@ def record_logits(llm: LLM) -> dict[str, dict[int, torch.Tensor]]:
         return real_execute(seqs, is_prefill, eos_token_id, *args)
 
     runner.model.compute_logits = compute_logits
+    runner.model.compute_greedy_tokens = lambda hidden_states: None
     runner.execute = execute
     return rows
 
