@@ -185,6 +185,40 @@ def alternate(measures: dict, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in res.items()}
 
 
+def time_greedy_decode(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+    """Adds one greedy request per prompt (steps + 2 new tokens each) and steps the engine until
+    they finish: the median seconds of the steps that decode the whole batch (once every request
+    has its first token, before any finishes), and each request's tokens, in prompt order."""
+    import gc
+    import statistics
+    import time
+
+    from fp8serve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    ids = [engine.new_request_id() for _ in prompts]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+    started: set[str] = set()
+    times, tokens = [], {}
+    while engine.has_unfinished_requests():
+        all_decoding = len(started) == len(prompts)
+        gc.collect()
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        if all_decoding and any(not o.finished for o in outs):
+            times.append(dt)
+        for o in outs:
+            if o.outputs and o.outputs[0].token_ids:
+                started.add(o.request_id)
+            if o.finished:
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+    if not times:
+        raise RuntimeError("no step decoded the whole batch")
+    return statistics.median(times), [tokens[i] for i in ids]
+
+
 def token_source(engine, kind: str):
     """draw(n, rng): n prompt tokens. "text": a window of the built-in calibration text (English
     prose, dialogue, lists, code), so greedy continuations are not the near-ties of random ids;

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive)
+    command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive, time_greedy_decode)
 
 from fp8serve.kernels import fp8_linear_ops  # noqa: E402
 
@@ -60,29 +60,6 @@ def time_prefill(engine, prompt: list[int], n: int) -> float:
         times.append(time.perf_counter() - t)
         if len(outs) != 1 or not outs[0].finished or engine.has_unfinished_requests():
             raise RuntimeError("a prefill step did not finish the one-token request")
-    return statistics.median(times)
-
-
-def time_decode(engine, prompts: list[list[int]], steps: int) -> float:
-    """Median decode step of len(prompts) requests, timed once every request has its first token."""
-    from fp8serve import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(None, {"prompt_token_ids": p}, sp)
-    started: set[str] = set()
-    times = []
-    while engine.has_unfinished_requests():
-        all_decoding = len(started) == len(prompts)
-        gc.collect()
-        t = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t
-        if all_decoding and any(not o.finished for o in outs):
-            times.append(dt)
-        started.update(o.request_id for o in outs if o.outputs and o.outputs[0].token_ids)
-    if not times:
-        raise RuntimeError("no step decoded the whole batch")
     return statistics.median(times)
 
 
@@ -132,7 +109,7 @@ def main() -> None:
         for name in (names if r % 2 == 0 else names[::-1]):
             use_path(engine, name)
             res[name]["prefill"].append(time_prefill(engine, prompt, args.prefills))
-            res[name]["decode"].append(time_decode(engine, prompts, args.decode_steps))
+            res[name]["decode"].append(time_greedy_decode(engine, prompts, args.decode_steps)[0])
             print(f"round {r + 1} {name}: prefill {1e3 * res[name]['prefill'][-1]:.1f} ms, decode step "
                   f"{1e3 * res[name]['decode'][-1]:.1f} ms", file=sys.stderr, flush=True)
     med = {k: {ph: statistics.median(v) for ph, v in d.items()} for k, d in res.items()}

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
     alternate, command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive,
-    token_source)
+    time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops, screened_argmax  # noqa: E402
 
@@ -86,34 +86,6 @@ def time_head(head, screen, x: torch.Tensor, flush: torch.Tensor, calls: int, ro
     return med["full"], med["screened"], tokens is not None and torch.equal(tokens, full())
 
 
-def time_decode(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
-    """Median decode step of len(prompts) greedy requests once all decode, and their tokens."""
-    from fp8serve import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    ids = [engine.new_request_id() for _ in prompts]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
-    started: set[str] = set()
-    times, tokens = [], {}
-    while engine.has_unfinished_requests():
-        all_decoding = len(started) == len(prompts)
-        gc.collect()
-        t = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t
-        if all_decoding and any(not o.finished for o in outs):
-            times.append(dt)
-        for o in outs:
-            if o.outputs and o.outputs[0].token_ids:
-                started.add(o.request_id)
-            if o.finished:
-                tokens[o.request_id] = list(o.outputs[0].token_ids)
-    if not times:
-        raise RuntimeError("no step decoded the whole batch")
-    return statistics.median(times), [tokens[i] for i in ids]
-
-
 def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
     from fp8serve import LLM
 
@@ -150,7 +122,7 @@ def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
         for r in range(args.rounds):
             for side in (("full", "screened") if r % 2 == 0 else ("screened", "full")):
                 head.greedy_screen = screen if side == "screened" else None
-                t, toks[side] = time_decode(engine, prompts, args.decode_steps)
+                t, toks[side] = time_greedy_decode(engine, prompts, args.decode_steps)
                 res[side].append(t)
         head.greedy_screen = screen
         full, screened = statistics.median(res["full"]), statistics.median(res["screened"])
