@@ -185,5 +185,5 @@ def attach_screens(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
         total += screen.nbytes
         logger.info("greedy LM head: int8 screen of the %s head (%.0f MiB); plain greedy steps read it and a few "
                     "exact rows instead of all %.0f MiB (FP8SERVE_SCREENED_ARGMAX=0: off)",
-                    w.dtype, screen.nbytes / 2**20, w.numel() * w.element_size() / 2**20)
+                    str(w.dtype).removeprefix("torch."), screen.nbytes / 2**20, w.numel() * w.element_size() / 2**20)
     return total
