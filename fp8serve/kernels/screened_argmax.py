@@ -39,8 +39,8 @@ MAX_ROWS = 8
 # Rows the engine screens, by the head's dtype: where the screen beat the full
 # head alone (cold, decode rows of the default model, AMD Zen 3 EPYC, three
 # runs: benchmarks/results/greedy_head_2026-12-02_zen3.md). A float32 head
-# reads 4x the screen's bytes: 2.7-3.6x at 1 row, 1.3-1.7x at 8. A bf16 head
-# reads 2x: 1.6-2.1x at 1 row, 1.35-1.7x at 4, 0.9-0.96x at 8, where the
+# reads 4x the screen's bytes: 2.9-3.6x at 1 row, 1.3-1.7x at 8. A bf16 head
+# reads 2x: 1.6-2.1x at 1 row, 1.1-1.7x at 4, 0.9-0.96x at 8, where the
 # screen's conversions and FMAs, not its bytes, set its time.
 _ENGINE_ROWS = {torch.float32: MAX_ROWS, torch.bfloat16: 4}
 
@@ -48,6 +48,8 @@ _ENGINE_ROWS = {torch.float32: MAX_ROWS, torch.bfloat16: 4}
 def engine_rows(head_dtype: torch.dtype) -> int:
     """The most rows the engine screens for a head stored in `head_dtype` (0: none)."""
     return _ENGINE_ROWS.get(head_dtype, 0)
+
+
 # Vocabulary rows converted to float64 at a time while a screen is built.
 _BUILD_ROWS = 4096
 
