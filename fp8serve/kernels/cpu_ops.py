@@ -340,8 +340,9 @@ def _has_amx() -> bool:
     return amx_linear_ops.is_available()
 
 
-def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `dense_gemv` beats F.linear for this call. Measured on the
+def dense_gemv_max_rows(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
+    """The most activation rows `dense_gemv` takes for these dtypes (0: none),
+    where it was measured faster than the alternative. Measured on the
     default model's 120 decode linears with cold weights (2-vCPU Xeon, AMX;
     benchmarks/results/dense_gemv_2026-11-30.md): bf16 weights 2.0x / 1.8x /
     1.7x / 1.1x at M = 1 / 2 / 4 / 8 (torch's bf16 GEMV reads ~9 GB/s), but
@@ -360,21 +361,30 @@ def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     M = 24 / 32: 1.46 / 1.26x (bf16 x bf16) and 1.44 / 1.30x (float32)
     (benchmarks/results/dense_gemv_2026-11-30_stop20_zen4.md), so AMD CPUs
     take up to 32 rows (all the kernel takes) with float32 weights and with
-    bf16 x bf16 dot products."""
+    bf16 x bf16 dot products.
+
+    bf16 weights with float32 activations (an FP8 checkpoint's bf16 LM head
+    in a float32 engine) run the float32 loop with one shift more per weight
+    and half its bytes, and the alternative there is no bf16 GEMM but
+    F.linear on float32 upcasts of the weight: they take the float32
+    weights' rows. Measured on the AVX2-only Zen 3 EPYC (that head, 49152 x
+    576, cold): 2.8-6.7x the upcast path at M = 16-32
+    (benchmarks/results/lm_head_2026-12-02_zen3.md)."""
+    if x_dtype == torch.float32 and weight_dtype in (torch.float32, torch.bfloat16):
+        return 32 if is_amd_cpu() else 16
+    if x_dtype == torch.bfloat16 and weight_dtype == torch.bfloat16:
+        if _has_bf16_dot():
+            return 12 if _has_amx() else 32 if is_amd_cpu() else 16
+        return 8
+    return 0
+
+
+def dense_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `dense_gemv` beats the alternative for this call (see
+    dense_gemv_max_rows)."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.dim() != 2 or not weight.is_contiguous():
         return False
-    m = x.shape[0]
-    if weight.dtype == torch.bfloat16:
-        if x.dtype == torch.bfloat16 and _has_bf16_dot():
-            max_rows = 12 if _has_amx() else 32 if is_amd_cpu() else 16
-        else:
-            max_rows = 8
-        ok = 1 <= m <= max_rows and x.dtype in (torch.bfloat16, torch.float32)
-    elif weight.dtype == torch.float32:
-        ok = 1 <= m <= (32 if is_amd_cpu() else 16) and x.dtype == torch.float32
-    else:
-        return False
-    return ok and load_cpu_ops() is not None
+    return 1 <= x.shape[0] <= dense_gemv_max_rows(x.dtype, weight.dtype) and load_cpu_ops() is not None
 
 
 # The rows dense_gemv_packed serves (where a layer has the packed copy). Measured on

@@ -100,7 +100,7 @@ def test_applies_only_where_measured_faster():
     bf = torch.empty(16, 8, dtype=torch.bfloat16)
     f32 = torch.empty(16, 8)
     # Where it was measured faster (benchmarks/results/dense_gemv_2026-11-30.md):
-    # bf16 weights up to 8 rows; float32 weights up to 16, or 32 on AMD (dense_gemv_2026-11-30_stop20_zen4.md).
+    # bf16 x bf16 up to 8 rows; float32 weights up to 16, or 32 on AMD (dense_gemv_2026-11-30_stop20_zen4.md).
     f32_rows = 32 if amd else 16
     for m in (1, 2, 4, 8):
         assert cpu_ops.dense_gemv_applies(torch.empty(m, 8, dtype=torch.bfloat16), bf)
@@ -117,7 +117,12 @@ def test_applies_only_where_measured_faster():
     assert cpu_ops.dense_gemv_applies(torch.empty(bf16_rows, 8, dtype=torch.bfloat16), bf)
     assert not cpu_ops.dense_gemv_applies(torch.empty(bf16_rows + 1, 8, dtype=torch.bfloat16), bf)
     assert not cpu_ops.dense_gemv_applies(torch.empty(33, 8, dtype=torch.bfloat16), bf)
-    assert not cpu_ops.dense_gemv_applies(torch.empty(9, 8), bf)  # float32 x: the FMA loop, up to 8
+    # float32 x on bf16 weights: the float32 loop, float32 weights' rows (the alternative is an upcast;
+    # benchmarks/results/lm_head_2026-12-02_zen3.md).
+    assert cpu_ops.dense_gemv_max_rows(torch.float32, torch.bfloat16) == f32_rows
+    assert cpu_ops.dense_gemv_applies(torch.empty(f32_rows, 8), bf)
+    assert not cpu_ops.dense_gemv_applies(torch.empty(f32_rows + 1, 8), bf)
+    assert cpu_ops.dense_gemv_max_rows(torch.bfloat16, torch.float32) == 0
     assert not cpu_ops.dense_gemv_applies(torch.empty(f32_rows + 1, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(0, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(4, 8), f32.t().contiguous().t())  # non-contiguous weight

@@ -24,10 +24,11 @@ def test_fp8_checkpoints_keep_a_16_bit_head_under_float32_compute():
     assert vocab_weight_dtype(None, torch.float32, torch.bfloat16) == torch.float32
 
 
-@pytest.mark.parametrize("num_rows", [1, 3, 8, 20])
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 20, 33, 70, 300])
 def test_narrow_head_gives_the_upcast_weights_logits(seed, num_rows, monkeypatch):
-    """1-8 rows take dense_gemv (bf16 weights, float32 maths), more rows the
-    sliced upcast; both against F.linear on the upcast weight."""
+    """Up to dense_gemv's rows one dense_gemv call (bf16 weights, float32
+    maths), up to 256 rows slices of the rows through it, more rows the
+    sliced upcast; all against F.linear on the upcast weight in float64."""
     monkeypatch.setattr(vocab_embedding, "_UPCAST_ROWS", 96)  # several slices, the last one partial
     g = torch.Generator().manual_seed(seed)
     vocab, hidden = 300, 64
@@ -37,6 +38,36 @@ def test_narrow_head_gives_the_upcast_weights_logits(seed, num_rows, monkeypatch
     want = torch.nn.functional.linear(x.double(), narrow.weight.double())
     out = narrow(x)
     assert out.dtype == torch.float32 and out.shape == (num_rows, vocab)
+    err = ((out.double() - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-6, f"seed={seed}: {err:.2e}"
+
+
+@pytest.mark.parametrize("num_rows", [9, 33, 70, 256, 257])
+def test_narrow_head_takes_dense_gemv_on_row_slices(ops, seed, num_rows, monkeypatch):
+    """Past one call's rows a bf16 head under float32 compute runs dense_gemv
+    on slices of at most dense_gemv_max_rows rows, each row's logits equal
+    to a lone call's on that slice; above _GEMV_SLICES_MAX_ROWS it upcasts
+    vocabulary slices instead."""
+    from fp8serve.kernels import cpu_ops
+
+    g = torch.Generator().manual_seed(seed)
+    vocab, hidden = 500, 64
+    narrow = LMHead(vocab, hidden, torch.float32, weight_dtype=torch.bfloat16)
+    narrow.weight.data.copy_(torch.randn(vocab, hidden, generator=g) * 0.05)
+    x = torch.randn(num_rows, hidden, generator=g)
+    calls = []
+    real = cpu_ops.dense_gemv
+    monkeypatch.setattr(cpu_ops, "dense_gemv", lambda a, w, *args, **kw: calls.append(a.shape[0]) or real(a, w))
+    out = narrow(x)
+    rows = cpu_ops.dense_gemv_max_rows(torch.float32, torch.bfloat16)
+    assert rows in (16, 32)
+    if num_rows > vocab_embedding._GEMV_SLICES_MAX_ROWS:
+        assert calls == [], seed
+    else:
+        assert sum(calls) == num_rows and max(calls) <= rows and len(calls) == -(-num_rows // rows), (seed, calls)
+        first = real(x[:calls[0]], narrow.weight)
+        assert torch.equal(out[:calls[0]], first), seed
+    want = torch.nn.functional.linear(x.double(), narrow.weight.double())
     err = ((out.double() - want).abs().max() / want.abs().max()).item()
     assert err < 1e-6, f"seed={seed}: {err:.2e}"
 

@@ -1,0 +1,195 @@
+#!/usr/bin/env python
+"""The LM head of an FP8 checkpoint under float32 compute: its 16-bit (bf16)
+head as the engine runs it against the upcast path it took before (F.linear
+on float32 copies of 8192-row vocabulary slices), at every row count a decode
+batch or a prompt-logprobs prefill gives it.
+
+  1. The head alone, cold (a 128 MiB read before every call), on rows of a
+     greedy generation from text, at --rows: the upcast path against
+     `LMHead.forward`, alternating (ABBA), medians of --rounds; the "engine
+     path" column says what forward runs there, and both paths' largest
+     error against float64 logits of the same weights is reported.
+  2. Engine decode steps at --decode-batch with the head switched between
+     the two paths in the same engine (ABBA rounds), and whether both
+     produced the same tokens (they may differ where two logits tie to
+     within float32 rounding: the paths sum in different orders).
+
+    python benchmarks/lm_head.py                               # the default model's FP8 checkpoint
+    python benchmarks/lm_head.py --rows 16,32,64 --decode-batch 16,64 --output benchmarks/results/x.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402
+    command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive, time_greedy_decode,
+    token_source)
+
+from fp8serve.kernels import cpu_ops  # noqa: E402
+from fp8serve.layers import vocab_embedding  # noqa: E402
+
+UPCAST_ROWS = 8192  # the vocabulary slice the upcast path converts per F.linear call
+
+
+def upcast_logits(head, x: torch.Tensor) -> torch.Tensor:
+    """The path a narrower head took above dense_gemv's rows before
+    dense_gemv_max_rows gave bf16 heads float32 rows and row slices."""
+    w = head.weight
+    return torch.cat([F.linear(x, w[i:i + UPCAST_ROWS].to(x.dtype)).float() for i in range(0, w.shape[0], UPCAST_ROWS)],
+                     dim=1)
+
+
+def engine_path(head, m: int) -> str:
+    rows = cpu_ops.dense_gemv_max_rows(torch.float32, head.weight.dtype)
+    if 1 <= m <= rows:
+        return "dense_gemv"
+    if rows and m <= vocab_embedding._GEMV_SLICES_MAX_ROWS:
+        return f"dense_gemv x {-(-m // rows)} row slices"
+    return "upcast"
+
+
+def head_rows(engine, draw, rng: random.Random, prompt_len: int, steps: int) -> torch.Tensor:
+    """The LM head's input rows of a greedy generation from text."""
+    from fp8serve import SamplingParams
+
+    model = engine.model_runner.model
+    seen: list[torch.Tensor] = []
+    real = model.compute_logits
+
+    def record(h):
+        seen.append(h.detach().clone())
+        return real(h)
+
+    model.compute_logits = record
+    greedy = model.compute_greedy_tokens
+    model.compute_greedy_tokens = lambda h: None  # every step through compute_logits
+    try:
+        engine.add_request(None, {"prompt_token_ids": draw(prompt_len, rng)},
+                           SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        model.compute_logits = real
+        model.compute_greedy_tokens = greedy
+    return torch.cat(seen[1:])  # decode rows (the first call is the prefill's last row)
+
+
+def time_head(head, x: torch.Tensor, flush: torch.Tensor, calls: int, rounds: int) -> dict[str, float]:
+    paths = {"upcast": lambda: upcast_logits(head, x), "engine": lambda: head(x)}
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    for r in range(rounds):
+        for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+            one = []
+            for _ in range(calls):
+                flush.add_(1)
+                t = time.perf_counter()
+                paths[name]()
+                one.append(time.perf_counter() - t)
+            times[name].append(statistics.median(one))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return ((out.double() - want).abs().max() / want.abs().max()).item()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="16-bit checkpoint the FP8 one is written from (default: the "
+                   "built-in default model)")
+    p.add_argument("--fp8-model", default=None, help="an FP8 checkpoint directory to use as it is")
+    p.add_argument("--rows", default="12,16,24,32,48,64,128,256,512",
+                   help="comma-separated head rows to time (the engine ran dense_gemv up to 8 before)")
+    p.add_argument("--decode-batch", default="16,32,64", help="comma-separated batch sizes of engine decode steps")
+    p.add_argument("--decode-context", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=12)
+    p.add_argument("--sample-steps", type=int, default=64, help="decode steps whose head rows are recorded")
+    p.add_argument("--calls", type=int, default=3, help="cold head calls per round (median)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, help="also write the table (markdown) here")
+    args = p.parse_args()
+    require_positive(p, args, "decode_context", "decode_steps", "sample_steps", "calls", "rounds")
+    try:
+        rows = [int(r) for r in args.rows.split(",") if r.strip()]
+        batches = [int(b) for b in args.decode_batch.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--rows / --decode-batch: expected comma-separated integers, got {args.rows!r} / "
+                f"{args.decode_batch!r}")
+    if any(r < 1 for r in rows + batches):
+        p.error("--rows and --decode-batch take sizes >= 1")
+    if cpu_ops.load_cpu_ops() is None:
+        sys.exit("the C++ CPU kernels are not available: the engine's head path under test is dense_gemv")
+    from single_stream import ensure_fp8_checkpoint, fp8_checkpoint_dir
+
+    from fp8serve import LLM
+    from fp8serve.default_model import ensure_default_model
+
+    if args.fp8_model:
+        fp8_dir = Path(args.fp8_model)
+    else:
+        src = Path(args.model) if args.model else ensure_default_model()
+        fp8_dir = ensure_fp8_checkpoint(src, fp8_checkpoint_dir(src, args.model is None))
+    max_batch = max(batches, default=1)
+    llm = LLM(model=str(fp8_dir), dtype="float32", max_model_len=args.decode_context + args.decode_steps + 64,
+              max_num_seqs=max(64, max_batch), device="cpu", seed=args.seed)
+    engine = llm.llm_engine
+    record_as_a_warm_engine(engine)
+    head = engine.model_runner.model.lm_head
+    w = head.weight
+    if w.dtype == torch.float32:
+        sys.exit(f"{fp8_dir}: the engine keeps this head in float32: no narrower head to measure")
+    rng = random.Random(args.seed)
+    draw = token_source(engine, "text")
+    sample = head_rows(engine, draw, rng, args.decode_context, args.sample_steps)
+    lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),
+             f"- checkpoint {fp8_dir}: head {tuple(w.shape)} {w.dtype} ({w.numel() * w.element_size() / 2**20:.1f} "
+             f"MiB), float32 activations; {len(sample)} head rows recorded from a greedy generation from text; "
+             f"medians of {args.rounds} ABBA rounds",
+             "", "| cell | rows | engine path | upcast ms | engine ms | upcast / engine | max rel err upcast | "
+             "max rel err engine | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    flush = torch.ones((128 << 20) // 4)
+    with torch.inference_mode():
+        for m in rows:
+            x = sample[torch.arange(m) % len(sample)].contiguous()
+            t = time_head(head, x, flush, args.calls, args.rounds)
+            want = F.linear(x.double(), w.double())
+            lines.append(f"| head alone, cold | {m} | {engine_path(head, m)} | {1e3 * t['upcast']:.2f} | "
+                         f"{1e3 * t['engine']:.2f} | {t['upcast'] / t['engine']:.2f}x | "
+                         f"{rel_err(upcast_logits(head, x), want):.1e} | {rel_err(head(x), want):.1e} | - |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    for batch in batches:
+        prompts = [draw(args.decode_context, rng) for _ in range(batch)]
+        res: dict[str, list[float]] = {"upcast": [], "engine": []}
+        toks: dict[str, list] = {}
+        for r in range(args.rounds):
+            for side in (("upcast", "engine") if r % 2 == 0 else ("engine", "upcast")):
+                if side == "upcast":
+                    head.forward = lambda x: upcast_logits(head, x)
+                try:
+                    t, toks[side] = time_greedy_decode(engine, prompts, args.decode_steps)
+                finally:
+                    head.__dict__.pop("forward", None)
+                res[side].append(t)
+        up, en = statistics.median(res["upcast"]), statistics.median(res["engine"])
+        lines.append(f"| engine decode step, batch {batch} x ~{args.decode_context} | {batch} | "
+                     f"{engine_path(head, batch)} | {1e3 * up:.2f} | {1e3 * en:.2f} | {up / en:.2f}x | - | - | "
+                     f"{'yes' if toks['upcast'] == toks['engine'] else 'no'} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    print("\n".join(lines), flush=True)
+    if args.output:
+        args.output.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
