@@ -185,17 +185,19 @@ def alternate(measures: dict, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def time_greedy_decode(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+def time_greedy_decode(engine, prompts: list[list[int]], steps: int,
+                       sampling: dict | None = None) -> tuple[float, list[list[int]]]:
     """Adds one greedy request per prompt (steps + 2 new tokens each) and steps the engine until
     they finish: the median seconds of the steps that decode the whole batch (once every request
-    has its first token, before any finishes), and each request's tokens, in prompt order."""
+    has its first token, before any finishes), and each request's tokens, in prompt order.
+    `sampling`: SamplingParams fields instead of greedy (e.g. {"temperature": 0.7, "top_p": 0.9})."""
     import gc
     import statistics
     import time
 
     from fp8serve import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    sp = SamplingParams(**{"temperature": 0.0, **(sampling or {})}, max_tokens=steps + 2, ignore_eos=True)
     ids = [engine.new_request_id() for _ in prompts]
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": prompt}, sp)

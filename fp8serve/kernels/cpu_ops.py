@@ -316,6 +316,22 @@ def greedy_argmax_ref(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def sample_tokens_applies(logits: torch.Tensor) -> bool:
+    """Whether `sample_tokens` takes these (processed, float32) logits."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and 0 < logits.shape[1] < 2**31 and logits.stride(1) == 1 and load_cpu_ops() is not None)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of [rows, vocab] float32 logits: temperature, top-k
+    (<= 0: off), top-p, min-p, then the inverse CDF of the kept tokens at the
+    row's uniform u (float64 in [0, 1)). -2 for rows with temperature <
+    SAMPLING_EPS (greedy: not sampled), -1 for rows the kernel leaves to the
+    torch path (a NaN, or no finite maximum). See random_sampling.cpp."""
+    return load_cpu_ops().sample_tokens(logits, temperature, top_k, top_p, min_p, u)
+
+
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8serve.kernels import cpu_ops
-from fp8serve.layers.sampler import Sampler, SamplingMetadata, exponential_race
+from fp8serve.layers.sampler import Sampler, SamplingMetadata, exponential_race, row_uniforms
 from fp8serve.sampling_params import SAMPLING_EPS
 
 
@@ -65,6 +65,9 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
         accepted = greedy == draft_rows
         emitted = greedy
     else:
+        # Rows without a draft draw as a plain decode step does (the C++ kernel, one uniform
+        # from a seeded row's generator, first), before random_probs rescales the logits in place.
+        plain = _plain_draws(logits, metadata, drafts_flat)
         probs = Sampler.random_probs(logits, metadata)  # [rows, vocab], rows may be unnormalized (min-p)
         # Uniforms for the acceptance test: seeded rows draw theirs first from
         # their own generator (before the emitted-token draw below), the others
@@ -83,6 +86,8 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
         probs.scatter_(-1, safe_drafts, torch.where(has_draft.unsqueeze(-1), 0.0,
                                                     probs.gather(-1, safe_drafts)))
         emitted = exponential_race(probs, metadata.generators)
+        if plain is not None:
+            emitted = torch.where(has_draft | (plain < 0), emitted, plain)
         if greedy is not None:
             is_greedy = metadata.temperature < SAMPLING_EPS
             accepted = torch.where(is_greedy, greedy == draft_rows, accepted)
@@ -101,3 +106,14 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
         token_ids.append(out)
         row += len(drafts) + 1
     return VerifyResult(token_ids, torch.tensor(row_tokens, dtype=torch.int64, device=device).clamp(min=0))
+
+
+def _plain_draws(logits: torch.Tensor, metadata: SamplingMetadata, drafts_flat: list[int]) -> torch.Tensor | None:
+    """The tokens `Sampler.sample_random`'s kernel draws for the rows without a
+    draft (< 0 where a row is left to the torch path; rows with a draft get
+    values the caller ignores, and their generators are not touched), or None
+    where the kernel does not serve."""
+    if not cpu_ops.sample_tokens_applies(logits) or all(d >= 0 for d in drafts_flat):
+        return None
+    u = row_uniforms(metadata, skip=[d >= 0 for d in drafts_flat])
+    return cpu_ops.sample_tokens(logits, metadata.temperature, metadata.top_k, metadata.top_p, metadata.min_p, u)

@@ -204,6 +204,37 @@ def test_frequency_and_presence_penalties():
     assert out.sampled_token_ids.tolist() == [2]
 
 
+@pytest.mark.parametrize("vocab", [8, 3001])
+def test_sparse_penalties_equal_the_dense_reference(seed, vocab):
+    """apply_penalties touches only the seen (row, token) entries; the result is
+    the dense reference's bit for bit: repetition, frequency and presence
+    penalties, neutral rows, repeated tokens, rows without output."""
+    from fp8serve.layers.sampler import apply_penalties, apply_penalties_dense
+
+    g = torch.Generator().manual_seed(seed)
+    rows = 6
+
+    def ids(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    def rand(lo, hi):
+        return lo + (hi - lo) * torch.rand((), generator=g).item()
+
+    params = [SamplingParams(repetition_penalty=rand(0.5, 2.0), frequency_penalty=rand(-1, 1),
+                             presence_penalty=rand(-1, 1)) for _ in range(rows - 1)] + [SamplingParams()]
+    prompts = [ids(int(torch.randint(1, 40, (), generator=g))) for _ in range(rows)]
+    outputs = [ids(int(torch.randint(0, 30, (), generator=g))) for _ in range(rows - 1)] + [[]]
+    md = metadata_for(params, prompts=prompts, outputs=outputs)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[0, :4] = torch.tensor([0.0, -0.0, float("-inf"), 1e-30])
+    want = apply_penalties_dense(logits.clone(), md)
+    got = apply_penalties(logits.clone(), md)
+    assert torch.equal(got, want) and torch.equal(got.isnan(), want.isnan()), seed
+    assert not torch.equal(got, logits), seed  # something was penalized
+    with pytest.raises(ValueError, match="penalty token ids"):
+        apply_penalties(logits.clone(), metadata_for(params, prompts=[[vocab]] * rows, outputs=outputs))
+
+
 def test_min_tokens_bans_eos_and_stop_token_ids():
     logits = torch.zeros(3, 8)
     logits[:, EOS] = 10.0

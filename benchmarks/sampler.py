@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""Random sampling on CPU: the sampler's C++ kernel (kernels/cpu/random_sampling.cpp:
+a few passes per row, one uniform per draw) against its torch path (a sort per row for
+top-k/top-p, softmax, one exponential variate per vocabulary entry), in one process.
+
+  1. The sampler alone on the default model's own logits (rows of a greedy generation
+     from text, through its LM head), at --batch rows and for each --params set:
+     torch path vs kernel, alternating (ABBA), medians of --rounds.
+  2. The penalties alone (repetition 1.1, frequency 0.2, presence 0.1 over
+     --decode-context prompt tokens and 32 output tokens per row) at --batch rows:
+     the dense reference (`apply_penalties_dense`) against `apply_penalties`,
+     which touches only the seen tokens.
+  3. Engine decode steps at --decode-batch with temperature 0.7, top_p 0.9,
+     the sampler switched between rounds in the same engine (`Sampler.use_kernel`).
+
+The table's "baseline" is the torch path (rows 1 and 3) or the dense penalties (row 2).
+
+    python benchmarks/sampler.py
+    python benchmarks/sampler.py --batch 1,64 --decode-batch 1,16 --output benchmarks/results/x.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402
+    command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive, time_greedy_decode,
+    token_source)
+
+from fp8serve.kernels import cpu_ops  # noqa: E402
+
+# name -> SamplingParams fields
+PARAMS = {
+    "t=1.0": {"temperature": 1.0},
+    "t=0.7 top_p=0.9": {"temperature": 0.7, "top_p": 0.9},
+    "t=0.7 top_k=50": {"temperature": 0.7, "top_k": 50},
+    "t=0.7 top_p=0.95 min_p=0.05": {"temperature": 0.7, "top_p": 0.95, "min_p": 0.05},
+    "t=0.8 top_p=0.9 repetition_penalty=1.1": {"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.1},
+}
+DECODE_PARAMS = "t=0.7 top_p=0.9"
+
+
+def model_logits(engine, draw, rng: random.Random, prompt_len: int, steps: int) -> torch.Tensor:
+    """The model's logits at the decode steps of a greedy generation from text."""
+    from fp8serve import SamplingParams
+
+    model = engine.model_runner.model
+    seen: list[torch.Tensor] = []
+    real = model.compute_logits
+
+    def record(h):
+        out = real(h)
+        seen.append(out.detach().clone())
+        return out
+
+    model.compute_logits = record
+    greedy = model.compute_greedy_tokens
+    model.compute_greedy_tokens = lambda h: None  # every step through compute_logits
+    try:
+        engine.add_request(None, {"prompt_token_ids": draw(prompt_len, rng)},
+                           SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        model.compute_logits = real
+        model.compute_greedy_tokens = greedy
+    return torch.cat(seen[1:]).float()
+
+
+def time_sampler(logits: torch.Tensor, params: dict, rounds: int, calls: int) -> dict[str, float]:
+    from fp8serve import SamplingParams
+    from fp8serve.layers.sampler import Sampler, SamplingMetadata
+
+    n = logits.shape[0]
+    sp = SamplingParams(**params)
+    md = SamplingMetadata.from_params([sp] * n, [[1, 2, 3]] * n, [[4, 5]] * n, None, "cpu")
+    samplers = {"torch": Sampler(use_kernel=False), "kernel": Sampler()}
+    times: dict[str, list[float]] = {k: [] for k in samplers}
+    for r in range(rounds):
+        for name in (list(samplers) if r % 2 == 0 else list(samplers)[::-1]):
+            one = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                samplers[name](logits, md)
+                one.append(time.perf_counter() - t)
+            times[name].append(statistics.median(one))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def time_penalties(logits: torch.Tensor, prompt_len: int, rounds: int, calls: int) -> dict[str, float]:
+    from fp8serve import SamplingParams
+    from fp8serve.layers.sampler import SamplingMetadata, apply_penalties, apply_penalties_dense
+
+    n, vocab = logits.shape
+    rng = random.Random(n)
+    sp = SamplingParams(temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
+    md = SamplingMetadata.from_params([sp] * n, [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(n)],
+                                      [[rng.randrange(vocab) for _ in range(32)] for _ in range(n)], None, "cpu")
+    fns = {"dense": apply_penalties_dense, "sparse": apply_penalties}
+    if not torch.equal(apply_penalties_dense(logits.clone(), md), apply_penalties(logits.clone(), md)):
+        raise RuntimeError("apply_penalties differs from apply_penalties_dense")
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            one = []
+            for _ in range(calls):
+                x = logits.clone()
+                t = time.perf_counter()
+                fns[name](x, md)
+                one.append(time.perf_counter() - t)
+            times[name].append(statistics.median(one))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint (default: the built-in default model)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch", default="1,16,64", help="comma-separated rows for the sampler alone")
+    p.add_argument("--params", default=",".join(PARAMS), help=f"comma-separated names of {list(PARAMS)}")
+    p.add_argument("--decode-batch", default="1,16", help="comma-separated batch sizes of engine decode steps "
+                   "('' for none)")
+    p.add_argument("--decode-context", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=12)
+    p.add_argument("--sample-steps", type=int, default=64, help="decode steps whose logits are recorded")
+    p.add_argument("--calls", type=int, default=3, help="sampler calls per round (median)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, help="also write the table (markdown) here")
+    args = p.parse_args()
+    require_positive(p, args, "decode_context", "decode_steps", "sample_steps", "calls", "rounds")
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+        decode_batches = [int(b) for b in args.decode_batch.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--batch / --decode-batch: expected comma-separated integers, got {args.batch!r} / "
+                f"{args.decode_batch!r}")
+    if not batches or any(b < 1 for b in batches + decode_batches):
+        p.error("--batch and --decode-batch take sizes >= 1")
+    names = [x.strip() for x in args.params.split(",") if x.strip()]
+    unknown = [x for x in names if x not in PARAMS]
+    if unknown or not names:
+        p.error(f"--params: unknown {unknown}; expected names from {list(PARAMS)}")
+    if cpu_ops.load_cpu_ops() is None:
+        sys.exit("the C++ CPU kernels are not available: nothing to compare the torch path with")
+    from fp8serve import LLM
+
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.decode_context + args.decode_steps + 64,
+              max_num_seqs=max([64] + decode_batches), device="cpu", seed=args.seed)
+    engine = llm.llm_engine
+    record_as_a_warm_engine(engine)
+    rng = random.Random(args.seed)
+    draw = token_source(engine, "text")
+    rows = model_logits(engine, draw, rng, args.decode_context, args.sample_steps)
+    lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),
+             f"- model {engine.model_runner.config.model_config.model}, {args.dtype}; the sampler alone on "
+             f"{len(rows)} rows of the model's logits ({rows.shape[1]} tokens) from a greedy generation from text; "
+             f"medians of {args.rounds} ABBA rounds",
+             "", "| cell | rows | params | baseline ms | engine ms | baseline / engine |", "|---|---|---|---|---|---|"]
+    for b in batches:
+        logits = rows[torch.arange(b) % len(rows)].contiguous()
+        for name in names:
+            t = time_sampler(logits, PARAMS[name], args.rounds, args.calls)
+            lines.append(f"| sampler alone | {b} | {name} | {1e3 * t['torch']:.3f} | {1e3 * t['kernel']:.3f} | "
+                         f"{t['torch'] / t['kernel']:.1f}x |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    for b in batches:
+        logits = rows[torch.arange(b) % len(rows)].contiguous()
+        t = time_penalties(logits, args.decode_context, args.rounds, args.calls)
+        lines.append(f"| penalties alone (dense vs seen tokens only) | {b} | repetition 1.1, frequency 0.2, "
+                     f"presence 0.1 | {1e3 * t['dense']:.3f} | {1e3 * t['sparse']:.3f} | "
+                     f"{t['dense'] / t['sparse']:.1f}x |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    sampler = engine.model_runner.sampler
+    for b in decode_batches:
+        prompts = [draw(args.decode_context, rng) for _ in range(b)]
+        res: dict[str, list[float]] = {"torch": [], "kernel": []}
+        for r in range(args.rounds):
+            for side in (("torch", "kernel") if r % 2 == 0 else ("kernel", "torch")):
+                sampler.use_kernel = side == "kernel"
+                try:
+                    res[side].append(time_greedy_decode(engine, prompts, args.decode_steps,
+                                                        sampling=PARAMS[DECODE_PARAMS])[0])
+                finally:
+                    sampler.use_kernel = True
+        tt, tk = statistics.median(res["torch"]), statistics.median(res["kernel"])
+        lines.append(f"| engine decode step, batch {b} x ~{args.decode_context} | {b} | {DECODE_PARAMS} | "
+                     f"{1e3 * tt:.2f} | {1e3 * tk:.2f} | {tt / tk:.2f}x |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    print("\n".join(lines), flush=True)
+    if args.output:
+        args.output.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The C++ random-sampling kernel (cpu/random_sampling.cpp) against the
+sampler's torch path (layers/sampler.py: sort-based top-k/top-p, softmax,
+min-p): for every row, the token the kernel draws at a uniform u is the
+inverse CDF, in index order, of the torch path's kept probabilities. Fresh
+random logits each run (the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8serve.kernels import cpu_ops
+from fp8serve.layers.sampler import Sampler, SamplingMetadata
+from fp8serve.sampling_params import SamplingParams
+
+
+def _metadata(params: list[SamplingParams]) -> SamplingMetadata:
+    n = len(params)
+    return SamplingMetadata.from_params(params, [[1]] * n, [[]] * n, None, "cpu")
+
+
+def _reference_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The torch path's distribution per row (float64, normalized over the kept tokens)."""
+    probs = Sampler.random_probs(logits.clone(), md).double()
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _draw(logits, md, u):
+    return cpu_ops.sample_tokens(logits, md.temperature, md.top_k, md.top_p, md.min_p, u)
+
+
+def _check_inverse_cdf(ops, logits, params, seed, points=64):
+    """At the midpoint of each kept token's interval of the reference CDF (and at
+    `points` evenly spread u's) the kernel returns that token."""
+    md = _metadata(params)
+    ref = _reference_probs(logits, md)
+    rows, vocab = logits.shape
+    cdf = ref.cumsum(dim=-1)
+    lower = cdf - ref
+    for r in range(rows):
+        kept = torch.nonzero(ref[r] > 0).flatten()
+        # Midpoints of the kept tokens' intervals (a sample of them for big kept sets) ...
+        pick = kept if kept.numel() <= points else kept[torch.randperm(kept.numel())[:points]]
+        mids = ((lower[r, pick] + cdf[r, pick]) / 2).tolist()
+        want = pick.tolist()
+        # ... and a stratified grid of u, where the intervals are wide enough to be unambiguous.
+        for i in range(points):
+            u = (i + 0.5) / points
+            tok = int(torch.searchsorted(cdf[r], torch.tensor(u, dtype=torch.float64), right=True))
+            tok = min(tok, vocab - 1)
+            if ref[r, tok] > 1e-4 and min(u - lower[r, tok].item(), cdf[r, tok].item() - u) > 1e-5:
+                mids.append(u)
+                want.append(tok)
+        one = logits[r:r + 1].expand(len(mids), vocab).contiguous()
+        md_r = _metadata([params[r]] * len(mids))
+        got = _draw(one, md_r, torch.tensor(mids, dtype=torch.float64))
+        assert got.tolist() == want, f"seed={seed} row={r} params={params[r]}"
+
+
+@pytest.mark.parametrize("vocab", [7, 1001, 49152])
+def test_draws_follow_the_torch_paths_distribution(ops, seed, vocab):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp)
+              for t, k, p, mp in [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (0.5, 50, 1.0, 0.0),
+                                  (1.3, 20, 0.8, 0.0), (0.9, 0, 1.0, 0.1), (0.8, 0, 0.95, 0.05),
+                                  (2.0, 3, 0.5, 0.2), (1.0, 0, 0.01, 0.0), (0.3, 0, 0.999, 0.0)]]
+    # Peaked rows like a model's (a few large logits over a wide low tail), and flat ones.
+    logits = torch.randn(len(params), vocab, generator=g) * 2
+    logits[:, torch.randint(0, vocab, (5,), generator=g)] += 6
+    logits[len(params) // 2:] *= 0.1
+    _check_inverse_cdf(ops, logits, params, seed)
+
+
+def test_banned_tokens_and_underflow_are_never_drawn(ops, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 3000, generator=g)
+    logits[:, ::3] = float("-inf")  # banned (min_tokens, logit_bias -inf)
+    logits[1, 10] = 200.0  # every other token below exp's floor at temperature 1
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)]
+    _check_inverse_cdf(ops, logits, params, seed)
+    u = torch.linspace(0, 1 - 2**-40, 4001, dtype=torch.float64)
+    for r, p in enumerate(params):
+        got = _draw(logits[r:r + 1].expand(len(u), -1).contiguous(), _metadata([p] * len(u)), u)
+        assert bool(torch.isfinite(logits[r, got]).all()), seed
+    assert set(got.tolist()) == {10}
+
+
+def test_rows_for_the_torch_path_and_greedy_rows(ops):
+    logits = torch.randn(5, 100)
+    logits[0, 7] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 3] = float("inf")
+    params = [SamplingParams(temperature=1.0)] * 3 + [SamplingParams(temperature=0.0), SamplingParams(top_p=0.5)]
+    got = _draw(logits, _metadata(params), torch.full((5,), 0.5, dtype=torch.float64))
+    assert got[:3].tolist() == [-1, -1, -1]
+    assert got[3].item() == -2
+    assert 0 <= got[4].item() < 100
+
+
+def test_bad_inputs_are_rejected(ops):
+    md = _metadata([SamplingParams()] * 2)
+    u = torch.rand(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float32"):
+        _draw(torch.randn(2, 10, dtype=torch.float64), md, u)
+    with pytest.raises(RuntimeError, match="u must be"):
+        _draw(torch.randn(2, 10), md, u.float())
+    with pytest.raises(RuntimeError, match="temperature must be"):
+        cpu_ops.sample_tokens(torch.randn(3, 10), md.temperature, md.top_k, md.top_p, md.min_p, u)
+
+
+def test_sampler_falls_back_to_the_torch_path_for_nan_rows(ops):
+    logits = torch.randn(3, 50)
+    logits[1, 4] = float("nan")
+    md = _metadata([SamplingParams(temperature=1.0)] * 3)
+    calls = []
+    real = Sampler.random_probs
+    Sampler.random_probs = staticmethod(lambda lg, m: calls.append(lg.shape[0]) or real(lg, m))
+    try:
+        fast = Sampler()(logits, md).sampled_token_ids
+    finally:
+        Sampler.random_probs = staticmethod(real)
+    slow = Sampler(use_kernel=False)(logits, md).sampled_token_ids
+    assert calls == [3]  # the whole batch went the torch way
+    # The torch path's NaN semantics (a NaN row's softmax is all NaN; the first NaN wins the race).
+    assert fast[1].item() == slow[1].item() == 0
+    assert 0 <= fast[0].item() < 50 and 0 <= fast[2].item() < 50
+
+
+def test_seeded_rows_draw_from_their_own_generator(ops):
+    logits = torch.randn(1, 500).expand(4, 500).contiguous()
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0, seed=8)]
+    out = [Sampler()(logits, _metadata(params)).sampled_token_ids for _ in range(3)]
+    assert all(o[0] == o[2] == out[0][0] for o in out)  # same seed, same position: same token
+    alone = Sampler()(logits[:1], _metadata(params[:1])).sampled_token_ids
+    assert alone.item() == out[0][0].item()
