@@ -46,6 +46,12 @@ from fp8serve.kernels.cpu_ops import load_cpu_ops
 from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) of SmolLM2-135M's projections
+# --baseline-rev --model-shapes: (K, N) of other models' decode projections (qkv, o, gate_up, down).
+MODEL_SHAPES = {
+    "smollm2-135m": SHAPES,
+    "llama-3.2-1b": [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)],
+    "llama-3.1-8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],
+}
 LAYERS = 30
 LM_HEAD = (576, 49152)  # (K, N) of the tied lm_head
 BASELINE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)  # M of --baseline-rev: every tile shape up to kMaxRows
@@ -102,7 +108,7 @@ def walks(rounds: int, layers: int) -> None:
                           f"{nbytes / med['read'] / 1e9:.1f} |", flush=True)
 
 
-def versus_revision(rev: str, rounds: int, layers: int) -> None:
+def versus_revision(rev: str, rounds: int, layers: int, model_shapes: str = "smollm2-135m") -> None:
     """This tree's dense_gemv against dense_gemv.cpp at git revision `rev`, ABBA rounds."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_common import alternate, build_kernel_at_rev, command_line, describe_machine, machine_info
@@ -113,10 +119,11 @@ def versus_revision(rev: str, rounds: int, layers: int) -> None:
     print(f"Command: `{command_line()}`\n")
     for line in describe_machine(machine_info()):
         print(line)
-    print(f"- {4 * layers} decode linears per pass; medians of {rounds} ABBA rounds; GB/s = weight bytes / time\n")
+    print(f"- {4 * layers} decode linears of {model_shapes} per pass ((K, N): {MODEL_SHAPES[model_shapes]}); medians "
+          f"of {rounds} ABBA rounds; GB/s = weight bytes / time\n")
     print(f"| weights | M | {rev} ms | GB/s | this tree ms | GB/s | speedup |")
     print("|---|---|---|---|---|---|---|")
-    shapes = [s for _ in range(layers) for s in SHAPES]
+    shapes = [s for _ in range(layers) for s in MODEL_SHAPES[model_shapes]]
     for dt in (torch.float32, torch.bfloat16):
         ws = packed_weights(dt, shapes)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
@@ -273,6 +280,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=LAYERS,
                    help="decoder layers' linears per pass for --walks, --baseline-rev and --packed")
     p.add_argument("--baseline-rev", help="time dense_gemv.cpp as of this git revision beside this tree's")
+    p.add_argument("--model-shapes", choices=sorted(MODEL_SHAPES), default="smollm2-135m",
+                   help="--baseline-rev: whose decode projections to time (default: the default model's)")
     p.add_argument("--packed", action="store_true", help="bf16: plain rows, oneDNN packed and the packed layout at M = 1-512")
     args = p.parse_args()
     if sum(map(bool, (args.walks, args.baseline_rev, args.packed))) > 1:
@@ -287,7 +296,7 @@ def main() -> None:
         walks(args.rounds, args.layers)
         return
     if args.baseline_rev:
-        versus_revision(args.baseline_rev, args.rounds, args.layers)
+        versus_revision(args.baseline_rev, args.rounds, args.layers, args.model_shapes)
         return
     if args.packed:
         versus_packed(args.rounds, args.layers)

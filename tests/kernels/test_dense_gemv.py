@@ -13,7 +13,9 @@ pytestmark = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="C++ CPU 
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 16, 17, 27, 32])  # 11, 16: two activation tiles; 17-32: three or four
-@pytest.mark.parametrize("k", [576, 96, 37, 8])  # vector bodies (multiples of 32 take bf16 dots), tails
+# 576, 96, 37, 8: vector bodies (multiples of 32 take bf16 dots), tails; 1024 and 2051: K in
+# slices of 512 at 5+ rows (kKChunk), whole and with a short last slice.
+@pytest.mark.parametrize("k", [2051, 1024, 576, 96, 37, 8])
 @pytest.mark.parametrize("w_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -31,6 +33,21 @@ def test_matches_float64(seed, m, k, w_dtype, x_dtype, with_bias, path):
     tol = 1e-5 if x_dtype == torch.float32 else 2 ** -8  # float32: K-term float32 sums
     err = ((out.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
     assert err < tol, f"seed={seed}: {err:.2e}"
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 32])
+@pytest.mark.parametrize("k", [576, 2051])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_other_rows(seed, m, k, w_dtype):
+    """Each output is the same bit for bit whatever other weight rows share the
+    call (the exact greedy head recomputes its candidates' logits that way:
+    kernels/screened_argmax.py), with K in slices too."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(301, k, generator=g) * 0.1).to(w_dtype)
+    x = torch.randn(m, k, generator=g)
+    rows = torch.randperm(301, generator=g)[:7]
+    full = cpu_ops.dense_gemv(x, w)
+    assert torch.equal(cpu_ops.dense_gemv(x, w[rows].contiguous()), full[:, rows]), seed
 
 
 @pytest.mark.parametrize("m", [1, 2])  # the sequential walk takes 1-2 rows

@@ -71,6 +71,17 @@ constexpr int64_t kTileRows = 8;      // activation rows per register tile
 // weight comes from memory once per call whatever M.
 constexpr int64_t kRowBlock = 64;
 constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at least
+// Long rows at 5+ activation rows (float32-FMA loop): the dot products run over
+// K in slices of kKChunk, so a tile's 8 activation rows (16 KiB of the slice)
+// stay in L1 while the block's weight rows pass, instead of coming from L2 at
+// every FMA (a tile of 8 rows of K = 2048 is 64 KiB). At K = 576 (the default
+// model) the whole rows fit and nothing changes. On the AVX2-only Zen 3 EPYC
+// at K = 2048-8192 and 8-32 rows: 66-80 GFLOP/s before, against 112-129 at
+// K = 576 (benchmarks/results/dense_gemv_kchunk_2026-12-02_zen3.md). Each
+// output still sums its slices in one fixed order that depends on M and K
+// only, so a row's result does not depend on the other rows called with it.
+constexpr int64_t kKChunk = 512;
+constexpr int64_t kKChunkMinRows = 5;
 
 // WT: 0 float32 weights, 1 bf16 weights (the storage tags of scalar_convert.h).
 // dots[r * MT + m] = sum_k w[r][k] * x[m][k] for R weight rows, MT activation rows,
@@ -81,8 +92,8 @@ constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at leas
 // before a stream ends (see fp8_gemm.cpp, where this doubled the batch-1 read
 // rate there).
 template <int WT, int R, int MT, int KS = 1, fp8serve_prefetch::Level L = fp8serve_prefetch::kL1>
-__attribute__((always_inline)) inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t K,
-                                                    float* dots, int64_t prefetch_ahead) {
+__attribute__((always_inline)) inline void dot_tile(const char* w, int64_t w_row_bytes, const float* x, int64_t ldx,
+                                                    int64_t K, float* dots, int64_t prefetch_ahead) {
   int64_t k = 0;
 #ifdef FP8SERVE_VEC8
   namespace v8 = fp8serve_vec8;
@@ -97,7 +108,7 @@ __attribute__((always_inline)) inline void dot_tile(const char* w, int64_t w_row
     }
     for (int r = 0; r < R; ++r) {
       const __m256 wv = v8::load<WT>(w + r * w_row_bytes, kk);
-      for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + kk), acc[s][r][m]);
+      for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + kk), acc[s][r][m]);
     }
   };
   for (; k + 8 * KS <= K; k += 8 * KS)
@@ -115,15 +126,18 @@ __attribute__((always_inline)) inline void dot_tile(const char* w, int64_t w_row
   for (; k < K; ++k) {
     for (int r = 0; r < R; ++r) {
       const float wv = load_as_f32<WT>(w + r * w_row_bytes, k);
-      for (int m = 0; m < MT; ++m) dots[r * MT + m] += wv * x[m * K + k];
+      for (int m = 0; m < MT; ++m) dots[r * MT + m] += wv * x[m * ldx + k];
     }
   }
 }
 
-// kWideR: weight rows per tile at MT = 5-8 (see kAmdWideRows).
-template <int WT, int MT, bool kSeq, fp8serve_prefetch::Level L = fp8serve_prefetch::kL1, int kWideR = 1>
-void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const float* bias, int64_t N, int64_t K,
-          int64_t n_begin, int64_t n_end) {
+// kWideR: weight rows per tile at MT = 5-8 (see kAmdWideRows). x rows are ldx
+// floats apart. kAccumulate: add each dot product to partial[(n - n_begin) * MT + m]
+// (a slice of K: see kKChunk) instead of writing out[m * N + n] (+ bias).
+template <int WT, int MT, bool kSeq, fp8serve_prefetch::Level L = fp8serve_prefetch::kL1, int kWideR = 1,
+          bool kAccumulate = false>
+void rows(float* out, const float* x, int64_t ldx, const char* w, int64_t w_row_bytes, const float* bias, int64_t N,
+          int64_t K, int64_t n_begin, int64_t n_end) {
   // Interleaved: R * MT <= 8 accumulators (R * MT <= 24 with kWideR = 3)
   // leave registers for the weight vectors. Sequential: one row, two
   // accumulator sets, no software prefetch.
@@ -134,16 +148,20 @@ void rows(float* out, const float* x, const char* w, int64_t w_row_bytes, const 
   int64_t n = n_begin;
   const auto emit = [&](int64_t n0, int rr) {
     for (int r = 0; r < rr; ++r) {
-      const float b = bias ? bias[n0 + r] : 0.f;
-      for (int m = 0; m < MT; ++m) out[m * N + n0 + r] = dots[r * MT + m] + b;
+      if constexpr (kAccumulate) {
+        for (int m = 0; m < MT; ++m) out[(n0 + r - n_begin) * MT + m] += dots[r * MT + m];
+      } else {
+        const float b = bias ? bias[n0 + r] : 0.f;
+        for (int m = 0; m < MT; ++m) out[m * N + n0 + r] = dots[r * MT + m] + b;
+      }
     }
   };
   for (; n + R <= n_end; n += R) {
-    dot_tile<WT, R, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, K, dots, tiles_ahead * R * w_row_bytes);
+    dot_tile<WT, R, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, ldx, K, dots, tiles_ahead * R * w_row_bytes);
     emit(n, R);
   }
   for (; n < n_end; ++n) {
-    dot_tile<WT, 1, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, K, dots, tiles_ahead * w_row_bytes);
+    dot_tile<WT, 1, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, ldx, K, dots, tiles_ahead * w_row_bytes);
     emit(n, 1);
   }
 }
@@ -298,13 +316,14 @@ constexpr int kAmdWideRows = 3;
 constexpr int kAmdWideRows = 1;
 #endif
 
-template <int WT>
-void rows_any(int64_t mt, bool seq, float* out, const float* x, const char* w, int64_t wrb, const float* bias,
-              int64_t N, int64_t K, int64_t b, int64_t e) {
+template <int WT, bool kAccumulate = false>
+void rows_any(int64_t mt, bool seq, float* out, const float* x, int64_t ldx, const char* w, int64_t wrb,
+              const float* bias, int64_t N, int64_t K, int64_t b, int64_t e) {
   if (seq) {
-    TORCH_CHECK(mt <= kMaxSequentialRows, "the sequential walk takes at most ", kMaxSequentialRows, " rows");
-    if (mt == 1) rows<WT, 1, true>(out, x, w, wrb, bias, N, K, b, e);
-    else rows<WT, 2, true>(out, x, w, wrb, bias, N, K, b, e);
+    TORCH_CHECK(mt <= kMaxSequentialRows && !kAccumulate, "the sequential walk takes at most ", kMaxSequentialRows,
+                " rows, whole");
+    if (mt == 1) rows<WT, 1, true>(out, x, ldx, w, wrb, bias, N, K, b, e);
+    else rows<WT, 2, true>(out, x, ldx, w, wrb, bias, N, K, b, e);
     return;
   }
   // AMD: the L2 prefetch (prefetch_level.h makes the same vendor choice) and
@@ -312,9 +331,9 @@ void rows_any(int64_t mt, bool seq, float* out, const float* x, const char* w, i
   const bool amd = fp8serve_cpu::is_amd();
   switch (mt) {
 #define FP8SERVE_CASE(T) \
-  case T:                                                                                             \
-    if (amd) rows<WT, T, false, fp8serve_prefetch::kL2, kAmdWideRows>(out, x, w, wrb, bias, N, K, b, e); \
-    else rows<WT, T, false, fp8serve_prefetch::kL1, 1>(out, x, w, wrb, bias, N, K, b, e);               \
+  case T:                                                                                                  \
+    if (amd) rows<WT, T, false, fp8serve_prefetch::kL2, kAmdWideRows, kAccumulate>(out, x, ldx, w, wrb, bias, N, K, b, e); \
+    else rows<WT, T, false, fp8serve_prefetch::kL1, 1, kAccumulate>(out, x, ldx, w, wrb, bias, N, K, b, e);               \
     break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
@@ -383,13 +402,39 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
     return out;
   }
 #endif
+  const int64_t esz = w.element_size();
+  const bool chunk_k = !seq && M >= kKChunkMinRows && K > kKChunk;
   at::parallel_for(0, N, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> partial(chunk_k ? kRowBlock * M : 0);
     for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
       const int64_t n1 = std::min(end, n0 + kRowBlock);
+      if (!chunk_k) {
+        for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+          const int64_t mt = std::min(kTileRows, M - m0);
+          if (wbf16) rows_any<1>(mt, seq, op + m0 * N, xp + m0 * K, K, wp, wrb, bp, N, K, n0, n1);
+          else rows_any<0>(mt, seq, op + m0 * N, xp + m0 * K, K, wp, wrb, bp, N, K, n0, n1);
+        }
+        continue;
+      }
+      // K in slices (see kKChunk): tile m0's sums for the block's rows at
+      // partial[m0 * kRowBlock + (n - n0) * mt + (m - m0)], added slice by slice.
+      std::fill(partial.begin(), partial.end(), 0.f);
+      for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
+        const int64_t kc = std::min(kKChunk, K - k0);
+        for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+          const int64_t mt = std::min(kTileRows, M - m0);
+          float* acc = partial.data() + m0 * kRowBlock;
+          if (wbf16) rows_any<1, true>(mt, false, acc, xp + m0 * K + k0, K, wp + k0 * esz, wrb, nullptr, N, kc, n0, n1);
+          else rows_any<0, true>(mt, false, acc, xp + m0 * K + k0, K, wp + k0 * esz, wrb, nullptr, N, kc, n0, n1);
+        }
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int64_t mt = std::min(kTileRows, M - m0);
-        if (wbf16) rows_any<1>(mt, seq, op + m0 * N, xp + m0 * K, wp, wrb, bp, N, K, n0, n1);
-        else rows_any<0>(mt, seq, op + m0 * N, xp + m0 * K, wp, wrb, bp, N, K, n0, n1);
+        const float* acc = partial.data() + m0 * kRowBlock;
+        for (int64_t n = n0; n < n1; ++n) {
+          const float bn = bp ? bp[n] : 0.f;
+          for (int64_t m = 0; m < mt; ++m) op[(m0 + m) * N + n] = acc[(n - n0) * mt + m] + bn;
+        }
       }
     }
     io.narrow(M, begin, end);
