@@ -18,7 +18,9 @@ bytes in the same rounds; medians of --rounds.
 
 --baseline-rev REV builds dense_gemv.cpp as of git revision REV beside this
 tree's and times both on the 120 decode linears at M = 1-32, float32 and bf16
-weights, in ABBA rounds (medians of --rounds).
+weights, in ABBA rounds (medians of --rounds); --model-shapes times another
+model's projections instead (llama-3.2-1b, llama-3.1-8b: longer rows, K up to
+14336), --layers of them per pass.
 
 --packed times bf16 x bf16 on the plain [N, K] weights (dense_gemv, M <= 32),
 on oneDNN's packed weight (the engine's path above 32 rows), and on the

@@ -31,10 +31,13 @@ def test_rejects_bad_arguments(bad, message, monkeypatch, capsys):
 
 def test_baseline_rev_table(ops, monkeypatch, capsys):
     """Against HEAD's dense_gemv.cpp: one row per weight dtype and M, both sides timed."""
-    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--baseline-rev", "HEAD", "--rounds", "1", "--layers", "1"])
+    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--baseline-rev", "HEAD", "--rounds", "1", "--layers", "1",
+                                      "--model-shapes", "smollm2-135m"])
     with loaded_script("dense_gemv.py") as script:
         script.main()
-    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and not ln.startswith("| weights")]
+    out = capsys.readouterr().out
+    assert "decode linears of smollm2-135m" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and not ln.startswith("| weights")]
     cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
     assert {(c[0], c[1]) for c in cells} == {(d, str(m)) for d in ("float32", "bfloat16") for m in (1, 2, 4, 8, 12, 16, 24, 32)}
     assert all(float(c[2]) > 0 and float(c[4]) > 0 and c[6].endswith("x") for c in cells)
@@ -76,3 +79,10 @@ def test_unknown_revision_is_reported(ops, monkeypatch):
     with loaded_script("dense_gemv.py") as script, pytest.raises(SystemExit) as excinfo:
         script.main()
     assert "--baseline-rev no-such-revision-xyz: git cannot list fp8serve/kernels/cpu" in str(excinfo.value)
+
+
+def test_unknown_model_shapes_are_rejected(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--baseline-rev", "HEAD", "--model-shapes", "gpt-2"])
+    with loaded_script("dense_gemv.py") as script, pytest.raises(SystemExit):
+        script.main()
+    assert "--model-shapes" in capsys.readouterr().err
