@@ -10,10 +10,14 @@ top-k/top-p, softmax, one exponential variate per vocabulary entry), in one proc
      --decode-context prompt tokens and 32 output tokens per row) at --batch rows:
      the dense reference (`apply_penalties_dense`) against `apply_penalties`,
      which touches only the seen tokens.
-  3. Engine decode steps at --decode-batch with temperature 0.7, top_p 0.9,
+  3. Speculative decoding's rejection sampling alone (spec_decode/rejection_sampler.py)
+     on --batch sequences of 4 drafts each (5 rows of the model's logits per sequence),
+     temperature 0.7 / top_p 0.9: the torch path (a sort per row, the exponential race)
+     against the kernel (p(draft) and the draw without the draft in its passes).
+  4. Engine decode steps at --decode-batch with temperature 0.7, top_p 0.9,
      the sampler switched between rounds in the same engine (`Sampler.use_kernel`).
 
-The table's "baseline" is the torch path (rows 1 and 3) or the dense penalties (row 2).
+The table's "baseline" is the torch path (rows 1, 3 and 4) or the dense penalties (row 2).
 
     python benchmarks/sampler.py
     python benchmarks/sampler.py --batch 1,64 --decode-batch 1,16 --output benchmarks/results/x.md
@@ -120,6 +124,39 @@ def time_penalties(logits: torch.Tensor, prompt_len: int, rounds: int, calls: in
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def time_rejection(logits: torch.Tensor, seqs: int, rounds: int, calls: int) -> dict[str, float]:
+    from fp8serve import SamplingParams
+    from fp8serve.layers.sampler import SamplingMetadata
+    from fp8serve.spec_decode.rejection_sampler import rejection_sample
+
+    vocab = logits.shape[1]
+    rows = logits[torch.arange(5 * seqs) % len(logits)].contiguous()
+    drafts = [[int(t) for t in torch.randint(0, vocab, (4,))] for _ in range(seqs)]
+    sp = SamplingParams(temperature=0.7, top_p=0.9)
+    outs = [list(d[:j]) for d in drafts for j in range(5)]
+    md = SamplingMetadata.from_params([sp] * len(outs), [[1, 2, 3]] * len(outs), outs, None, "cpu")
+    applies = cpu_ops.sample_tokens_applies
+
+    def torch_path():
+        cpu_ops.sample_tokens_applies = lambda x: False
+        try:
+            rejection_sample(rows, md, drafts)
+        finally:
+            cpu_ops.sample_tokens_applies = applies
+
+    fns = {"torch": torch_path, "kernel": lambda: rejection_sample(rows, md, drafts)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            one = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                fns[name]()
+                one.append(time.perf_counter() - t)
+            times[name].append(statistics.median(one))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the built-in default model)")
@@ -178,6 +215,11 @@ def main() -> None:
         lines.append(f"| penalties alone (dense vs seen tokens only) | {b} | repetition 1.1, frequency 0.2, "
                      f"presence 0.1 | {1e3 * t['dense']:.3f} | {1e3 * t['sparse']:.3f} | "
                      f"{t['dense'] / t['sparse']:.1f}x |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    for b in batches:
+        t = time_rejection(rows, b, args.rounds, args.calls)
+        lines.append(f"| rejection sampling alone ({b} x 4 drafts, {5 * b} rows) | {5 * b} | {DECODE_PARAMS} | "
+                     f"{1e3 * t['torch']:.3f} | {1e3 * t['kernel']:.3f} | {t['torch'] / t['kernel']:.1f}x |")
         print(lines[-1], file=sys.stderr, flush=True)
     sampler = engine.model_runner.sampler
     for b in decode_batches:

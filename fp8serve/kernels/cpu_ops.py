@@ -329,7 +329,18 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     row's uniform u (float64 in [0, 1)). -2 for rows with temperature <
     SAMPLING_EPS (greedy: not sampled), -1 for rows the kernel leaves to the
     torch path (a NaN, or no finite maximum). See random_sampling.cpp."""
-    return load_cpu_ops().sample_tokens(logits, temperature, top_k, top_p, min_p, u)
+    exclude = torch.full((logits.shape[0],), -1, dtype=torch.int64)
+    return load_cpu_ops().sample_tokens(logits, temperature, top_k, top_p, min_p, u, exclude)[0]
+
+
+def sample_tokens_excluding(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                            top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor,
+                            exclude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` where row r draws without token exclude[r] (< 0: none),
+    and that token's probability under the row's kept distribution (float64;
+    0 where none): speculative decoding's rejection step for a drafted token.
+    A row that keeps only its excluded token returns it (probability 1)."""
+    return tuple(load_cpu_ops().sample_tokens(logits, temperature, top_k, top_p, min_p, u, exclude.contiguous()))
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

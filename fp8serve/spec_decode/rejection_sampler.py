@@ -18,6 +18,12 @@ emitted token is then distributed exactly as plain sampling's would be, so
 outputs keep their distribution; a seeded request is reproducible but draws
 other tokens than it would without drafts (the randomness is spent
 differently), as in vLLM.
+
+On CPU with the C++ kernels, p_j(d_j) and the draw without d_j come from the
+sampler's kernel (kernels/cpu/random_sampling.cpp) in a few passes per row;
+elsewhere from the torch path (sorted filtering, the exponential race): 37x
+for one sequence with 4 drafts on the default model
+(benchmarks/results/sampler_2026-12-02_zen3.md).
 """
 
 from __future__ import annotations
@@ -65,10 +71,6 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
         accepted = greedy == draft_rows
         emitted = greedy
     else:
-        # Rows without a draft draw as a plain decode step does (the C++ kernel, one uniform
-        # from a seeded row's generator, first), before random_probs rescales the logits in place.
-        plain = _plain_draws(logits, metadata, drafts_flat)
-        probs = Sampler.random_probs(logits, metadata)  # [rows, vocab], rows may be unnormalized (min-p)
         # Uniforms for the acceptance test: seeded rows draw theirs first from
         # their own generator (before the emitted-token draw below), the others
         # from the global RNG. A row without a draft draws nothing here, so a
@@ -77,17 +79,29 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
         for row, gen in metadata.generators.items():
             if drafts_flat[row] >= 0:
                 uniform[row] = torch.rand(1, generator=gen, device=device)[0]
-        safe_drafts = draft_rows.clamp(min=0).unsqueeze(-1)
-        p_draft = probs.gather(-1, safe_drafts).squeeze(-1) / probs.sum(-1)
-        accepted = has_draft & (uniform < p_draft)
-        # The token emitted at a row: drawn from p with the row's draft removed
-        # (only used when the draft was rejected, so p(draft) < 1 and something
-        # is left), or from p itself on a sequence's last row.
-        probs.scatter_(-1, safe_drafts, torch.where(has_draft.unsqueeze(-1), 0.0,
-                                                    probs.gather(-1, safe_drafts)))
-        emitted = exponential_race(probs, metadata.generators)
-        if plain is not None:
-            emitted = torch.where(has_draft | (plain < 0), emitted, plain)
+        fast = None
+        if cpu_ops.sample_tokens_applies(logits):
+            # The C++ kernel (Sampler.sample_random's): p(draft) under each row's
+            # kept distribution, and the emitted token drawn without the draft
+            # (rows with one) or as a plain step draws it (rows without).
+            fast = cpu_ops.sample_tokens_excluding(logits, metadata.temperature, metadata.top_k, metadata.top_p,
+                                                   metadata.min_p, row_uniforms(metadata), draft_rows)
+            if bool((fast[0] == -1).any()):
+                fast = None  # a row for the torch path (a NaN, or no finite logit): all rows go there
+        if fast is not None:
+            emitted, p_draft = fast
+            accepted = has_draft & (uniform.double() < p_draft)
+        else:
+            probs = Sampler.random_probs(logits, metadata)  # [rows, vocab], rows may be unnormalized (min-p)
+            safe_drafts = draft_rows.clamp(min=0).unsqueeze(-1)
+            p_draft = probs.gather(-1, safe_drafts).squeeze(-1) / probs.sum(-1)
+            accepted = has_draft & (uniform < p_draft)
+            # The token emitted at a row: drawn from p with the row's draft removed
+            # (only used when the draft was rejected, so p(draft) < 1 and something
+            # is left), or from p itself on a sequence's last row.
+            probs.scatter_(-1, safe_drafts, torch.where(has_draft.unsqueeze(-1), 0.0,
+                                                        probs.gather(-1, safe_drafts)))
+            emitted = exponential_race(probs, metadata.generators)
         if greedy is not None:
             is_greedy = metadata.temperature < SAMPLING_EPS
             accepted = torch.where(is_greedy, greedy == draft_rows, accepted)
@@ -106,14 +120,3 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
         token_ids.append(out)
         row += len(drafts) + 1
     return VerifyResult(token_ids, torch.tensor(row_tokens, dtype=torch.int64, device=device).clamp(min=0))
-
-
-def _plain_draws(logits: torch.Tensor, metadata: SamplingMetadata, drafts_flat: list[int]) -> torch.Tensor | None:
-    """The tokens `Sampler.sample_random`'s kernel draws for the rows without a
-    draft (< 0 where a row is left to the torch path; rows with a draft get
-    values the caller ignores, and their generators are not touched), or None
-    where the kernel does not serve."""
-    if not cpu_ops.sample_tokens_applies(logits) or all(d >= 0 for d in drafts_flat):
-        return None
-    u = row_uniforms(metadata, skip=[d >= 0 for d in drafts_flat])
-    return cpu_ops.sample_tokens(logits, metadata.temperature, metadata.top_k, metadata.top_p, metadata.min_p, u)

@@ -34,6 +34,8 @@ def test_every_cell_is_timed(ops, monkeypatch, tmp_path):
         ("sampler alone", "5", "t=1.0"), ("sampler alone", "5", "t=0.7 top_p=0.9"),
         ("penalties alone (dense vs seen tokens only)", "1", "repetition 1.1, frequency 0.2, presence 0.1"),
         ("penalties alone (dense vs seen tokens only)", "5", "repetition 1.1, frequency 0.2, presence 0.1"),
+        ("rejection sampling alone (1 x 4 drafts, 5 rows)", "5", "t=0.7 top_p=0.9"),
+        ("rejection sampling alone (5 x 4 drafts, 25 rows)", "25", "t=0.7 top_p=0.9"),
         ("engine decode step, batch 2 x ~16", "2", "t=0.7 top_p=0.9")]
     for r in rows:
         assert float(r[3]) > 0 and float(r[4]) > 0 and r[5].endswith("x"), r

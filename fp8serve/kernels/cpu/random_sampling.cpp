@@ -39,6 +39,7 @@
 #include <functional>
 #include <limits>
 #include <queue>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -218,8 +219,14 @@ double top_p_kept(const float* q, int64_t n, double total, float p, float min_q,
   return sum;
 }
 
-int64_t sample_row(const float* x, int64_t n, const RowParams& rp, double u, float* q, double* chunk_sums,
-                   std::vector<std::pair<float, int32_t>>& kept) {
+// One row: the sampled token (or -1 / -2, see sample_tokens). exclude >= 0
+// (a draft token, speculative decoding): *p_excluded = its probability under
+// the kept distribution, and the draw is from the kept tokens without it
+// (the excluded token itself where nothing else is kept: then its probability
+// is 1 and the caller never uses the draw).
+int64_t sample_row(const float* x, int64_t n, const RowParams& rp, double u, int64_t exclude, double* p_excluded,
+                   float* q, double* chunk_sums, std::vector<std::pair<float, int32_t>>& kept) {
+  *p_excluded = 0;
   if (rp.temperature < kSamplingEps) return -2;
   float m = 0;
   if (!row_max(x, n, m)) return -1;
@@ -228,11 +235,36 @@ int64_t sample_row(const float* x, int64_t n, const RowParams& rp, double u, flo
                                                    : -std::numeric_limits<float>::infinity();
   const bool top_p = rp.top_p < 1.f;
   const float min_q = rp.min_p > 0 ? rp.min_p : 0.f;
+  const bool excl = exclude >= 0 && exclude < n;
   const double total = fill_q(x, n, m, s, tau, top_p ? 0.f : min_q, q, chunk_sums);
   if (!(total > 0)) return -1;
-  if (!top_p) return draw_from_chunks(q, n, chunk_sums, u * total);
-  const double sum = top_p_kept(q, n, total, rp.top_p, min_q, kept);
+  if (!top_p) {
+    if (!excl) return draw_from_chunks(q, n, chunk_sums, u * total);
+    const float qe = q[exclude];
+    *p_excluded = qe / total;
+    if (qe <= 0) return draw_from_chunks(q, n, chunk_sums, u * total);
+    // The draw without it: its chunk summed again without it (no subtraction's rounding).
+    q[exclude] = 0.f;
+    const int64_t c = exclude / kChunk, c0 = c * kChunk, c1 = std::min(n, c0 + kChunk);
+    double chunk = 0;
+    for (int64_t i = c0; i < c1; ++i) chunk += q[i];
+    chunk_sums[c] = chunk;
+    const double rest = total - qe;
+    const int64_t t = rest > 0 ? draw_from_chunks(q, n, chunk_sums, u * rest) : -1;
+    return t >= 0 ? t : exclude;
+  }
+  double sum = top_p_kept(q, n, total, rp.top_p, min_q, kept);
   if (kept.empty()) return -1;
+  if (excl) {
+    const auto it = std::find_if(kept.begin(), kept.end(), [&](const auto& e) { return e.second == exclude; });
+    if (it != kept.end()) {
+      *p_excluded = it->first / sum;
+      if (kept.size() == 1) return exclude;
+      kept.erase(it);
+      sum = 0;
+      for (const auto& e : kept) sum += e.first;
+    }
+  }
   const double target = u * sum;
   double run = 0;
   for (const auto& e : kept) {
@@ -245,12 +277,15 @@ int64_t sample_row(const float* x, int64_t n, const RowParams& rp, double u, flo
 }  // namespace
 
 // logits [rows, vocab] float32 (contiguous rows); temperature, top_p, min_p
-// float32 [rows]; top_k int64 [rows] (<= 0: off); u float64 [rows] in [0, 1).
-// Returns int64 [rows]: the sampled token; -2 for rows with temperature <
-// eps (greedy: not sampled here); -1 where the row needs the torch path (a
-// NaN, or no finite maximum).
-at::Tensor sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
-                         at::Tensor min_p, at::Tensor u) {
+// float32 [rows]; top_k int64 [rows] (<= 0: off); u float64 [rows] in [0, 1);
+// exclude int64 [rows]: a token to draw without (< 0: none).
+// Returns (int64 [rows]: the sampled token, -2 for rows with temperature <
+// eps (greedy: not sampled here), -1 where the row needs the torch path (a
+// NaN, or no finite maximum); float64 [rows]: the excluded token's
+// probability under the row's kept distribution, 0 where none).
+std::tuple<at::Tensor, at::Tensor> sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor top_k,
+                                                 at::Tensor top_p, at::Tensor min_p, at::Tensor u,
+                                                 at::Tensor exclude) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "sample_tokens: logits must be a 2-D float32 CPU tensor with contiguous rows");
@@ -266,22 +301,25 @@ at::Tensor sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor t
   check(top_p, at::kFloat, "top_p");
   check(min_p, at::kFloat, "min_p");
   check(u, at::kDouble, "u");
+  check(exclude, at::kLong, "exclude");
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  at::Tensor p_ex = at::empty({rows}, logits.options().dtype(at::kDouble));
   const float* x = logits.data_ptr<float>();
   const float *t = temperature.data_ptr<float>(), *tp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
-  const int64_t* tk = top_k.data_ptr<int64_t>();
+  const int64_t *tk = top_k.data_ptr<int64_t>(), *ex = exclude.data_ptr<int64_t>();
   const double* uu = u.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();
+  double* pe = p_ex.data_ptr<double>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(vocab);
     std::vector<double> chunk_sums((vocab + kChunk - 1) / kChunk);
     std::vector<std::pair<float, int32_t>> kept;
     for (int64_t r = begin; r < end; ++r) {
       const RowParams rp{t[r], tp[r], mp[r], tk[r]};
-      o[r] = sample_row(x + r * ld, vocab, rp, uu[r], q.data(), chunk_sums.data(), kept);
+      o[r] = sample_row(x + r * ld, vocab, rp, uu[r], ex[r], pe + r, q.data(), chunk_sums.data(), kept);
     }
   });
-  return out;
+  return {out, p_ex};
 }
 
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
