@@ -135,3 +135,46 @@ def test_seeded_rows_draw_from_their_own_generator(ops):
     assert all(o[0] == o[2] == out[0][0] for o in out)  # same seed, same position: same token
     alone = Sampler()(logits[:1], _metadata(params[:1])).sampled_token_ids
     assert alone.item() == out[0][0].item()
+
+
+@pytest.mark.parametrize("vocab", [7, 3001])
+def test_draws_without_an_excluded_token(ops, seed, vocab):
+    """sample_tokens_excluding: the excluded token's probability under the torch
+    path's kept distribution, and draws by the inverse CDF of the kept tokens
+    without it (speculative decoding's rejection step)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.5, top_k=5, min_p=0.02)]
+    logits = torch.randn(len(params), vocab, generator=g) * 2
+    md = _metadata(params)
+    ref = _reference_probs(logits, md)
+    for r, p in enumerate(params):
+        kept = torch.nonzero(ref[r] > 0).flatten()
+        ex = int(kept[torch.randint(0, kept.numel(), (1,), generator=g)])
+        rest = ref[r].clone()
+        rest[ex] = 0
+        rest /= rest.sum()
+        cdf = rest.cumsum(0)
+        lower = cdf - rest
+        others = torch.nonzero(rest > 0).flatten()
+        mids = ((lower[others] + cdf[others]) / 2)
+        n = len(mids)
+        one = logits[r:r + 1].expand(n, vocab).contiguous()
+        md_r = _metadata([p] * n)
+        got, p_ex = cpu_ops.sample_tokens_excluding(one, md_r.temperature, md_r.top_k, md_r.top_p, md_r.min_p, mids,
+                                                    torch.full((n,), ex, dtype=torch.int64))
+        assert got.tolist() == others.tolist(), f"seed={seed} row={r}"
+        assert torch.allclose(p_ex, torch.full_like(p_ex, ref[r, ex].item()), rtol=1e-5, atol=1e-12), seed
+    # A token outside the kept set: probability 0, the plain draw; the only kept token: itself, probability 1.
+    row = logits[:1].contiguous()
+    md1 = _metadata([SamplingParams(temperature=1.0, top_k=1)])
+    top = int(row.argmax())
+    other = (top + 1) % vocab
+    u = torch.tensor([0.3], dtype=torch.float64)
+    got, p_ex = cpu_ops.sample_tokens_excluding(row, md1.temperature, md1.top_k, md1.top_p, md1.min_p, u,
+                                                torch.tensor([other]))
+    assert (got.item(), p_ex.item()) == (top, 0.0)
+    got, p_ex = cpu_ops.sample_tokens_excluding(row, md1.temperature, md1.top_k, md1.top_p, md1.min_p, u,
+                                                torch.tensor([top]))
+    assert (got.item(), p_ex.item()) == (top, 1.0)
