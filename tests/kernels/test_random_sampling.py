@@ -39,8 +39,12 @@ def _check_inverse_cdf(ops, logits, params, seed, points=64):
     lower = cdf - ref
     for r in range(rows):
         kept = torch.nonzero(ref[r] > 0).flatten()
-        # Midpoints of the kept tokens' intervals (a sample of them for big kept sets) ...
-        pick = kept if kept.numel() <= points else kept[torch.randperm(kept.numel())[:points]]
+        # Midpoints of the kept tokens' intervals (a sample of them for big kept sets), where the
+        # interval is wide enough (1e-5) that float32 rounding of the kernel's weights (~1e-7 of the
+        # total) cannot move the midpoint out of it ...
+        wide = kept[ref[r, kept] >= 1e-5]
+        assert wide.numel() > 0
+        pick = wide if wide.numel() <= points else wide[torch.randperm(wide.numel())[:points]]
         mids = ((lower[r, pick] + cdf[r, pick]) / 2).tolist()
         want = pick.tolist()
         # ... and a stratified grid of u, where the intervals are wide enough to be unambiguous.
@@ -157,14 +161,15 @@ def test_draws_without_an_excluded_token(ops, seed, vocab):
         rest /= rest.sum()
         cdf = rest.cumsum(0)
         lower = cdf - rest
-        others = torch.nonzero(rest > 0).flatten()
+        others = torch.nonzero(rest >= 1e-5).flatten()  # wide intervals only (see _check_inverse_cdf)
         mids = ((lower[others] + cdf[others]) / 2)
         n = len(mids)
         one = logits[r:r + 1].expand(n, vocab).contiguous()
         md_r = _metadata([p] * n)
         got, p_ex = cpu_ops.sample_tokens_excluding(one, md_r.temperature, md_r.top_k, md_r.top_p, md_r.min_p, mids,
                                                     torch.full((n,), ex, dtype=torch.int64))
-        assert got.tolist() == others.tolist(), f"seed={seed} row={r}"
+        bad = [(t, w, g_) for t, w, g_ in zip(others.tolist(), rest[others].tolist(), got.tolist()) if t != g_]
+        assert got.tolist() == others.tolist(), f"seed={seed} row={r}: (token, width, got) {bad[:5]}"
         assert torch.allclose(p_ex, torch.full_like(p_ex, ref[r, ex].item()), rtol=1e-5, atol=1e-12), seed
     # A token outside the kept set: probability 0, the plain draw; the only kept token: itself, probability 1.
     row = logits[:1].contiguous()
