@@ -185,6 +185,60 @@ def alternate(measures: dict, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in res.items()}
 
 
+def median_time(fn, calls: int, setup=None) -> float:
+    """Median seconds of `calls` runs of fn(); `setup()` (untimed) before each,
+    e.g. a read that evicts the caches, or a fresh copy of an input fn overwrites."""
+    import statistics
+
+    times = []
+    for _ in range(calls):
+        if setup is not None:
+            setup()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def parse_sizes(parser, flag: str, text: str, allow_empty: bool = False) -> list[int]:
+    """`--flag 1,16,64` -> [1, 16, 64] (sizes >= 1), or parser.error naming the flag."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
+    if (not sizes and not allow_empty) or any(x < 1 for x in sizes):
+        parser.error(f"{flag}: expected sizes >= 1, got {text!r}")
+    return sizes
+
+
+def greedy_head_rows(engine, draw, rng: random.Random, prompt_len: int, steps: int):
+    """The LM head's input rows ([n, hidden] float32) of a greedy generation
+    from `draw(prompt_len, rng)`: one per sampling step (the prefill's last
+    row, then one per decode step), recorded where the model runner asks the
+    model for a greedy step's tokens."""
+    import torch
+
+    from fp8serve import SamplingParams
+
+    model = engine.model_runner.model
+    rows: list = []
+    real = model.compute_greedy_tokens
+
+    def record(hidden):
+        rows.extend(hidden.detach().float().clone())
+        return real(hidden)
+
+    model.compute_greedy_tokens = record
+    try:
+        engine.add_request(None, {"prompt_token_ids": draw(prompt_len, rng)},
+                           SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        del model.compute_greedy_tokens
+    return torch.stack(rows)
+
+
 def time_greedy_decode(engine, prompts: list[list[int]], steps: int,
                        sampling: dict | None = None) -> tuple[float, list[list[int]]]:
     """Adds one greedy request per prompt (steps + 2 new tokens each) and steps the engine until

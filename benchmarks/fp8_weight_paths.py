@@ -80,20 +80,15 @@ def main() -> None:
     require_positive(p, args, "prompt_len", "prefills", "decode_batch", "decode_context", "decode_steps", "rounds")
     if fp8_linear_ops.TILED_GEMM_ENV in os.environ:
         p.error(f"unset {fp8_linear_ops.TILED_GEMM_ENV}: this script switches it itself")
-    from single_stream import ensure_fp8_checkpoint, fp8_checkpoint_dir
+    from single_stream import fp8_checkpoint
 
     from fp8serve import LLM
-    from fp8serve.default_model import ensure_default_model
     from fp8serve.kernels.cpu_ops import load_cpu_ops
 
     ops = load_cpu_ops()
     if ops is None or not hasattr(ops, "fp8_tiled_gemm_available") or not ops.fp8_tiled_gemm_available():
         sys.exit("fp8_tiled_gemm is not built on this machine (it needs AVX2, FMA and F16C and the C++ kernels)")
-    if args.fp8_model:
-        fp8_dir = Path(args.fp8_model)
-    else:
-        src = Path(args.model) if args.model else ensure_default_model()
-        fp8_dir = ensure_fp8_checkpoint(src, fp8_checkpoint_dir(src, args.model is None))
+    fp8_dir = fp8_checkpoint(args.model, args.fp8_model)
     max_len = max(args.prompt_len, args.decode_context + args.decode_steps + 2) + 1
     llm = LLM(model=str(fp8_dir), dtype="float32", max_model_len=max_len, max_num_seqs=max(128, args.decode_batch),
               device="cpu", seed=args.seed)

@@ -34,36 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive,
-    time_greedy_decode, token_source)
+    alternate, command_line, describe_machine, greedy_head_rows, machine_info, record_as_a_warm_engine,
+    require_positive, time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops, screened_argmax  # noqa: E402
 
 ROWS = (1, 2, 4, 8)
-
-
-def head_rows(engine, draw, rng: random.Random, prompt_len: int, steps: int) -> torch.Tensor:
-    """The LM head's input rows ([n, hidden] float32) of a greedy generation
-    from a window of text: one per decode step."""
-    from fp8serve import SamplingParams
-
-    head = engine.model_runner.model.lm_head
-    rows: list[torch.Tensor] = []
-    real = head.greedy_tokens
-
-    def record(hidden):
-        rows.extend(hidden.clone())
-        return real(hidden)
-
-    head.greedy_tokens = record
-    try:
-        engine.add_request(None, {"prompt_token_ids": draw(prompt_len, rng)},
-                           SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        del head.greedy_tokens
-    return torch.stack(rows)
 
 
 def time_head(head, screen, x: torch.Tensor, flush: torch.Tensor, calls: int, rounds: int):
@@ -101,7 +77,7 @@ def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
                  f"kernels, or a compute dtype other than float32)")
     rng = random.Random(args.seed)
     draw = token_source(engine, args.prompts)
-    rows = head_rows(engine, draw, rng, args.decode_context, args.sample_steps)
+    rows = greedy_head_rows(engine, draw, rng, args.decode_context, args.sample_steps)
     counts = [screened_argmax.screened_candidates(r.unsqueeze(0), screen).numel() for r in rows]
     w = head.weight
     lines.append(f"- {name}: {model_dir}; head {tuple(w.shape)} {w.dtype}, {w.numel() * w.element_size() / 2**20:.1f} "

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,8 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive, time_greedy_decode,
-    token_source)
+    alternate, command_line, describe_machine, greedy_head_rows, machine_info, median_time, parse_sizes,
+    record_as_a_warm_engine, require_positive, time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops  # noqa: E402
 from fp8serve.layers import vocab_embedding  # noqa: E402
@@ -58,45 +56,10 @@ def engine_path(head, m: int) -> str:
     return "upcast"
 
 
-def head_rows(engine, draw, rng: random.Random, prompt_len: int, steps: int) -> torch.Tensor:
-    """The LM head's input rows of a greedy generation from text."""
-    from fp8serve import SamplingParams
-
-    model = engine.model_runner.model
-    seen: list[torch.Tensor] = []
-    real = model.compute_logits
-
-    def record(h):
-        seen.append(h.detach().clone())
-        return real(h)
-
-    model.compute_logits = record
-    greedy = model.compute_greedy_tokens
-    model.compute_greedy_tokens = lambda h: None  # every step through compute_logits
-    try:
-        engine.add_request(None, {"prompt_token_ids": draw(prompt_len, rng)},
-                           SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        model.compute_logits = real
-        model.compute_greedy_tokens = greedy
-    return torch.cat(seen[1:])  # decode rows (the first call is the prefill's last row)
-
-
 def time_head(head, x: torch.Tensor, flush: torch.Tensor, calls: int, rounds: int) -> dict[str, float]:
-    paths = {"upcast": lambda: upcast_logits(head, x), "engine": lambda: head(x)}
-    times: dict[str, list[float]] = {k: [] for k in paths}
-    for r in range(rounds):
-        for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-            one = []
-            for _ in range(calls):
-                flush.add_(1)
-                t = time.perf_counter()
-                paths[name]()
-                one.append(time.perf_counter() - t)
-            times[name].append(statistics.median(one))
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median seconds of each path on x, cold (a read of `flush` before every call), ABBA."""
+    return alternate({"upcast": lambda: median_time(lambda: upcast_logits(head, x), calls, lambda: flush.add_(1)),
+                      "engine": lambda: median_time(lambda: head(x), calls, lambda: flush.add_(1))}, rounds)
 
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
@@ -120,26 +83,15 @@ def main() -> None:
     p.add_argument("--output", type=Path, help="also write the table (markdown) here")
     args = p.parse_args()
     require_positive(p, args, "decode_context", "decode_steps", "sample_steps", "calls", "rounds")
-    try:
-        rows = [int(r) for r in args.rows.split(",") if r.strip()]
-        batches = [int(b) for b in args.decode_batch.split(",") if b.strip()]
-    except ValueError:
-        p.error(f"--rows / --decode-batch: expected comma-separated integers, got {args.rows!r} / "
-                f"{args.decode_batch!r}")
-    if any(r < 1 for r in rows + batches):
-        p.error("--rows and --decode-batch take sizes >= 1")
+    rows = parse_sizes(p, "--rows", args.rows)
+    batches = parse_sizes(p, "--decode-batch", args.decode_batch, allow_empty=True)
     if cpu_ops.load_cpu_ops() is None:
         sys.exit("the C++ CPU kernels are not available: the engine's head path under test is dense_gemv")
-    from single_stream import ensure_fp8_checkpoint, fp8_checkpoint_dir
+    from single_stream import fp8_checkpoint
 
     from fp8serve import LLM
-    from fp8serve.default_model import ensure_default_model
 
-    if args.fp8_model:
-        fp8_dir = Path(args.fp8_model)
-    else:
-        src = Path(args.model) if args.model else ensure_default_model()
-        fp8_dir = ensure_fp8_checkpoint(src, fp8_checkpoint_dir(src, args.model is None))
+    fp8_dir = fp8_checkpoint(args.model, args.fp8_model)
     max_batch = max(batches, default=1)
     llm = LLM(model=str(fp8_dir), dtype="float32", max_model_len=args.decode_context + args.decode_steps + 64,
               max_num_seqs=max(64, max_batch), device="cpu", seed=args.seed)
@@ -151,7 +103,7 @@ def main() -> None:
         sys.exit(f"{fp8_dir}: the engine keeps this head in float32: no narrower head to measure")
     rng = random.Random(args.seed)
     draw = token_source(engine, "text")
-    sample = head_rows(engine, draw, rng, args.decode_context, args.sample_steps)
+    sample = greedy_head_rows(engine, draw, rng, args.decode_context, args.sample_steps)
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),
              f"- checkpoint {fp8_dir}: head {tuple(w.shape)} {w.dtype} ({w.numel() * w.element_size() / 2**20:.1f} "
              f"MiB), float32 activations; {len(sample)} head rows recorded from a greedy generation from text; "
@@ -170,18 +122,19 @@ def main() -> None:
             print(lines[-1], file=sys.stderr, flush=True)
     for batch in batches:
         prompts = [draw(args.decode_context, rng) for _ in range(batch)]
-        res: dict[str, list[float]] = {"upcast": [], "engine": []}
         toks: dict[str, list] = {}
-        for r in range(args.rounds):
-            for side in (("upcast", "engine") if r % 2 == 0 else ("engine", "upcast")):
-                if side == "upcast":
-                    head.forward = lambda x: upcast_logits(head, x)
-                try:
-                    t, toks[side] = time_greedy_decode(engine, prompts, args.decode_steps)
-                finally:
-                    head.__dict__.pop("forward", None)
-                res[side].append(t)
-        up, en = statistics.median(res["upcast"]), statistics.median(res["engine"])
+
+        def decode(side: str) -> float:
+            if side == "upcast":
+                head.forward = lambda x: upcast_logits(head, x)
+            try:
+                t, toks[side] = time_greedy_decode(engine, prompts, args.decode_steps)
+            finally:
+                head.__dict__.pop("forward", None)
+            return t
+
+        med = alternate({"upcast": lambda: decode("upcast"), "engine": lambda: decode("engine")}, args.rounds)
+        up, en = med["upcast"], med["engine"]
         lines.append(f"| engine decode step, batch {batch} x ~{args.decode_context} | {batch} | "
                      f"{engine_path(head, batch)} | {1e3 * up:.2f} | {1e3 * en:.2f} | {up / en:.2f}x | - | - | "
                      f"{'yes' if toks['upcast'] == toks['engine'] else 'no'} |")

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive, time_greedy_decode,
-    token_source)
+    alternate, command_line, describe_machine, greedy_head_rows, machine_info, median_time, parse_sizes,
+    record_as_a_warm_engine, require_positive, time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops  # noqa: E402
 
@@ -52,33 +50,6 @@ PARAMS = {
 DECODE_PARAMS = "t=0.7 top_p=0.9"
 
 
-def model_logits(engine, draw, rng: random.Random, prompt_len: int, steps: int) -> torch.Tensor:
-    """The model's logits at the decode steps of a greedy generation from text."""
-    from fp8serve import SamplingParams
-
-    model = engine.model_runner.model
-    seen: list[torch.Tensor] = []
-    real = model.compute_logits
-
-    def record(h):
-        out = real(h)
-        seen.append(out.detach().clone())
-        return out
-
-    model.compute_logits = record
-    greedy = model.compute_greedy_tokens
-    model.compute_greedy_tokens = lambda h: None  # every step through compute_logits
-    try:
-        engine.add_request(None, {"prompt_token_ids": draw(prompt_len, rng)},
-                           SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        model.compute_logits = real
-        model.compute_greedy_tokens = greedy
-    return torch.cat(seen[1:]).float()
-
-
 def time_sampler(logits: torch.Tensor, params: dict, rounds: int, calls: int) -> dict[str, float]:
     from fp8serve import SamplingParams
     from fp8serve.layers.sampler import Sampler, SamplingMetadata
@@ -86,17 +57,9 @@ def time_sampler(logits: torch.Tensor, params: dict, rounds: int, calls: int) ->
     n = logits.shape[0]
     sp = SamplingParams(**params)
     md = SamplingMetadata.from_params([sp] * n, [[1, 2, 3]] * n, [[4, 5]] * n, None, "cpu")
-    samplers = {"torch": Sampler(use_kernel=False), "kernel": Sampler()}
-    times: dict[str, list[float]] = {k: [] for k in samplers}
-    for r in range(rounds):
-        for name in (list(samplers) if r % 2 == 0 else list(samplers)[::-1]):
-            one = []
-            for _ in range(calls):
-                t = time.perf_counter()
-                samplers[name](logits, md)
-                one.append(time.perf_counter() - t)
-            times[name].append(statistics.median(one))
-    return {k: statistics.median(v) for k, v in times.items()}
+    torch_path, kernel = Sampler(use_kernel=False), Sampler()
+    return alternate({"torch": lambda: median_time(lambda: torch_path(logits, md), calls),
+                      "kernel": lambda: median_time(lambda: kernel(logits, md), calls)}, rounds)
 
 
 def time_penalties(logits: torch.Tensor, prompt_len: int, rounds: int, calls: int) -> dict[str, float]:
@@ -108,20 +71,15 @@ def time_penalties(logits: torch.Tensor, prompt_len: int, rounds: int, calls: in
     sp = SamplingParams(temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
     md = SamplingMetadata.from_params([sp] * n, [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(n)],
                                       [[rng.randrange(vocab) for _ in range(32)] for _ in range(n)], None, "cpu")
-    fns = {"dense": apply_penalties_dense, "sparse": apply_penalties}
     if not torch.equal(apply_penalties_dense(logits.clone(), md), apply_penalties(logits.clone(), md)):
         raise RuntimeError("apply_penalties differs from apply_penalties_dense")
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(rounds):
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            one = []
-            for _ in range(calls):
-                x = logits.clone()
-                t = time.perf_counter()
-                fns[name](x, md)
-                one.append(time.perf_counter() - t)
-            times[name].append(statistics.median(one))
-    return {k: statistics.median(v) for k, v in times.items()}
+    x = logits.clone()
+
+    def fresh():  # both overwrite their input
+        x.copy_(logits)
+
+    return alternate({"dense": lambda: median_time(lambda: apply_penalties_dense(x, md), calls, fresh),
+                      "sparse": lambda: median_time(lambda: apply_penalties(x, md), calls, fresh)}, rounds)
 
 
 def time_rejection(logits: torch.Tensor, seqs: int, rounds: int, calls: int) -> dict[str, float]:
@@ -144,17 +102,8 @@ def time_rejection(logits: torch.Tensor, seqs: int, rounds: int, calls: int) -> 
         finally:
             cpu_ops.sample_tokens_applies = applies
 
-    fns = {"torch": torch_path, "kernel": lambda: rejection_sample(rows, md, drafts)}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(rounds):
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            one = []
-            for _ in range(calls):
-                t = time.perf_counter()
-                fns[name]()
-                one.append(time.perf_counter() - t)
-            times[name].append(statistics.median(one))
-    return {k: statistics.median(v) for k, v in times.items()}
+    return alternate({"torch": lambda: median_time(torch_path, calls),
+                      "kernel": lambda: median_time(lambda: rejection_sample(rows, md, drafts), calls)}, rounds)
 
 
 def main() -> None:
@@ -174,14 +123,8 @@ def main() -> None:
     p.add_argument("--output", type=Path, help="also write the table (markdown) here")
     args = p.parse_args()
     require_positive(p, args, "decode_context", "decode_steps", "sample_steps", "calls", "rounds")
-    try:
-        batches = [int(b) for b in args.batch.split(",") if b.strip()]
-        decode_batches = [int(b) for b in args.decode_batch.split(",") if b.strip()]
-    except ValueError:
-        p.error(f"--batch / --decode-batch: expected comma-separated integers, got {args.batch!r} / "
-                f"{args.decode_batch!r}")
-    if not batches or any(b < 1 for b in batches + decode_batches):
-        p.error("--batch and --decode-batch take sizes >= 1")
+    batches = parse_sizes(p, "--batch", args.batch)
+    decode_batches = parse_sizes(p, "--decode-batch", args.decode_batch, allow_empty=True)
     names = [x.strip() for x in args.params.split(",") if x.strip()]
     unknown = [x for x in names if x not in PARAMS]
     if unknown or not names:
@@ -196,7 +139,9 @@ def main() -> None:
     record_as_a_warm_engine(engine)
     rng = random.Random(args.seed)
     draw = token_source(engine, "text")
-    rows = model_logits(engine, draw, rng, args.decode_context, args.sample_steps)
+    with torch.inference_mode():
+        rows = engine.model_runner.model.compute_logits(
+            greedy_head_rows(engine, draw, rng, args.decode_context, args.sample_steps)).float()
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),
              f"- model {engine.model_runner.config.model_config.model}, {args.dtype}; the sampler alone on "
              f"{len(rows)} rows of the model's logits ({rows.shape[1]} tokens) from a greedy generation from text; "
@@ -224,16 +169,16 @@ def main() -> None:
     sampler = engine.model_runner.sampler
     for b in decode_batches:
         prompts = [draw(args.decode_context, rng) for _ in range(b)]
-        res: dict[str, list[float]] = {"torch": [], "kernel": []}
-        for r in range(args.rounds):
-            for side in (("torch", "kernel") if r % 2 == 0 else ("kernel", "torch")):
-                sampler.use_kernel = side == "kernel"
-                try:
-                    res[side].append(time_greedy_decode(engine, prompts, args.decode_steps,
-                                                        sampling=PARAMS[DECODE_PARAMS])[0])
-                finally:
-                    sampler.use_kernel = True
-        tt, tk = statistics.median(res["torch"]), statistics.median(res["kernel"])
+
+        def decode(use_kernel: bool) -> float:
+            sampler.use_kernel = use_kernel
+            try:
+                return time_greedy_decode(engine, prompts, args.decode_steps, sampling=PARAMS[DECODE_PARAMS])[0]
+            finally:
+                sampler.use_kernel = True
+
+        med = alternate({"torch": lambda: decode(False), "kernel": lambda: decode(True)}, args.rounds)
+        tt, tk = med["torch"], med["kernel"]
         lines.append(f"| engine decode step, batch {b} x ~{args.decode_context} | {b} | {DECODE_PARAMS} | "
                      f"{1e3 * tt:.2f} | {1e3 * tk:.2f} | {tt / tk:.2f}x |")
         print(lines[-1], file=sys.stderr, flush=True)

@@ -368,6 +368,17 @@ def fp8_checkpoint_dir(model_dir: Path, default: bool) -> Path:
     return cache_dir() / "bench" / name
 
 
+def fp8_checkpoint(model: str | None, fp8_model: str | None) -> Path:
+    """The FP8 checkpoint the fp8 benchmarks run: --fp8-model as it is, else the
+    one written once from --model (default: the built-in default model)."""
+    if fp8_model:
+        return Path(fp8_model)
+    from fp8serve.default_model import ensure_default_model
+
+    src = Path(model) if model else ensure_default_model()
+    return ensure_fp8_checkpoint(src, fp8_checkpoint_dir(src, model is None))
+
+
 def ensure_fp8_checkpoint(src: Path, dst: Path) -> Path:
     """The FP8 (weights only, dynamic activations) checkpoint of `src` at `dst`, written once."""
     from fp8serve.calibration.fp8_checkpoint import write_fp8_checkpoint

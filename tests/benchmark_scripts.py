@@ -23,3 +23,26 @@ def loaded_script(filename: str):
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+
+
+def run_table(monkeypatch, tmp_path, filename: str, *argv, header: str) -> tuple[str, list[list[str]]]:
+    """Runs benchmarks/<filename> main() with argv and --output; returns the
+    written markdown and the cells of its table rows (the row starting with
+    `header`, the column names, left out)."""
+    out = tmp_path / "table.md"
+    monkeypatch.setattr(sys, "argv", [filename, *argv, "--output", str(out)])
+    with loaded_script(filename) as script:
+        script.main()
+    text = out.read_text()
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines()
+            if ln.startswith("| ") and not ln.startswith(header)]
+    return text, rows
+
+
+def assert_rejected(monkeypatch, tmp_path, capsys, filename: str, argv: list[str], message: str) -> None:
+    """benchmarks/<filename> exits on argv before measuring, naming `message` (the flag) on stderr."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        run_table(monkeypatch, tmp_path, filename, *argv, header="|")
+    assert message in capsys.readouterr().err

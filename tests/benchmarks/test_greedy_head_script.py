@@ -4,24 +4,16 @@ bad arguments rejected."""
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
 
-from benchmark_scripts import loaded_script
+from benchmark_scripts import assert_rejected, run_table
 from checkpoints import write_tiny_llama
 
 
 def _run(monkeypatch, tmp_path, *argv):
-    out = tmp_path / "table.md"
-    monkeypatch.setattr(sys, "argv", ["greedy_head.py", *argv, "--output", str(out)])
-    with loaded_script("greedy_head.py") as script:
-        script.main()
-    text = out.read_text()
-    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines()
-            if ln.startswith("| ") and not ln.startswith("| config")]
-    return text, rows
+    return run_table(monkeypatch, tmp_path, "greedy_head.py", *argv, header="| config")
 
 
 def test_every_cell_is_timed_and_the_tokens_agree(ops, monkeypatch, tmp_path):
@@ -51,6 +43,4 @@ def test_every_cell_is_timed_and_the_tokens_agree(ops, monkeypatch, tmp_path):
     (["--rounds", "0"], "--rounds"),
 ])
 def test_bad_arguments_are_rejected(monkeypatch, tmp_path, capsys, argv, message):
-    with pytest.raises(SystemExit):
-        _run(monkeypatch, tmp_path, *argv)
-    assert message in capsys.readouterr().err
+    assert_rejected(monkeypatch, tmp_path, capsys, "greedy_head.py", argv, message)
