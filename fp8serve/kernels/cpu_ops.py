@@ -330,7 +330,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     SAMPLING_EPS (greedy: not sampled), -1 for rows the kernel leaves to the
     torch path (a NaN, or no finite maximum). See random_sampling.cpp."""
     exclude = torch.full((logits.shape[0],), -1, dtype=torch.int64)
-    return load_cpu_ops().sample_tokens(logits, temperature, top_k, top_p, min_p, u, exclude)[0]
+    return load_cpu_ops().sample_tokens(logits, *_row_params(temperature, top_k, top_p, min_p, u), exclude)[0]
 
 
 def sample_tokens_excluding(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -340,7 +340,16 @@ def sample_tokens_excluding(logits: torch.Tensor, temperature: torch.Tensor, top
     and that token's probability under the row's kept distribution (float64;
     0 where none): speculative decoding's rejection step for a drafted token.
     A row that keeps only its excluded token returns it (probability 1)."""
-    return tuple(load_cpu_ops().sample_tokens(logits, temperature, top_k, top_p, min_p, u, exclude.contiguous()))
+    return tuple(load_cpu_ops().sample_tokens(logits, *_row_params(temperature, top_k, top_p, min_p, u),
+                                              exclude.to(torch.int64).contiguous()))
+
+
+def _row_params(temperature, top_k, top_p, min_p, u) -> tuple[torch.Tensor, ...]:
+    """The per-row parameters in the dtypes and layout the kernel reads (a no-op
+    for SamplingMetadata's own tensors)."""
+    return (temperature.to(torch.float32).contiguous(), top_k.to(torch.int64).contiguous(),
+            top_p.to(torch.float32).contiguous(), min_p.to(torch.float32).contiguous(),
+            u.to(torch.float64).contiguous())
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
