@@ -419,21 +419,17 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def row_uniforms(metadata: SamplingMetadata, skip: list[bool] | None = None) -> torch.Tensor:
+def row_uniforms(metadata: SamplingMetadata) -> torch.Tensor:
     """float64 [num_seqs] in [0, 1), one per row: seeded rows from their own
     generator, so their draw does not depend on the batch; the others from the
-    global RNG (drawn only where some row needs it). Seeded rows where
-    skip[row] draw nothing (their value is 0.5, for a caller that ignores it)."""
+    global RNG (drawn only where some row needs it)."""
     rows = metadata.num_seqs
     gens = metadata.generators
     device = metadata.temperature.device
     u = (torch.rand(rows, dtype=torch.float64, device=device) if len(gens) < rows
-         else torch.full((rows,), 0.5, dtype=torch.float64, device=device))
+         else torch.empty(rows, dtype=torch.float64, device=device))
     for row, gen in gens.items():
-        if skip is not None and skip[row]:
-            u[row] = 0.5
-        else:
-            u[row] = torch.rand((), dtype=torch.float64, generator=gen, device=gen.device)
+        u[row] = torch.rand((), dtype=torch.float64, generator=gen, device=gen.device)
     return u
 
 
