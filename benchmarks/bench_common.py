@@ -185,6 +185,27 @@ def alternate(measures: dict, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in res.items()}
 
 
+def add_decode_sample_args(parser, what: str) -> None:
+    """The options of the scripts that time something on a greedy generation's
+    rows and then in engine decode steps (lm_head.py, sampler.py); parse with
+    `parse_decode_sample_args`. `what`: what one timed call is, for --calls."""
+    from pathlib import Path
+
+    parser.add_argument("--decode-context", type=int, default=256)
+    parser.add_argument("--decode-steps", type=int, default=12)
+    parser.add_argument("--sample-steps", type=int, default=64, help="decode steps whose rows are recorded")
+    parser.add_argument("--calls", type=int, default=3, help=f"{what} per round (median)")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, help="also write the table (markdown) here")
+
+
+def parse_decode_sample_args(parser):
+    args = parser.parse_args()
+    require_positive(parser, args, "decode_context", "decode_steps", "sample_steps", "calls", "rounds")
+    return args
+
+
 def median_time(fn, calls: int, setup=None) -> float:
     """Median seconds of `calls` runs of fn(); `setup()` (untimed) before each,
     e.g. a read that evicts the caches, or a fresh copy of an input fn overwrites."""

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, command_line, describe_machine, greedy_head_rows, machine_info, median_time, parse_sizes,
-    record_as_a_warm_engine, require_positive, time_greedy_decode, token_source)
+    add_decode_sample_args, alternate, command_line, describe_machine, greedy_head_rows, machine_info,
+    median_time, parse_decode_sample_args, parse_sizes, record_as_a_warm_engine, time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops  # noqa: E402
 from fp8serve.layers import vocab_embedding  # noqa: E402
@@ -74,15 +74,8 @@ def main() -> None:
     p.add_argument("--rows", default="12,16,24,32,48,64,128,256,512",
                    help="comma-separated head rows to time (the engine ran dense_gemv up to 8 before)")
     p.add_argument("--decode-batch", default="16,32,64", help="comma-separated batch sizes of engine decode steps")
-    p.add_argument("--decode-context", type=int, default=256)
-    p.add_argument("--decode-steps", type=int, default=12)
-    p.add_argument("--sample-steps", type=int, default=64, help="decode steps whose head rows are recorded")
-    p.add_argument("--calls", type=int, default=3, help="cold head calls per round (median)")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", type=Path, help="also write the table (markdown) here")
-    args = p.parse_args()
-    require_positive(p, args, "decode_context", "decode_steps", "sample_steps", "calls", "rounds")
+    add_decode_sample_args(p, "cold head calls")
+    args = parse_decode_sample_args(p)
     rows = parse_sizes(p, "--rows", args.rows)
     batches = parse_sizes(p, "--decode-batch", args.decode_batch, allow_empty=True)
     if cpu_ops.load_cpu_ops() is None:

@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, command_line, describe_machine, greedy_head_rows, machine_info, median_time, parse_sizes,
-    record_as_a_warm_engine, require_positive, time_greedy_decode, token_source)
+    add_decode_sample_args, alternate, command_line, describe_machine, greedy_head_rows, machine_info,
+    median_time, parse_decode_sample_args, parse_sizes, record_as_a_warm_engine, time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops  # noqa: E402
 
@@ -114,15 +114,8 @@ def main() -> None:
     p.add_argument("--params", default=",".join(PARAMS), help=f"comma-separated names of {list(PARAMS)}")
     p.add_argument("--decode-batch", default="1,16", help="comma-separated batch sizes of engine decode steps "
                    "('' for none)")
-    p.add_argument("--decode-context", type=int, default=256)
-    p.add_argument("--decode-steps", type=int, default=12)
-    p.add_argument("--sample-steps", type=int, default=64, help="decode steps whose logits are recorded")
-    p.add_argument("--calls", type=int, default=3, help="sampler calls per round (median)")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", type=Path, help="also write the table (markdown) here")
-    args = p.parse_args()
-    require_positive(p, args, "decode_context", "decode_steps", "sample_steps", "calls", "rounds")
+    add_decode_sample_args(p, "sampler calls")
+    args = parse_decode_sample_args(p)
     batches = parse_sizes(p, "--batch", args.batch)
     decode_batches = parse_sizes(p, "--decode-batch", args.decode_batch, allow_empty=True)
     names = [x.strip() for x in args.params.split(",") if x.strip()]
