@@ -25,6 +25,9 @@
 //      generator or the global one), the first kept token in index order
 //      where the running sum of q exceeds u * sum(q): inverse-CDF sampling,
 //      exactly the categorical distribution of the kept q's. Sums in float64.
+//   7. With an excluded token (speculative decoding's drafted token): its
+//      probability under the kept distribution, and the draw of step 6 over
+//      the kept tokens without it.
 // Rows with temperature < eps are greedy: the caller takes greedy_argmax for
 // them, and they get -2 here.
 
@@ -94,9 +97,8 @@ bool row_max(const float* x, int64_t n, float& m) {
 
 // The k-th largest value of x (1 <= k < n).
 float kth_largest(const float* x, int64_t n, int64_t k) {
-  std::priority_queue<float, std::vector<float>, std::greater<float>> heap;
-  std::vector<float> init(x, x + k);
-  heap = std::priority_queue<float, std::vector<float>, std::greater<float>>(std::greater<float>(), std::move(init));
+  std::priority_queue<float, std::vector<float>, std::greater<float>> heap(std::greater<float>(),
+                                                                          std::vector<float>(x, x + k));
   float low = heap.top();
   for (int64_t i = k; i < n; ++i) {
     if (x[i] > low) {
