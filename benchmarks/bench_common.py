@@ -6,6 +6,7 @@ first on sys.path; tests/benchmark_scripts.py does the same)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -328,3 +329,21 @@ def add_model_args(parser, dtype: str = "bfloat16") -> None:
     parser.add_argument("--dtype", default=dtype)
     parser.add_argument("--kv-cache-dtype", default="fp8")
     parser.add_argument("--kv-cache-memory", default="1GiB")
+
+
+@contextlib.contextmanager
+def bf16_weights(keep: bool):
+    """Engines built inside keep a bf16 checkpoint's weights in bf16 under float32 compute (keep,
+    the engine's default: fp8serve/quantization/bf16_weights.py) or upcast them to float32 at load
+    (FP8SERVE_BF16_WEIGHTS=0), whatever the environment says."""
+    from fp8serve.quantization.bf16_weights import ENV
+
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "auto" if keep else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before

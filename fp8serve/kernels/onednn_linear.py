@@ -82,14 +82,28 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+# Weight rows upcast per call where the weight is narrower than the
+# activations and has no packed copy (8192 x 4096 float32 = 128 MiB at most;
+# 18 MiB of SmolLM2's LM head).
+UPCAST_ROWS = 8192
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, or oneDNN where `applies` says it is faster, or oneDNN on
     `packed` (the layer's weight as `pack_weight` made it) for inputs of its dtype:
     the GEMM for calls that no decode kernel (dense_gemv, amx_linear,
-    fp8_linear) took."""
+    fp8_linear) took. A weight narrower than x (bf16 under float32 compute)
+    without a packed copy is upcast UPCAST_ROWS rows at a time."""
     if packed is not None and x.dtype == packed.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if weight.dtype != x.dtype:
+        # A weight stored narrower than the activations (bf16 under float32
+        # compute) with no packed copy: upcast (exact) a slice of its rows at
+        # a time, never the whole matrix.
+        return torch.cat([linear(x, weight[i:i + UPCAST_ROWS].to(x.dtype),
+                                 None if bias is None else bias[i:i + UPCAST_ROWS])
+                          for i in range(0, weight.shape[0], UPCAST_ROWS)], dim=-1)
     if applies(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -136,28 +150,30 @@ def _packing_wanted() -> bool:
     return is_amd_cpu() and not amx_linear_ops.is_available()
 
 
-def pack_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
+def pack_weights(model: nn.Module, compute_dtype: torch.dtype, widen: tuple[torch.dtype, ...] = ()) -> int:
     """Give every linear of `model` whose weight has the compute dtype (bf16
     or float32; layers with a `weight_packed` slot: plain linear layers and
     the LM head) a packed copy of its weight, where this CPU wants it and the
-    copies fit in a quarter of the available memory. Weights of another dtype
-    are left alone: their activations never read a packed copy (a float32
-    model may keep a checkpoint's bf16 LM head). Returns the bytes packed (0
-    when nothing was)."""
+    copies fit in a quarter of the available memory. Weights of a `widen`
+    dtype (bf16 under float32 compute: quantization/bf16_weights.py) are
+    packed in the compute dtype (exact); weights of other dtypes are left
+    alone: their activations never read a packed copy (an FP8 checkpoint's
+    bf16 LM head in a float32 engine runs dense_gemv slices). Returns the
+    bytes packed (0 when nothing was)."""
     if compute_dtype not in PACKABLE_DTYPES:
         return 0
     layers = [m for m in model.modules()
               if hasattr(m, "weight_packed") and isinstance(getattr(m, "weight", None), torch.Tensor)
-              and m.weight.dtype == compute_dtype and m.weight.dim() == 2 and m.weight.device.type == "cpu"]
+              and m.weight.dtype in (compute_dtype, *widen) and m.weight.dim() == 2 and m.weight.device.type == "cpu"]
     if not layers or not _packing_wanted() or not packing_available(compute_dtype):
         return 0
     name = str(compute_dtype).removeprefix("torch.")
     # A tied LM head shares its embedding's weight: count each weight once.
     weights = {id(m.weight): m.weight for m in layers}
-    total = sum(w.nbytes for w in weights.values())
+    total = sum(w.numel() * compute_dtype.itemsize for w in weights.values())
     if not copy_fits(total, f"oneDNN: {name} weights", logger):
         return 0
-    count = pack_each_weight_once(layers, "weight_packed", pack_weight)
+    count = pack_each_weight_once(layers, "weight_packed", lambda w: pack_weight(w.to(compute_dtype)))
     logger.info("oneDNN: packed %d %s weights once (%.0f MiB, a second copy: dense_gemv reads the plain one)",
                 count, name, total / 2**20)
     return total

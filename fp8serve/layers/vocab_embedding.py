@@ -14,9 +14,6 @@ from torch import nn
 
 from fp8serve.kernels import amx_linear_ops, cpu_ops, onednn_linear, screened_argmax
 
-# Vocabulary rows upcast per F.linear call when the head's weight is narrower
-# than the activations (8192 x 4096 float32 = 128 MiB at most, 18 MiB for SmolLM2).
-_UPCAST_ROWS = 8192
 # Up to this many activation rows, a narrower head runs dense_gemv on slices
 # of the rows (each reading the bf16 weight as it is) instead of upcasting
 # slices of the vocabulary for F.linear. The default model's FP8 checkpoint
@@ -72,19 +69,21 @@ class LMHead(nn.Module):
                                              float_out=True)
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
-        if self.weight.dtype == hidden_states.dtype:
+        if self.weight.dtype == hidden_states.dtype or (self.weight_packed is not None
+                                                        and self.weight_packed.dtype == hidden_states.dtype):
+            # (A bf16 head has a float32 packed copy where the engine keeps a
+            # bf16 checkpoint's weights in bf16: quantization/bf16_weights.py.)
             return onednn_linear.linear(hidden_states, self.weight, packed=self.weight_packed).float()
         # A narrower stored weight (a bf16 head, float32 activations), more
         # rows than one dense_gemv call takes: slices of the rows through it,
         # or, for many rows, upcast a slice of the vocabulary at a time
-        # (exact), never the whole table.
+        # (exact, onednn_linear.linear), never the whole table.
         rows = cpu_ops.dense_gemv_max_rows(hidden_states.dtype, self.weight.dtype)
         if rows and hidden_states.shape[0] <= _GEMV_SLICES_MAX_ROWS and cpu_ops.dense_gemv_applies(
                 hidden_states[:rows], self.weight):
             return torch.cat([cpu_ops.dense_gemv(hidden_states[i:i + rows], self.weight).float()
                               for i in range(0, hidden_states.shape[0], rows)])
-        return torch.cat([F.linear(hidden_states, self.weight[i:i + _UPCAST_ROWS].to(hidden_states.dtype)).float()
-                          for i in range(0, self.weight.shape[0], _UPCAST_ROWS)], dim=1)
+        return onednn_linear.linear(hidden_states, self.weight).float()
 
     def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """int64 [num_rows]: the token greedy sampling of `forward`'s logits

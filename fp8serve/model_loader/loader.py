@@ -56,6 +56,16 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     raise ConfigError(f"{d}: no *.safetensors weights found")
 
 
+def checkpoint_float_dtypes(model_dir: str | Path) -> set[str]:
+    """The safetensors dtype names ("BF16", "F32", ...) of the checkpoint's
+    floating-point tensors, read from the files' headers (no tensor data)."""
+    dtypes = set()
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as h:
+            dtypes.update(h.get_slice(name).get_dtype() for name in h.keys())
+    return {d for d in dtypes if d.startswith(("F", "BF", "E"))}
+
+
 def iterate_checkpoint(model_dir: str | Path, desc: str = "Loading weights") -> Iterator[tuple[str, Path, torch.Tensor]]:
     files = safetensors_files(model_dir)
     total = 0

@@ -11,8 +11,14 @@ from fp8serve.quantization.loaders import load_output_shard
 
 
 class UnquantizedLinearMethod(LinearMethod):
+    def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
+        # The weight's storage dtype where it differs from the activations'
+        # (bf16 under float32 compute: see bf16_weights.py); None: theirs.
+        self.weight_dtype = weight_dtype
+
     def create_weights(self, layer, input_size, output_sizes, params_dtype) -> None:
-        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=self.weight_dtype or params_dtype),
+                              requires_grad=False)
         layer.register_parameter("weight", set_weight_loader(weight, load_output_shard(layer)))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -23,5 +29,6 @@ class UnquantizedLinearMethod(LinearMethod):
             return cpu_ops.dense_gemv_packed(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.dense_gemv_applies(x, layer.weight):
             return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at small batch: memory-bound GEMV
-        # F.linear, or oneDNN where that is faster (on the packed weight where the layer has one).
+        # F.linear, or oneDNN where that is faster (on the packed weight where the layer has one;
+        # a narrower weight without one is upcast a slice at a time).
         return onednn_linear.linear(x, layer.weight, bias, packed=layer.weight_packed)

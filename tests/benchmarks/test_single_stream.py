@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmark_scripts import loaded_script
 from checkpoints import write_tiny_llama
@@ -91,6 +92,10 @@ def test_model_weight_bytes_on_loaded_models(ss, tmp_path):
     assert label == "float32" + (f" + lm_head{screened}" if kernels else "")
     got, label, _ = _model_bytes(ss, untied, "bfloat16")
     assert got["total"] == 212992 and got["lm_head_screen"] == 0 and label == "bfloat16"
+    # A bf16 checkpoint under float32 compute keeps bf16 weights (with the C++ kernels): half the bytes.
+    got, label, _ = _model_bytes(ss, write_tiny_llama(tmp_path / "bf16", dtype=torch.bfloat16), "float32")
+    assert got["total"] == (212992 if kernels else 425984)
+    assert label.startswith("bfloat16 + lm_head" if kernels else "float32")
 
     # Tied: the embedding and the lm_head are one Parameter, counted once.
     tied = write_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
@@ -125,8 +130,8 @@ def test_verdicts_and_configs(ss):
     # ... and against the measured number when it was.
     assert ss.llama_cpp_verdict(59.0, 60.0) == "MISS"
     assert ss.llama_cpp_verdict(60.0, 60.0) == "PASS"
-    assert ss.parse_configs("float32, auto,fp8@auto/fp8") == [
-        ("base", "float32", "auto"), ("base", "auto", "auto"), ("fp8", "auto", "fp8")]
+    assert ss.parse_configs("float32, auto,fp8@auto/fp8,bf16@float32") == [
+        ("base", "float32", "auto"), ("base", "auto", "auto"), ("fp8", "auto", "fp8"), ("bf16", "float32", "auto")]
     with pytest.raises(SystemExit):
         ss.parse_configs("int4@auto")
 

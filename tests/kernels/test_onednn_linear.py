@@ -246,3 +246,47 @@ def test_pack_weights_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
         assert onednn_linear.pack_weights(model, torch.bfloat16) == 0
     assert model.qkv.weight_packed is None
     assert "oneDNN: bfloat16 weights not packed: the copy needs" in caplog.text
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", [(1,), (40,), (3, 17)])
+def test_narrower_weight_without_packed_copy_is_upcast_exactly(seed, monkeypatch, shape, with_bias):
+    """A bf16 weight under float32 activations with no packed copy: the same
+    values as the GEMM on its float32 upcast (each output column's sum does
+    not depend on which slice of rows it ran in), in slices of UPCAST_ROWS
+    rows (lowered here so that the last slice is partial)."""
+    monkeypatch.setattr(onednn_linear, "UPCAST_ROWS", 24)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, 96, generator=g)
+    w = (torch.randn(61, 96, generator=g) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(61, generator=g) if with_bias else None
+    out = onednn_linear.linear(x, w, bias)
+    assert out.shape == (*shape, 61) and out.dtype == torch.float32
+    ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    assert _float32_sum_error(out, x, w.float(), bias, ref) <= 1.0, f"seed={seed}"
+    whole = onednn_linear.linear(x, w.float(), bias)
+    torch.testing.assert_close(out, whole, rtol=0, atol=0)
+
+
+@needs_onednn
+def test_pack_weights_widens_bf16_weights_when_asked(seed, monkeypatch):
+    """`widen=(bf16,)` packs a float32 model's bf16 linear weights as float32
+    (exact: the packed GEMM equals the one on the float32 upcast, bit for
+    bit); without it they are left alone."""
+    if not onednn_linear.packing_available(torch.float32):
+        pytest.skip("this torch cannot pack float32 weights for oneDNN")
+    from fp8serve.layers.linear import Linear
+
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
+    g = torch.Generator().manual_seed(seed)
+    layer = Linear(80, 48, params_dtype=torch.float32)
+    layer.weight = torch.nn.Parameter((torch.randn(48, 80, generator=g) * 0.1).to(torch.bfloat16),
+                                      requires_grad=False)
+    model = torch.nn.Sequential(layer)
+    assert onednn_linear.pack_weights(model, torch.float32) == 0 and layer.weight_packed is None
+    assert onednn_linear.pack_weights(model, torch.float32, widen=(torch.bfloat16,)) == 48 * 80 * 4
+    assert layer.weight_packed.dtype == torch.float32 and layer.weight.dtype == torch.bfloat16
+    x = torch.randn(50, 80, generator=g)
+    expected = onednn_linear.linear(x, layer.weight.float(), packed=onednn_linear.pack_weight(layer.weight.float()))
+    torch.testing.assert_close(onednn_linear.linear(x, layer.weight, packed=layer.weight_packed), expected,
+                               rtol=0, atol=0)

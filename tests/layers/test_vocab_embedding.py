@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp8serve.kernels import onednn_linear
 from fp8serve.layers import vocab_embedding
 from fp8serve.layers.vocab_embedding import LMHead, VocabEmbedding
 from fp8serve.quantization.base import vocab_weight_dtype
@@ -29,7 +30,7 @@ def test_narrow_head_gives_the_upcast_weights_logits(seed, num_rows, monkeypatch
     """Up to dense_gemv's rows one dense_gemv call (bf16 weights, float32
     maths), up to 256 rows slices of the rows through it, more rows the
     sliced upcast; all against F.linear on the upcast weight in float64."""
-    monkeypatch.setattr(vocab_embedding, "_UPCAST_ROWS", 96)  # several slices, the last one partial
+    monkeypatch.setattr(onednn_linear, "UPCAST_ROWS", 96)  # several slices, the last one partial
     g = torch.Generator().manual_seed(seed)
     vocab, hidden = 300, 64
     narrow = LMHead(vocab, hidden, torch.float32, weight_dtype=torch.bfloat16)

@@ -1,0 +1,122 @@
+"""bf16 checkpoints under float32 compute keep bf16 weights
+(fp8serve/quantization/bf16_weights.py): when that applies, and that the
+engine's results are those of the float32-weight engine bit for bit on every
+path (prefill GEMMs, dense_gemv decode rows, decode batches above them, the
+LM head), and match transformers in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import add_tensors, hf_logits, read_tensor, write_tiny_llama
+
+from fp8serve import LLM, SamplingParams
+from fp8serve.errors import ConfigError
+from fp8serve.kernels import cpu_ops, onednn_linear
+from fp8serve.quantization import bf16_weights
+from fp8serve.quantization.bf16_weights import Bf16WeightsConfig
+
+needs_kernels = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="C++ CPU kernels not built")
+CPU = torch.device("cpu")
+TOP = 5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bf16_weights")
+    kw = dict(hidden_size=96, intermediate_size=160, vocab_size=600, num_heads=6, num_kv_heads=2)
+    return {
+        "bf16": write_tiny_llama(root / "bf16", dtype=torch.bfloat16, **kw),
+        "bf16_tied": write_tiny_llama(root / "bf16_tied", dtype=torch.bfloat16, tie_word_embeddings=True, seed=1, **kw),
+        "float32": write_tiny_llama(root / "float32", dtype=torch.float32, **kw),
+    }
+
+
+@needs_kernels
+def test_select(checkpoints, monkeypatch, tmp_path):
+    assert isinstance(bf16_weights.select(checkpoints["bf16"], torch.float32, CPU), Bf16WeightsConfig)
+    assert bf16_weights.select(checkpoints["float32"], torch.float32, CPU) is None
+    assert bf16_weights.select(checkpoints["bf16"], torch.bfloat16, CPU) is None  # bf16 compute: nothing to keep
+    monkeypatch.setenv(bf16_weights.ENV, "0")
+    assert bf16_weights.select(checkpoints["bf16"], torch.float32, CPU) is None
+    monkeypatch.setenv(bf16_weights.ENV, "1")
+    assert isinstance(bf16_weights.select(checkpoints["bf16"], torch.float32, CPU), Bf16WeightsConfig)
+    monkeypatch.setenv(bf16_weights.ENV, "half")
+    with pytest.raises(ConfigError, match=rf"{bf16_weights.ENV}='half': expected auto, 1 or 0"):
+        bf16_weights.select(checkpoints["bf16"], torch.float32, CPU)
+
+
+@needs_kernels
+def test_a_float32_tensor_in_a_bf16_checkpoint_keeps_float32_weights(checkpoints, tmp_path):
+    """The config's torch_dtype says bf16, but one tensor is float32: storing
+    it in bf16 would round it, so nothing is kept in bf16."""
+    import shutil
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(checkpoints["bf16"], mixed)
+    name = "model.layers.0.mlp.down_proj.weight"
+    add_tensors(mixed, {name: read_tensor(mixed, name).float() + 1e-3})
+    assert bf16_weights.select(mixed, torch.float32, CPU) is None
+
+
+def _run(model_dir, prompts, max_tokens: int) -> list:
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="8MiB", max_num_seqs=64)
+    # Decode steps 6-8 replay a recorded forward (the recording reads the bf16 weights too).
+    llm.llm_engine.model_runner.decode_captures.first_record_after = 0
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=TOP, prompt_logprobs=TOP)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    runner = llm.llm_engine.model_runner
+    if max_tokens > 6:
+        assert runner.decode_captures.num_replays > 0
+    weight = runner.model.model.layers[0].mlp.gate_up_proj.weight
+    head = runner.model.lm_head.weight
+    results = [(o.outputs[0].token_ids,
+                [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs],
+                [{t: lp.logprob for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]]) for o in outs]
+    return results, weight.dtype, head.dtype
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 600, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["bf16", "bf16_tied"])
+@pytest.mark.parametrize("packed", ["1", "0"], ids=["packed", "unpacked"])
+# 1 and 3 sequences decode on dense_gemv's rows; 40 above them (oneDNN).
+@pytest.mark.parametrize("num_seqs", [1, 3, 40])
+def test_same_results_as_float32_weights(checkpoints, monkeypatch, seed, name, packed, num_seqs):
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, packed)
+    prompts = _prompts(num_seqs, seed)
+    monkeypatch.setenv(bf16_weights.ENV, "0")
+    widened, w_dtype, head_dtype = _run(checkpoints[name], prompts, max_tokens=9)
+    assert w_dtype == head_dtype == torch.float32
+    monkeypatch.setenv(bf16_weights.ENV, "auto")
+    kept, w_dtype, head_dtype = _run(checkpoints[name], prompts, max_tokens=9)
+    assert w_dtype == head_dtype == torch.bfloat16
+    # Token ids, sampled logprobs (decode steps: the head's logits) and prompt
+    # logprobs (the prefill's logits at every position): equal, not close.
+    if packed == "1" and onednn_linear.packing_available(torch.float32):
+        assert kept == widened, f"seed={seed}"
+        return
+    # Without packed copies a bf16 head past dense_gemv's rows (prompt
+    # logprobs, 40 sequences) runs it on row slices where the float32 head ran
+    # one GEMM: other float32 sums.
+    assert [k[0] for k in kept] == [w[0] for w in widened], f"seed={seed}"
+    for k, w in zip(kept, widened):
+        for k_pos, w_pos in zip(k[1] + k[2], w[1] + w[2]):
+            assert k_pos.keys() == w_pos.keys() and all(abs(k_pos[t] - w_pos[t]) < 1e-5 for t in k_pos), f"seed={seed}"
+
+
+@needs_kernels
+def test_matches_transformers_float64(checkpoints):
+    prompt = _prompts(1, 0)[0]
+    results, w_dtype, _ = _run(checkpoints["bf16"], [prompt], max_tokens=1)
+    engine = results[0][2]
+    assert w_dtype == torch.bfloat16
+    ref = torch.log_softmax(hf_logits(checkpoints["bf16"], prompt), dim=-1)
+    worst = max(abs(lp - float(ref[pos, t])) for pos, entries in enumerate(engine) for t, lp in entries.items())
+    assert worst < 1e-4
