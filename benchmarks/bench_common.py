@@ -332,11 +332,11 @@ def add_model_args(parser, dtype: str = "bfloat16") -> None:
 
 
 @contextlib.contextmanager
-def bf16_weights(keep: bool):
-    """Engines built inside keep a bf16 checkpoint's weights in bf16 under float32 compute (keep,
-    the engine's default: fp8serve/quantization/bf16_weights.py) or upcast them to float32 at load
-    (FP8SERVE_BF16_WEIGHTS=0), whatever the environment says."""
-    from fp8serve.quantization.bf16_weights import ENV
+def narrow_weights(keep: bool):
+    """Engines built inside keep a 16-bit checkpoint's weights at 16 bits under float32 compute
+    (keep, the engine's default: fp8serve/quantization/narrow_weights.py) or upcast them to float32
+    at load (FP8SERVE_16BIT_WEIGHTS=0), whatever the environment says."""
+    from fp8serve.quantization.narrow_weights import ENV
 
     before = os.environ.get(ENV)
     os.environ[ENV] = "auto" if keep else "0"

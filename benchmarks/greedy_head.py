@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, bf16_weights, command_line, describe_machine, greedy_head_rows, machine_info, record_as_a_warm_engine,
-    require_positive, time_greedy_decode, token_source)
+    alternate, command_line, describe_machine, greedy_head_rows, machine_info, narrow_weights,
+    record_as_a_warm_engine, require_positive, time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops, screened_argmax  # noqa: E402
 
@@ -65,7 +65,7 @@ def time_head(head, screen, x: torch.Tensor, flush: torch.Tensor, calls: int, ro
 def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
     from fp8serve import LLM
 
-    with bf16_weights(keep=False):  # "base": the 16-bit checkpoint's head upcast to float32
+    with narrow_weights(keep=False):  # "base": the 16-bit checkpoint's head upcast to float32
         llm = LLM(model=str(model_dir), dtype="float32", max_model_len=args.decode_context + args.decode_steps + 64,
                   max_num_seqs=max(8, max(args.decode_batch)), device="cpu", seed=args.seed,
                   kv_cache_memory=args.kv_cache_memory)

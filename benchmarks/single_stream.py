@@ -48,9 +48,9 @@ that round.
    reference of 53-57 tok/s is the target and the output says llama.cpp was not measured.
 
 Configurations (--configs): `float32` (float32 weights), `auto` (the engine's dtype auto: bfloat16
-on AMX CPUs; weights in that dtype), `bf16@float32` (a bf16 checkpoint's weights kept in bf16 under
-float32 compute, what the engine does by default there: fp8serve/quantization/bf16_weights.py; the
-bound counts the bytes as held), `fp8@auto` (the FP8 checkpoint, written once from the default model with
+on AMX CPUs; weights in that dtype), `w16@float32` (a 16-bit checkpoint's weights kept at 16 bits
+under float32 compute, what the engine does by default there: fp8serve/quantization/narrow_weights.py;
+the bound counts the bytes as held), `fp8@auto` (the FP8 checkpoint, written once from the default model with
 `write_fp8_checkpoint(..., activation_scheme="dynamic")`, the weights step of `fp8serve quantize`,
 into FP8SERVE_CACHE_DIR/bench/<name>-FP8 and reused). `/KV` picks the KV cache dtype, e.g.
 `auto/fp8`. CPU only.
@@ -78,7 +78,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import (best_time, bf16_weights, command_line, describe_machine, machine_info,
+from bench_common import (best_time, command_line, describe_machine, machine_info, narrow_weights,
                           record_as_a_warm_engine)
 
 PREFILL_TARGET_PCT = 80.0
@@ -344,7 +344,7 @@ class Result:
 
 
 def parse_configs(text: str) -> list[tuple[str, str, str]]:
-    """`float32,auto,fp8@auto/fp8,bf16@float32` -> [(weights: base|fp8|bf16, dtype, kv dtype)]."""
+    """`float32,auto,fp8@auto/fp8,w16@float32` -> [(weights: base|fp8|w16, dtype, kv dtype)]."""
     out = []
     for item in text.split(","):
         item = item.strip()
@@ -353,8 +353,8 @@ def parse_configs(text: str) -> list[tuple[str, str, str]]:
         weights, at, rest = item.partition("@")
         if not at:
             weights, rest = "base", item
-        if weights not in ("base", "fp8", "bf16"):
-            raise SystemExit(f"--configs: '{item}': weights must be 'fp8@', 'bf16@' or none")
+        if weights not in ("base", "fp8", "w16"):
+            raise SystemExit(f"--configs: '{item}': weights must be 'fp8@', 'w16@' or none")
         dtype, _, kv = rest.partition("/")
         out.append((weights, dtype or "auto", kv or "auto"))
     return out
@@ -494,8 +494,8 @@ def open_fp8serve(args, model_dir: Path, weights: str, dtype: str, kv: str, prom
     t = time.perf_counter()
     max_len = len(prompt) + 1 + args.decode_warmup + args.decode_steps + 16
     # Base weights are held in the compute dtype, as the issue's "float32 weights" target means;
-    # bf16@ keeps a bf16 checkpoint's weights in bf16 (the engine's default under float32 compute).
-    with bf16_weights(keep=weights == "bf16"):
+    # w16@ keeps a 16-bit checkpoint's weights at 16 bits (the engine's default under float32 compute).
+    with narrow_weights(keep=weights == "w16"):
         llm = LLM(model=str(model_dir), dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory,
                   max_model_len=max_len, device="cpu", seed=args.seed)
     load_s = time.perf_counter() - t

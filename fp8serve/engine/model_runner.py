@@ -27,8 +27,7 @@ from fp8serve.layers.attention import Attention
 from fp8serve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
 from fp8serve.model_loader.loader import load_weights
 from fp8serve.models.registry import get_model_class
-from fp8serve.quantization import bf16_weights
-from fp8serve.quantization.bf16_weights import Bf16WeightsConfig
+from fp8serve.quantization import narrow_weights
 from fp8serve.quantization.kv_scales import resolve_kv_scales
 from fp8serve.quantization.registry import get_quantization_config
 from fp8serve.sampling_params import SamplingParams
@@ -84,7 +83,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         quant_config = get_quantization_config(arch.quantization_config, mc.model)
         if quant_config is None:
-            quant_config = bf16_weights.select(mc.model, self.dtype, self.device)  # None: compute-dtype weights
+            quant_config = narrow_weights.select(mc.model, self.dtype, self.device)  # None: compute-dtype weights
         model_cls = get_model_class(arch)
         with torch.device(self.device):
             self.model = model_cls(arch, quant_config, self.dtype)
@@ -94,7 +93,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             pack_parameters_on_huge_pages(self.model)  # decode reads every weight once per step
             onednn_linear.pack_weights(  # where it pays and fits: see onednn_linear.py
-                self.model, self.dtype, widen=(torch.bfloat16,) if isinstance(quant_config, Bf16WeightsConfig) else ())
+                self.model, self.dtype,
+                widen=(quant_config.weight_dtype,) if isinstance(quant_config, narrow_weights.NarrowWeightsConfig) else ())
             gemv_packing.pack_gemv_weights(self.model, self.dtype)  # likewise, for decode: see gemv_packing.py
             screened_argmax.attach_screens(self.model, self.dtype)  # greedy steps: see screened_argmax.py
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -405,8 +405,9 @@ def dense_gemv_max_rows(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
     F.linear on float32 upcasts of the weight: they take the float32
     weights' rows. Measured on the AVX2-only Zen 3 EPYC (that head, 49152 x
     576, cold): 2.8-6.7x the upcast path at M = 16-32
-    (benchmarks/results/lm_head_2026-12-02_zen3.md)."""
-    if x_dtype == torch.float32 and weight_dtype in (torch.float32, torch.bfloat16):
+    (benchmarks/results/lm_head_2026-12-02_zen3.md). fp16 weights (F16C
+    conversions instead of shifts) take the same rows."""
+    if x_dtype == torch.float32 and weight_dtype in (torch.float32, torch.bfloat16, torch.float16):
         return 32 if is_amd_cpu() else 16
     if x_dtype == torch.bfloat16 and weight_dtype == torch.bfloat16:
         if _has_bf16_dot():
@@ -490,7 +491,7 @@ DENSE_GEMV_WALKS = {"auto": 0, "interleaved": 1, "sequential": 2}
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                path: str = "best", walk: str = "auto") -> torch.Tensor:
-    """x @ weight.T (+ bias) for M <= 32 rows, float32 or bf16 weights,
+    """x @ weight.T (+ bias) for M <= 32 rows, float32, bf16 or fp16 weights (fp16: float32 x only),
     accumulated in float32 and returned in x's dtype. path="fma" keeps the
     float32-FMA loop where the build would use AVX512-BF16 dot products
     (bf16 x and weights), for tests and benchmarks. walk: "auto" (sequential

@@ -93,12 +93,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear`, or oneDNN where `applies` says it is faster, or oneDNN on
     `packed` (the layer's weight as `pack_weight` made it) for inputs of its dtype:
     the GEMM for calls that no decode kernel (dense_gemv, amx_linear,
-    fp8_linear) took. A weight narrower than x (bf16 under float32 compute)
+    fp8_linear) took. A weight narrower than x (16-bit under float32 compute)
     without a packed copy is upcast UPCAST_ROWS rows at a time."""
     if packed is not None and x.dtype == packed.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if weight.dtype != x.dtype:
-        # A weight stored narrower than the activations (bf16 under float32
+        # A weight stored narrower than the activations (16-bit under float32
         # compute) with no packed copy: upcast (exact) a slice of its rows at
         # a time, never the whole matrix.
         return torch.cat([linear(x, weight[i:i + UPCAST_ROWS].to(x.dtype),
@@ -155,7 +155,7 @@ def pack_weights(model: nn.Module, compute_dtype: torch.dtype, widen: tuple[torc
     or float32; layers with a `weight_packed` slot: plain linear layers and
     the LM head) a packed copy of its weight, where this CPU wants it and the
     copies fit in a quarter of the available memory. Weights of a `widen`
-    dtype (bf16 under float32 compute: quantization/bf16_weights.py) are
+    dtype (16-bit under float32 compute: quantization/narrow_weights.py) are
     packed in the compute dtype (exact); weights of other dtypes are left
     alone: their activations never read a packed copy (an FP8 checkpoint's
     bf16 LM head in a float32 engine runs dense_gemv slices). Returns the

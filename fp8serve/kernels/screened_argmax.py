@@ -41,8 +41,11 @@ MAX_ROWS = 8
 # runs: benchmarks/results/greedy_head_2026-12-02_zen3.md). A float32 head
 # reads 4x the screen's bytes: 2.9-3.6x at 1 row, 1.3-1.7x at 8. A bf16 head
 # reads 2x: 1.6-2.1x at 1 row, 1.1-1.7x at 4, 0.9-0.96x at 8, where the
-# screen's conversions and FMAs, not its bytes, set its time.
-_ENGINE_ROWS = {torch.float32: MAX_ROWS, torch.bfloat16: 4}
+# screen's conversions and FMAs, not its bytes, set its time. An fp16 head
+# (a 16-bit checkpoint kept at 16 bits: quantization/narrow_weights.py) reads
+# the same bytes as a bf16 one and takes its rows (not measured apart).
+_ENGINE_ROWS = {torch.float32: MAX_ROWS, torch.bfloat16: 4, torch.float16: 4}
+_SCREENED_DTYPES = tuple(_ENGINE_ROWS)
 
 
 def engine_rows(head_dtype: torch.dtype) -> int:
@@ -77,7 +80,7 @@ def enabled() -> bool:
 
 
 def build_screen(weight: torch.Tensor) -> GreedyScreen | None:
-    """The screen of a [V, K] float32 or bf16 head, or None where its values
+    """The screen of a [V, K] float32, bf16 or fp16 head, or None where its values
     are not all finite.
 
     Why the candidates hold the argmax. For an activation row x (float32) and
@@ -92,8 +95,8 @@ def build_screen(weight: torch.Tensor) -> GreedyScreen | None:
     every row u: a_* + |x| slack_* >= l_* >= l_u >= a_u - |x| slack_u, so the
     argmax, and every row tied with it, passes the screen's test (the C++
     comparisons carry a margin for their own float32 rounding)."""
-    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"build_screen takes a [V, K] float32 or bf16 head, got {weight.dtype} "
+    if weight.dim() != 2 or weight.dtype not in _SCREENED_DTYPES:
+        raise ValueError(f"build_screen takes a [V, K] float32, bf16 or fp16 head, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     num_rows, k = weight.shape
     u = 2.0 ** -24
@@ -175,7 +178,7 @@ def attach_screens(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
         w = getattr(m, "weight", None)
         if not hasattr(m, "greedy_screen") or not isinstance(w, torch.Tensor) or w.device.type != "cpu":
             continue
-        if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16):
+        if w.dim() != 2 or w.dtype not in _SCREENED_DTYPES:
             continue
         if not copy_fits(w.shape[0] * (w.shape[1] + 8), "greedy LM head: int8 screen", logger):
             continue

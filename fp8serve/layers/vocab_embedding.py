@@ -71,8 +71,8 @@ class LMHead(nn.Module):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
         if self.weight.dtype == hidden_states.dtype or (self.weight_packed is not None
                                                         and self.weight_packed.dtype == hidden_states.dtype):
-            # (A bf16 head has a float32 packed copy where the engine keeps a
-            # bf16 checkpoint's weights in bf16: quantization/bf16_weights.py.)
+            # (A 16-bit head has a float32 packed copy where the engine keeps a
+            # 16-bit checkpoint's weights at 16 bits: quantization/narrow_weights.py.)
             return onednn_linear.linear(hidden_states, self.weight, packed=self.weight_packed).float()
         # A narrower stored weight (a bf16 head, float32 activations), more
         # rows than one dense_gemv call takes: slices of the rows through it,

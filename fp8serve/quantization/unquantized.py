@@ -13,7 +13,7 @@ from fp8serve.quantization.loaders import load_output_shard
 class UnquantizedLinearMethod(LinearMethod):
     def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
         # The weight's storage dtype where it differs from the activations'
-        # (bf16 under float32 compute: see bf16_weights.py); None: theirs.
+        # (16-bit under float32 compute: see narrow_weights.py); None: theirs.
         self.weight_dtype = weight_dtype
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype) -> None:

@@ -130,8 +130,8 @@ def test_verdicts_and_configs(ss):
     # ... and against the measured number when it was.
     assert ss.llama_cpp_verdict(59.0, 60.0) == "MISS"
     assert ss.llama_cpp_verdict(60.0, 60.0) == "PASS"
-    assert ss.parse_configs("float32, auto,fp8@auto/fp8,bf16@float32") == [
-        ("base", "float32", "auto"), ("base", "auto", "auto"), ("fp8", "auto", "fp8"), ("bf16", "float32", "auto")]
+    assert ss.parse_configs("float32, auto,fp8@auto/fp8,w16@float32") == [
+        ("base", "float32", "auto"), ("base", "auto", "auto"), ("fp8", "auto", "fp8"), ("w16", "float32", "auto")]
     with pytest.raises(SystemExit):
         ss.parse_configs("int4@auto")
 

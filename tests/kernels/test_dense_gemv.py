@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="C++ CPU 
 # slices of 512 at 5+ rows (kKChunk), whole and with a short last slice.
 @pytest.mark.parametrize("k", [2051, 1024, 576, 96, 37, 8])
 @pytest.mark.parametrize("w_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                             (torch.bfloat16, torch.float32)])
+                                             (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("path", ["best", "fma"])  # best: AVX512-BF16 dots for bf16 x bf16 where built
 def test_matches_float64(seed, m, k, w_dtype, x_dtype, with_bias, path):
@@ -37,7 +37,7 @@ def test_matches_float64(seed, m, k, w_dtype, x_dtype, with_bias, path):
 
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 32])
 @pytest.mark.parametrize("k", [576, 2051])
-@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_rows_result_does_not_depend_on_the_other_rows(seed, m, k, w_dtype):
     """Each output is the same bit for bit whatever other weight rows share the
     call (the exact greedy head recomputes its candidates' logits that way:
@@ -50,10 +50,25 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(seed, m, k, w_dtype):
     assert torch.equal(cpu_ops.dense_gemv(x, w[rows].contiguous()), full[:, rows]), seed
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 32])
+@pytest.mark.parametrize("k", [2051, 576, 37])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("walk", ["auto", "interleaved"])
+def test_16bit_weights_give_their_float32_upcasts_result(seed, m, k, w_dtype, walk):
+    """float32 x on 16-bit weights: the float32 loop on the converted values,
+    bit for bit what the float32 upcast of the weight gives (the engine keeps
+    16-bit checkpoints' weights at 16 bits on that: quantization/narrow_weights.py)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(131, k, generator=g) * 0.1).to(w_dtype)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(131, generator=g)
+    assert torch.equal(cpu_ops.dense_gemv(x, w, bias, walk=walk), cpu_ops.dense_gemv(x, w.float(), bias, walk=walk)), seed
+
+
 @pytest.mark.parametrize("m", [1, 2])  # the sequential walk takes 1-2 rows
 @pytest.mark.parametrize("k", [576, 160, 40, 37, 8])  # two accumulator sets along k, then tails
 @pytest.mark.parametrize("w_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                             (torch.bfloat16, torch.float32)])
+                                             (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
 @pytest.mark.parametrize("path", ["best", "fma"])
 @pytest.mark.parametrize("walk", ["interleaved", "sequential"])
 def test_each_row_walk_matches_float64(seed, m, k, w_dtype, x_dtype, path, walk):
@@ -139,6 +154,8 @@ def test_applies_only_where_measured_faster():
     assert cpu_ops.dense_gemv_max_rows(torch.float32, torch.bfloat16) == f32_rows
     assert cpu_ops.dense_gemv_applies(torch.empty(f32_rows, 8), bf)
     assert not cpu_ops.dense_gemv_applies(torch.empty(f32_rows + 1, 8), bf)
+    assert cpu_ops.dense_gemv_max_rows(torch.float32, torch.float16) == f32_rows  # fp16 weights likewise
+    assert cpu_ops.dense_gemv_max_rows(torch.bfloat16, torch.float16) == 0
     assert cpu_ops.dense_gemv_max_rows(torch.bfloat16, torch.float32) == 0
     assert not cpu_ops.dense_gemv_applies(torch.empty(f32_rows + 1, 8), f32)
     assert not cpu_ops.dense_gemv_applies(torch.empty(0, 8), f32)

@@ -42,11 +42,11 @@ def test_slack_bounds_the_screened_logits_error(seed):
     assert ratio.max() < 0.05, (ratio.max().item(), seed)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 49, 64), (3, 1001, 72), (8, 2048, 100), (5, 4096, 576)])
 def test_greedy_tokens_equal_the_full_heads(ops, seed, dtype, shape):
     """Rows 1-8, odd vocabularies, hidden sizes with a tail past the 8-lane
-    loop, float32 and bf16 heads."""
+    loop, float32, bf16 and fp16 heads."""
     m, vocab, hidden = shape
     g = torch.Generator().manual_seed(seed)
     w = head(g, vocab, hidden, dtype)
@@ -139,8 +139,8 @@ def test_bad_arguments_are_errors(ops):
         screened_candidates(torch.randn(9, 64), screen)
     with pytest.raises(ValueError, match="columns"):
         screened_candidates(torch.randn(1, 32), screen)
-    with pytest.raises(ValueError, match="float32 or bf16 head"):
-        build_screen(torch.randn(100, 64).half())
+    with pytest.raises(ValueError, match="float32, bf16 or fp16 head"):
+        build_screen(torch.randn(100, 64).double())
     with pytest.raises(RuntimeError, match="int8"):
         ops.screened_candidates(torch.randn(1, 64), screen.codes.to(torch.uint8), screen.scale, screen.slack)
     with pytest.raises(RuntimeError, match=r"\[V\] float32"):

@@ -83,7 +83,7 @@ constexpr int64_t kMinRowsPerTask = 32;  // weight rows per thread task, at leas
 constexpr int64_t kKChunk = 512;
 constexpr int64_t kKChunkMinRows = 5;
 
-// WT: 0 float32 weights, 1 bf16 weights (the storage tags of scalar_convert.h).
+// WT: 0 float32 weights, 1 bf16, 2 fp16 (the storage tags of scalar_convert.h).
 // dots[r * MT + m] = sum_k w[r][k] * x[m][k] for R weight rows, MT activation rows,
 // summed in KS independent accumulator sets along k (shorter FMA chains when
 // R * MT is small). With prefetch_ahead > 0, each 64 bytes of a row also
@@ -345,7 +345,7 @@ void rows_any(int64_t mt, bool seq, float* out, const float* x, int64_t ldx, con
 }  // namespace
 
 // x: [M, K] float32 or bf16 (rows contiguous), M <= 32; w: [N, K] contiguous,
-// float32 or bf16; bias: [N] or none. Returns [M, N] in x's dtype.
+// float32, bf16 or fp16; bias: [N] or none. Returns [M, N] in x's dtype.
 // allow_bf16_dot: false keeps the float32-FMA loop (tests, benchmarks).
 // walk: a Walk (kAutoWalk picks by CPU vendor and M; the others force one,
 // for tests and benchmarks; kSequential takes M <= 2).
@@ -353,8 +353,9 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
                            int64_t walk) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && w.device().is_cpu(), "x must be a [M, K] CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bf16");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "w must be a contiguous [N, K] float32 or bf16 tensor");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
+              "w must be a contiguous [N, K] float32, bf16 or fp16 tensor");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "w has ", w.size(1), " columns, x has ", K);
   TORCH_CHECK(M <= kMaxRows, "dense_gemv takes at most ", kMaxRows, " rows, got ", M);
@@ -369,6 +370,7 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const bool wbf16 = w.scalar_type() == at::kBFloat16;
+  const bool wf16 = w.scalar_type() == at::kHalf;
 #ifdef FP8SERVE_BF16_DOT
   const bool bf16_dot = allow_bf16_dot && wbf16 && xc.scalar_type() == at::kBFloat16 && K % 32 == 0;
 #else
@@ -412,6 +414,7 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
         for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
           const int64_t mt = std::min(kTileRows, M - m0);
           if (wbf16) rows_any<1>(mt, seq, op + m0 * N, xp + m0 * K, K, wp, wrb, bp, N, K, n0, n1);
+          else if (wf16) rows_any<2>(mt, seq, op + m0 * N, xp + m0 * K, K, wp, wrb, bp, N, K, n0, n1);
           else rows_any<0>(mt, seq, op + m0 * N, xp + m0 * K, K, wp, wrb, bp, N, K, n0, n1);
         }
         continue;
@@ -425,6 +428,7 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
           const int64_t mt = std::min(kTileRows, M - m0);
           float* acc = partial.data() + m0 * kRowBlock;
           if (wbf16) rows_any<1, true>(mt, false, acc, xp + m0 * K + k0, K, wp + k0 * esz, wrb, nullptr, N, kc, n0, n1);
+          else if (wf16) rows_any<2, true>(mt, false, acc, xp + m0 * K + k0, K, wp + k0 * esz, wrb, nullptr, N, kc, n0, n1);
           else rows_any<0, true>(mt, false, acc, xp + m0 * K + k0, K, wp + k0 * esz, wrb, nullptr, N, kc, n0, n1);
         }
       }

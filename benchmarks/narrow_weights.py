@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""A bf16 checkpoint under float32 compute: weights kept in bf16
-(fp8serve/quantization/bf16_weights.py) against weights upcast to float32 at
-load (FP8SERVE_BF16_WEIGHTS=0, what the engine did before), side by side.
+"""A 16-bit (bf16 / fp16) checkpoint under float32 compute: weights kept at 16
+bits (fp8serve/quantization/narrow_weights.py) against weights upcast to
+float32 at load (FP8SERVE_16BIT_WEIGHTS=0, what the engine did before), side
+by side.
 
 Two engines on the same checkpoint in one process, one per setting; every
 cell alternates them (ABBA rounds, medians of --rounds):
@@ -12,8 +13,8 @@ cell alternates them (ABBA rounds, medians of --rounds):
 Also each engine's weight bytes: the plain weights dense_gemv reads and the
 packed copies oneDNN reads.
 
-    python benchmarks/bf16_weights.py                    # the built-in default model
-    python benchmarks/bf16_weights.py --decode-batch 1,16 --rounds 4 --output benchmarks/results/x.md
+    python benchmarks/narrow_weights.py                    # the built-in default model (bf16)
+    python benchmarks/narrow_weights.py --decode-batch 1,16 --rounds 4 --output benchmarks/results/x.md
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, bf16_weights, command_line, describe_machine, machine_info, parse_sizes, record_as_a_warm_engine,
+    alternate, command_line, describe_machine, machine_info, narrow_weights, parse_sizes, record_as_a_warm_engine,
     require_positive, time_greedy_decode, token_source)
 
-SIDES = ("float32 weights", "bf16 weights")
+SIDES = ("float32 weights", "16-bit weights")
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 0}
 
 
-def build_engine(model: str | None, keep_bf16: bool, max_len: int, max_seqs: int, seed: int, kv_memory: str):
+def build_engine(model: str | None, keep_16bit: bool, max_len: int, max_seqs: int, seed: int, kv_memory: str):
     from fp8serve import LLM
 
-    with bf16_weights(keep=keep_bf16):
+    with narrow_weights(keep=keep_16bit):
         llm = LLM(model=model, dtype="float32", max_model_len=max_len, max_num_seqs=max_seqs, device="cpu",
                   seed=seed, kv_cache_memory=kv_memory)
     engine = llm.llm_engine
@@ -74,7 +75,7 @@ def time_prefill(engine, prompt: list[int]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="a bf16 checkpoint (default: the built-in default model)")
+    p.add_argument("--model", default=None, help="a bf16 or fp16 checkpoint (default: the built-in default model)")
     p.add_argument("--decode-batch", default="1,4,8,16,32,64", help="comma-separated decode batch sizes")
     p.add_argument("--sampled", action="store_true", help="also time sampled decode (temperature 0.7, top_p 0.9)")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill cell (0: none)")
@@ -94,13 +95,15 @@ def main() -> None:
     engines = {side: build_engine(args.model, side == SIDES[1], max_len, max_seqs, args.seed,
                                        args.kv_cache_memory) for side in SIDES}
     runner = engines[SIDES[1]].model_runner
-    if runner.model.model.layers[0].mlp.gate_up_proj.weight.dtype != torch.bfloat16:
-        sys.exit(f"{runner.config.model_config.model}: the engine does not keep this checkpoint's weights in bf16 "
-                 "here (not a bf16 checkpoint, no C++ kernels, or FP8SERVE_BF16_WEIGHTS=0): nothing to compare")
+    kept = runner.model.model.layers[0].mlp.gate_up_proj.weight.dtype
+    if kept == torch.float32:
+        sys.exit(f"{runner.config.model_config.model}: the engine does not keep this checkpoint's weights at 16 bits "
+                 "here (not a bf16 / fp16 checkpoint, no C++ kernels, or FP8SERVE_16BIT_WEIGHTS=0): nothing to compare")
     rng = random.Random(args.seed)
     draw = token_source(engines[SIDES[0]], "text")
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),
-             f"- model {runner.config.model_config.model}, float32 compute; medians of {args.rounds} ABBA rounds"]
+             f"- model {runner.config.model_config.model}, float32 compute, 16-bit weights kept as {kept}; medians of "
+             f"{args.rounds} ABBA rounds"]
     for side, engine in engines.items():
         plain, packed = weight_bytes(engine)
         lines.append(f"- {side}: plain weights {plain:.0f} MiB, oneDNN packed copies {packed:.0f} MiB")

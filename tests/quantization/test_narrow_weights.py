@@ -1,5 +1,5 @@
-"""bf16 checkpoints under float32 compute keep bf16 weights
-(fp8serve/quantization/bf16_weights.py): when that applies, and that the
+"""16-bit checkpoints under float32 compute keep 16-bit weights
+(fp8serve/quantization/narrow_weights.py): when that applies, and that the
 engine's results are those of the float32-weight engine bit for bit on every
 path (prefill GEMMs, dense_gemv decode rows, decode batches above them, the
 LM head), and match transformers in float64."""
@@ -14,8 +14,8 @@ from checkpoints import add_tensors, hf_logits, read_tensor, write_tiny_llama
 from fp8serve import LLM, SamplingParams
 from fp8serve.errors import ConfigError
 from fp8serve.kernels import cpu_ops, onednn_linear
-from fp8serve.quantization import bf16_weights
-from fp8serve.quantization.bf16_weights import Bf16WeightsConfig
+from fp8serve.quantization import narrow_weights
+from fp8serve.quantization.narrow_weights import NarrowWeightsConfig
 
 needs_kernels = pytest.mark.skipif(cpu_ops.load_cpu_ops() is None, reason="C++ CPU kernels not built")
 CPU = torch.device("cpu")
@@ -24,40 +24,49 @@ TOP = 5
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bf16_weights")
+    root = tmp_path_factory.mktemp("narrow_weights")
     kw = dict(hidden_size=96, intermediate_size=160, vocab_size=600, num_heads=6, num_kv_heads=2)
     return {
         "bf16": write_tiny_llama(root / "bf16", dtype=torch.bfloat16, **kw),
         "bf16_tied": write_tiny_llama(root / "bf16_tied", dtype=torch.bfloat16, tie_word_embeddings=True, seed=1, **kw),
+        "fp16": write_tiny_llama(root / "fp16", dtype=torch.float16, seed=2, **kw),
         "float32": write_tiny_llama(root / "float32", dtype=torch.float32, **kw),
     }
 
 
 @needs_kernels
 def test_select(checkpoints, monkeypatch, tmp_path):
-    assert isinstance(bf16_weights.select(checkpoints["bf16"], torch.float32, CPU), Bf16WeightsConfig)
-    assert bf16_weights.select(checkpoints["float32"], torch.float32, CPU) is None
-    assert bf16_weights.select(checkpoints["bf16"], torch.bfloat16, CPU) is None  # bf16 compute: nothing to keep
-    monkeypatch.setenv(bf16_weights.ENV, "0")
-    assert bf16_weights.select(checkpoints["bf16"], torch.float32, CPU) is None
-    monkeypatch.setenv(bf16_weights.ENV, "1")
-    assert isinstance(bf16_weights.select(checkpoints["bf16"], torch.float32, CPU), Bf16WeightsConfig)
-    monkeypatch.setenv(bf16_weights.ENV, "half")
-    with pytest.raises(ConfigError, match=rf"{bf16_weights.ENV}='half': expected auto, 1 or 0"):
-        bf16_weights.select(checkpoints["bf16"], torch.float32, CPU)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        config = narrow_weights.select(checkpoints[name], torch.float32, CPU)
+        assert isinstance(config, NarrowWeightsConfig) and config.weight_dtype == dtype
+        assert config.vocab_weight_dtype(torch.float32, dtype) == dtype
+        assert config.get_linear_method("model.layers.0.mlp.down_proj").weight_dtype == dtype
+    assert narrow_weights.select(checkpoints["float32"], torch.float32, CPU) is None
+    assert narrow_weights.select(checkpoints["bf16"], torch.bfloat16, CPU) is None  # bf16 compute: nothing to keep
+    monkeypatch.setenv(narrow_weights.ENV, "0")
+    assert narrow_weights.select(checkpoints["bf16"], torch.float32, CPU) is None
+    monkeypatch.setenv(narrow_weights.ENV, "1")
+    assert isinstance(narrow_weights.select(checkpoints["bf16"], torch.float32, CPU), NarrowWeightsConfig)
+    monkeypatch.setenv(narrow_weights.ENV, "half")
+    with pytest.raises(ConfigError, match=rf"{narrow_weights.ENV}='half': expected auto, 1 or 0"):
+        narrow_weights.select(checkpoints["bf16"], torch.float32, CPU)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        NarrowWeightsConfig(torch.float32)
 
 
 @needs_kernels
-def test_a_float32_tensor_in_a_bf16_checkpoint_keeps_float32_weights(checkpoints, tmp_path):
-    """The config's torch_dtype says bf16, but one tensor is float32: storing
-    it in bf16 would round it, so nothing is kept in bf16."""
+@pytest.mark.parametrize("other", [torch.float32, torch.float16])
+def test_a_bf16_checkpoint_with_another_dtypes_tensor_keeps_float32_weights(checkpoints, tmp_path, other):
+    """The config's torch_dtype says bf16, but one tensor is float32 (storing
+    it in bf16 would round it) or fp16 (two 16-bit formats): nothing is kept
+    at 16 bits."""
     import shutil
 
     mixed = tmp_path / "mixed"
     shutil.copytree(checkpoints["bf16"], mixed)
     name = "model.layers.0.mlp.down_proj.weight"
-    add_tensors(mixed, {name: read_tensor(mixed, name).float() + 1e-3})
-    assert bf16_weights.select(mixed, torch.float32, CPU) is None
+    add_tensors(mixed, {name: read_tensor(mixed, name).to(other)})
+    assert narrow_weights.select(mixed, torch.float32, CPU) is None
 
 
 def _run(model_dir, prompts, max_tokens: int) -> list:
@@ -84,19 +93,19 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["bf16", "bf16_tied"])
+@pytest.mark.parametrize("name", ["bf16", "bf16_tied", "fp16"])
 @pytest.mark.parametrize("packed", ["1", "0"], ids=["packed", "unpacked"])
 # 1 and 3 sequences decode on dense_gemv's rows; 40 above them (oneDNN).
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])
 def test_same_results_as_float32_weights(checkpoints, monkeypatch, seed, name, packed, num_seqs):
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, packed)
     prompts = _prompts(num_seqs, seed)
-    monkeypatch.setenv(bf16_weights.ENV, "0")
+    monkeypatch.setenv(narrow_weights.ENV, "0")
     widened, w_dtype, head_dtype = _run(checkpoints[name], prompts, max_tokens=9)
     assert w_dtype == head_dtype == torch.float32
-    monkeypatch.setenv(bf16_weights.ENV, "auto")
+    monkeypatch.setenv(narrow_weights.ENV, "auto")
     kept, w_dtype, head_dtype = _run(checkpoints[name], prompts, max_tokens=9)
-    assert w_dtype == head_dtype == torch.bfloat16
+    assert w_dtype == head_dtype == (torch.float16 if name == "fp16" else torch.bfloat16)
     # Token ids, sampled logprobs (decode steps: the head's logits) and prompt
     # logprobs (the prefill's logits at every position): equal, not close.
     if packed == "1" and onednn_linear.packing_available(torch.float32):
@@ -112,11 +121,12 @@ def test_same_results_as_float32_weights(checkpoints, monkeypatch, seed, name, p
 
 
 @needs_kernels
-def test_matches_transformers_float64(checkpoints):
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_matches_transformers_float64(checkpoints, name):
     prompt = _prompts(1, 0)[0]
-    results, w_dtype, _ = _run(checkpoints["bf16"], [prompt], max_tokens=1)
+    results, w_dtype, _ = _run(checkpoints[name], [prompt], max_tokens=1)
     engine = results[0][2]
-    assert w_dtype == torch.bfloat16
-    ref = torch.log_softmax(hf_logits(checkpoints["bf16"], prompt), dim=-1)
+    assert w_dtype != torch.float32
+    ref = torch.log_softmax(hf_logits(checkpoints[name], prompt), dim=-1)
     worst = max(abs(lp - float(ref[pos, t])) for pos, entries in enumerate(engine) for t, lp in entries.items())
     assert worst < 1e-4
