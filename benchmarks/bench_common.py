@@ -347,3 +347,10 @@ def narrow_weights(keep: bool):
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = before
+
+
+def emit_table(lines: list[str], output) -> None:
+    """Prints the results file's lines and, when `output` (a Path or None) is given, writes them there."""
+    print("\n".join(lines), flush=True)
+    if output:
+        output.write_text("\n".join(lines) + "\n")

@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    command_line, describe_machine, machine_info, record_as_a_warm_engine, require_positive, time_greedy_decode)
+    command_line, describe_machine, emit_table, machine_info, record_as_a_warm_engine, require_positive,
+    time_greedy_decode)
 
 from fp8serve.kernels import fp8_linear_ops  # noqa: E402
 
@@ -116,9 +117,7 @@ def main() -> None:
              f"{base['prefill'] / new['prefill']:.2f}x |",
              f"| decode step | batch {args.decode_batch} x ~{args.decode_context} tokens | {1e3 * base['decode']:.1f} | "
              f"{1e3 * new['decode']:.1f} | {base['decode'] / new['decode']:.2f}x |"]
-    print("\n".join(lines), flush=True)
-    if args.output:
-        args.output.write_text("\n".join(lines) + "\n")
+    emit_table(lines, args.output)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    add_decode_sample_args, alternate, command_line, describe_machine, greedy_head_rows, machine_info,
+    add_decode_sample_args, alternate, command_line, describe_machine, emit_table, greedy_head_rows, machine_info,
     median_time, parse_decode_sample_args, parse_sizes, record_as_a_warm_engine, time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops  # noqa: E402
@@ -132,9 +132,7 @@ def main() -> None:
                      f"{engine_path(head, batch)} | {1e3 * up:.2f} | {1e3 * en:.2f} | {up / en:.2f}x | - | - | "
                      f"{'yes' if toks['upcast'] == toks['engine'] else 'no'} |")
         print(lines[-1], file=sys.stderr, flush=True)
-    print("\n".join(lines), flush=True)
-    if args.output:
-        args.output.write_text("\n".join(lines) + "\n")
+    emit_table(lines, args.output)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, command_line, describe_machine, machine_info, narrow_weights, parse_sizes, record_as_a_warm_engine,
-    require_positive, time_greedy_decode, token_source)
+    alternate, command_line, describe_machine, emit_table, machine_info, narrow_weights, parse_sizes,
+    record_as_a_warm_engine, require_positive, time_greedy_decode, token_source)
 
 SIDES = ("float32 weights", "16-bit weights")
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 0}
@@ -130,9 +130,7 @@ def main() -> None:
             a, b = med[SIDES[0]], med[SIDES[1]]
             lines.append(f"| prefill step, 1 x {args.prefill_len} | {1e3 * a:.1f} | {1e3 * b:.1f} | {a / b:.2f}x | - |")
             print(lines[-1], file=sys.stderr, flush=True)
-    print("\n".join(lines), flush=True)
-    if args.output:
-        args.output.write_text("\n".join(lines) + "\n")
+    emit_table(lines, args.output)
 
 
 if __name__ == "__main__":
