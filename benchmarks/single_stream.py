@@ -625,7 +625,8 @@ def finish(res: Result, arch: Arch, peaks: dict[str, float], read_gb_s: float,
         res.decode_target = (f">= {llama_tok_s:.1f} tok/s (llama.cpp, this run)" if llama_tok_s is not None
                              else f">= {lo:.0f}-{hi:.0f} tok/s (llama.cpp, issue)")
         res.decode_verdict = llama_cpp_verdict(res.decode_tok_s, llama_tok_s)
-    elif res.dtype == "float32" and not res.weights.startswith("fp8"):
+    elif res.dtype == "float32" and res.weights.startswith("float32"):
+        # The issue's target is for float32 weights: 16-bit weights kept (w16@) get no verdict.
         paired = res.pct_bound_paired is not None
         res.decode_target = f">= {DECODE_BOUND_TARGET_PCT:.0f}% of bound" + (" (paired)" if paired else "")
         res.decode_verdict = pass_miss(res.pct_bound_paired if paired else res.pct_bound, DECODE_BOUND_TARGET_PCT)

@@ -155,6 +155,13 @@ def test_finish_and_table(ss):
     assert r.bound_ms == pytest.approx(0.425984)  # 425984 B at 1 GB/s
     assert r.pct_bound == pytest.approx(10.6496)
     assert r.decode_target == ">= 80% of bound" and r.decode_verdict == "MISS"
+    # 16-bit weights kept under float32 compute: measured against their own bytes, but the issue's
+    # target names float32 weights, so no verdict.
+    w16 = ss.Result(system="fp8serve", config="w16@float32", model="m", weights="bfloat16 + lm_head",
+                    dtype="float32", kv_dtype="float32", prompt_len=10, prefill_ms_all=[2.0], decode_ms_all=[4.0],
+                    weight_bytes={"linear": 147456, "scales": 0, "lm_head": 65536, "total": 212992})
+    ss.finish(w16, arch, peaks={"float32": 1.0}, read_gb_s=1.0, llama_tok_s=None)
+    assert w16.bound_ms == pytest.approx(0.212992) and w16.decode_target == w16.decode_verdict == "—"
 
     f = ss.Result(system="fp8serve", config="fp8@auto", model="m", weights="fp8_e4m3 (cpu_kernel) + bfloat16 lm_head",
                   dtype="bfloat16", kv_dtype="bfloat16", prompt_len=10, prefill_ms_all=[1.0],
