@@ -63,7 +63,7 @@ def checkpoint_float_dtypes(model_dir: str | Path) -> set[str]:
     for f in safetensors_files(model_dir):
         with safe_open(str(f), framework="pt") as h:
             dtypes.update(h.get_slice(name).get_dtype() for name in h.keys())
-    return {d for d in dtypes if d.startswith(("F", "BF", "E"))}
+    return {d for d in dtypes if d.startswith(("F", "BF"))}  # F16, F32, F8_E4M3, BF16, ...; not I*, U*, BOOL
 
 
 def iterate_checkpoint(model_dir: str | Path, desc: str = "Loading weights") -> Iterator[tuple[str, Path, torch.Tensor]]:
