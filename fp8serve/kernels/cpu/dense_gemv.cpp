@@ -38,6 +38,8 @@
 // (benchmarks/results/dense_gemv_prefetch_l2_2026-11-30_zen4.md). At M = 1-2
 // the interleaved walk with the L2 prefetch ran 0.92-0.95x the sequential walk
 // (float32) and 1.03-1.06x (bf16) in a scratch build: the sequential walk stays.
+// On AVX2-only builds it prefetches 16-bit weights 4 KiB down its stream
+// (kSeqPrefetchBytes, measured on the AVX2-only Zen 3 EPYC).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -131,6 +133,23 @@ __attribute__((always_inline)) inline void dot_tile(const char* w, int64_t w_row
   }
 }
 
+// How far down its stream (bytes, the order it reads w) the sequential walk
+// prefetches 16-bit weights: rows are walked front to back, so 4 KiB ahead is
+// the same stream whatever K. As in fp8_gemm.cpp's sequential walk. On the
+// AVX2-only Zen 3 EPYC (the default model's 120 decode linears, contiguous on
+// 2 MiB pages as the engine keeps them, ABBA rounds) bf16 weights ran
+// 1.07-1.10x as fast with it at M = 1 and 1.02-1.08x at M = 2; float32
+// weights 0.97x and 0.88x, so they keep none. A whole batch-1 decode step of
+// the default model (bf16 weights, float32 compute) ran 1.07-1.11x as fast
+// (benchmarks/results/dense_gemv_seq_prefetch_2026-12-02_zen3.md). AVX-512
+// builds (the Zen 4 guest, where this walk was measured best without one)
+// keep none.
+#ifdef __AVX512F__
+constexpr int64_t kSeqPrefetchBytes = 0;
+#else
+constexpr int64_t kSeqPrefetchBytes = 4096;
+#endif
+
 // kWideR: weight rows per tile at MT = 5-8 (see kAmdWideRows). x rows are ldx
 // floats apart. kAccumulate: add each dot product to partial[(n - n_begin) * MT + m]
 // (a slice of K: see kKChunk) instead of writing out[m * N + n] (+ bias).
@@ -139,11 +158,13 @@ template <int WT, int MT, bool kSeq, fp8serve_prefetch::Level L = fp8serve_prefe
 void rows(float* out, const float* x, int64_t ldx, const char* w, int64_t w_row_bytes, const float* bias, int64_t N,
           int64_t K, int64_t n_begin, int64_t n_end) {
   // Interleaved: R * MT <= 8 accumulators (R * MT <= 24 with kWideR = 3)
-  // leave registers for the weight vectors. Sequential: one row, two
-  // accumulator sets, no software prefetch.
+  // leave registers for the weight vectors, and a prefetch two tiles ahead.
+  // Sequential: one row, two accumulator sets, and the prefetch
+  // kSeqPrefetchBytes down the stream (none on AVX-512 builds).
   constexpr int R = kSeq ? 1 : MT <= 2 ? 4 : MT <= 4 ? 2 : kWideR;
   constexpr int KS = kSeq ? 2 : 1;
   const int64_t tiles_ahead = kSeq ? 0 : 2;
+  const int64_t seq_ahead = kSeq && WT != 0 ? kSeqPrefetchBytes : 0;
   float dots[R * MT];
   int64_t n = n_begin;
   const auto emit = [&](int64_t n0, int rr) {
@@ -157,11 +178,13 @@ void rows(float* out, const float* x, int64_t ldx, const char* w, int64_t w_row_
     }
   };
   for (; n + R <= n_end; n += R) {
-    dot_tile<WT, R, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, ldx, K, dots, tiles_ahead * R * w_row_bytes);
+    dot_tile<WT, R, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, ldx, K, dots,
+                               kSeq ? seq_ahead : tiles_ahead * R * w_row_bytes);
     emit(n, R);
   }
   for (; n < n_end; ++n) {
-    dot_tile<WT, 1, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, ldx, K, dots, tiles_ahead * w_row_bytes);
+    dot_tile<WT, 1, MT, KS, L>(w + n * w_row_bytes, w_row_bytes, x, ldx, K, dots,
+                               kSeq ? seq_ahead : tiles_ahead * w_row_bytes);
     emit(n, 1);
   }
 }
