@@ -20,7 +20,10 @@ bytes in the same rounds; medians of --rounds.
 tree's and times both on the 120 decode linears at M = 1-32, float32 and bf16
 weights, in ABBA rounds (medians of --rounds); --model-shapes times another
 model's projections instead (llama-3.2-1b, llama-3.1-8b: longer rows, K up to
-14336), --layers of them per pass.
+14336), --layers of them per pass; --rows and --weight-dtypes narrow or widen
+the table (e.g. --rows 1,2 --weight-dtypes bfloat16,float16,float32), and
+--x-float32 gives every weight dtype float32 activations (the engine's 16-bit
+weights under float32 compute).
 
 --packed times bf16 x bf16 on the plain [N, K] weights (dense_gemv, M <= 32),
 on oneDNN's packed weight (the engine's path above 32 rows), and on the
@@ -110,7 +113,12 @@ def walks(rounds: int, layers: int) -> None:
                           f"{nbytes / med['read'] / 1e9:.1f} |", flush=True)
 
 
-def versus_revision(rev: str, rounds: int, layers: int, model_shapes: str = "smollm2-135m") -> None:
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def versus_revision(rev: str, rounds: int, layers: int, model_shapes: str = "smollm2-135m",
+                    rows: tuple[int, ...] = BASELINE_ROWS, weight_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+                    x_float32: bool = False) -> None:
     """This tree's dense_gemv against dense_gemv.cpp at git revision `rev`, ABBA rounds."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_common import alternate, build_kernel_at_rev, command_line, describe_machine, machine_info
@@ -123,14 +131,17 @@ def versus_revision(rev: str, rounds: int, layers: int, model_shapes: str = "smo
         print(line)
     print(f"- {4 * layers} decode linears of {model_shapes} per pass ((K, N): {MODEL_SHAPES[model_shapes]}); medians "
           f"of {rounds} ABBA rounds; GB/s = weight bytes / time\n")
-    print(f"| weights | M | {rev} ms | GB/s | this tree ms | GB/s | speedup |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| weights | activations | M | {rev} ms | GB/s | this tree ms | GB/s | speedup |")
+    print("|---|---|---|---|---|---|---|---|")
     shapes = [s for _ in range(layers) for s in MODEL_SHAPES[model_shapes]]
-    for dt in (torch.float32, torch.bfloat16):
+    for dt in (WEIGHT_DTYPES[name] for name in weight_dtypes):
         ws = packed_weights(dt, shapes)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
-        for m in BASELINE_ROWS:
-            xs = {k: torch.randn(m, k).to(dt) for k, _ in shapes}
+        for m in rows:
+            # Activations in the weights' dtype, or float32 (16-bit weights under float32 compute: the
+            # default model's engine on CPUs without native bf16). fp16 weights only come with float32.
+            x_dt = torch.float32 if x_float32 or dt == torch.float16 else dt
+            xs = {k: torch.randn(m, k).to(x_dt) for k, _ in shapes}
 
             def run(op, xs=xs, ws=ws):
                 t = time.perf_counter()
@@ -140,8 +151,8 @@ def versus_revision(rev: str, rounds: int, layers: int, model_shapes: str = "smo
 
             med = alternate({"base": lambda: run(base.dense_gemv), "ours": lambda: run(ours.dense_gemv)}, rounds)
             b, o = med["base"], med["ours"]
-            print(f"| {str(dt).removeprefix('torch.')} | {m} | {b * 1e3:.2f} | {nbytes / b / 1e9:.1f} | {o * 1e3:.2f} | "
-                  f"{nbytes / o / 1e9:.1f} | {b / o:.2f}x |", flush=True)
+            print(f"| {str(dt).removeprefix('torch.')} | {str(x_dt).removeprefix('torch.')} | {m} | {b * 1e3:.2f} | "
+                  f"{nbytes / b / 1e9:.1f} | {o * 1e3:.2f} | {nbytes / o / 1e9:.1f} | {b / o:.2f}x |", flush=True)
 
 
 PACKED_ROWS = (1, 2, 4, 8, 12, 13, 16, 24, 32, 48, 64, 128, 256, 512)  # M of --packed
@@ -285,12 +296,28 @@ def main() -> None:
     p.add_argument("--model-shapes", choices=sorted(MODEL_SHAPES), default="smollm2-135m",
                    help="--baseline-rev: whose decode projections to time (default: the default model's)")
     p.add_argument("--packed", action="store_true", help="bf16: plain rows, oneDNN packed and the packed layout at M = 1-512")
+    p.add_argument("--rows", default=",".join(map(str, BASELINE_ROWS)),
+                   help="--baseline-rev: comma-separated activation rows (1-32)")
+    p.add_argument("--weight-dtypes", default="float32,bfloat16",
+                   help=f"--baseline-rev: comma-separated weight dtypes of {', '.join(WEIGHT_DTYPES)}")
+    p.add_argument("--x-float32", action="store_true",
+                   help="--baseline-rev: float32 activations for every weight dtype (16-bit weights under float32 "
+                        "compute, as the engine runs the default model here); default: the weights' dtype (fp16: float32)")
     args = p.parse_args()
     if sum(map(bool, (args.walks, args.baseline_rev, args.packed))) > 1:
         p.error("give one of --walks, --baseline-rev and --packed")
     for name in ("rounds", "layers"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    try:
+        rows = tuple(int(r) for r in args.rows.split(","))
+    except ValueError:
+        rows = ()
+    if not rows or not all(1 <= r <= 32 for r in rows):
+        p.error(f"--rows takes comma-separated activation rows from 1 to 32, got {args.rows!r}")
+    weight_dtypes = tuple(args.weight_dtypes.split(","))
+    if not all(d in WEIGHT_DTYPES for d in weight_dtypes):
+        p.error(f"--weight-dtypes takes comma-separated names of {', '.join(WEIGHT_DTYPES)}, got {args.weight_dtypes!r}")
     ops = load_cpu_ops()
     if ops is None:
         raise SystemExit("C++ CPU kernels unavailable")
@@ -298,7 +325,8 @@ def main() -> None:
         walks(args.rounds, args.layers)
         return
     if args.baseline_rev:
-        versus_revision(args.baseline_rev, args.rounds, args.layers, args.model_shapes)
+        versus_revision(args.baseline_rev, args.rounds, args.layers, args.model_shapes, rows, weight_dtypes,
+                        args.x_float32)
         return
     if args.packed:
         versus_packed(args.rounds, args.layers)

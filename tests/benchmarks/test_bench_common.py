@@ -19,3 +19,19 @@ def test_alternate_reverses_the_order_every_other_round_and_takes_medians():
         medians = common.alternate({"a": measure("a"), "b": measure("b")}, rounds=4)
     assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert medians == {"a": 4.0, "b": 3.0}
+
+
+def test_a_baseline_build_is_made_once_per_namespace(ops):
+    """A torch.ops namespace takes one registration per process (a second
+    aborts it): the same commit and source again returns the first build, even
+    from a freshly loaded copy of the module; another commit is an error."""
+    import pytest
+    import torch
+
+    with loaded_script("bench_common.py") as common:
+        first = common.build_kernel_at_rev("HEAD", "sampling_ops.cpp", "fp8serve_test_once")
+        assert first is torch.ops.fp8serve_test_once
+    with loaded_script("bench_common.py") as common:
+        assert common.build_kernel_at_rev("HEAD", "sampling_ops.cpp", "fp8serve_test_once") is first
+        with pytest.raises(SystemExit, match="already holds sampling_ops.cpp"):
+            common.build_kernel_at_rev("HEAD~1", "sampling_ops.cpp", "fp8serve_test_once")

@@ -39,8 +39,34 @@ def test_baseline_rev_table(ops, monkeypatch, capsys):
     assert "decode linears of smollm2-135m" in out
     rows = [ln for ln in out.splitlines() if ln.startswith("| ") and not ln.startswith("| weights")]
     cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
-    assert {(c[0], c[1]) for c in cells} == {(d, str(m)) for d in ("float32", "bfloat16") for m in (1, 2, 4, 8, 12, 16, 24, 32)}
-    assert all(float(c[2]) > 0 and float(c[4]) > 0 and c[6].endswith("x") for c in cells)
+    assert {(c[0], c[1], c[2]) for c in cells} == {(d, d, str(m)) for d in ("float32", "bfloat16")
+                                                   for m in (1, 2, 4, 8, 12, 16, 24, 32)}
+    assert all(float(c[3]) > 0 and float(c[5]) > 0 and c[7].endswith("x") for c in cells)
+
+
+def test_baseline_rev_rows_dtypes_and_float32_activations(ops, monkeypatch, capsys):
+    """--rows, --weight-dtypes and --x-float32 choose the table's cells: 16-bit weights with float32
+    activations, as the engine runs a 16-bit checkpoint under float32 compute."""
+    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--baseline-rev", "HEAD", "--rounds", "1", "--layers", "1",
+                                      "--rows", "1,3", "--weight-dtypes", "bfloat16,float16", "--x-float32"])
+    with loaded_script("dense_gemv.py") as script:
+        script.main()
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and not ln.startswith("| weights")]
+    cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
+    assert [(c[0], c[1], c[2]) for c in cells] == [(d, "float32", m) for d in ("bfloat16", "float16") for m in ("1", "3")]
+    assert all(float(c[3]) > 0 and float(c[5]) > 0 for c in cells)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--rows", "0,2"], "--rows takes comma-separated activation rows from 1 to 32, got '0,2'"),
+    (["--rows", "1,x"], "--rows takes comma-separated activation rows from 1 to 32, got '1,x'"),
+    (["--weight-dtypes", "bfloat16,int8"], "--weight-dtypes takes comma-separated names of float32, bfloat16, float16"),
+])
+def test_baseline_rev_rejects_bad_rows_and_dtypes(bad, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["dense_gemv.py", "--baseline-rev", "HEAD", *bad])
+    with loaded_script("dense_gemv.py") as script, pytest.raises(SystemExit):
+        script.main()
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("modes", [["--walks", "--baseline-rev", "HEAD"], ["--packed", "--walks"],

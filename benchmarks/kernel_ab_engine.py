@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""One kernel op of this tree against the same op built at a git revision,
+inside whole engine decode steps.
+
+Kernel scripts (dense_gemv.py, fp8_linear.py, attention.py --baseline-rev)
+time an op alone; this one asks what the change is worth to the engine. Two
+engines on one checkpoint live in one process: "this tree" with every op as
+built here, "baseline" with --op taken from fp8serve/kernels/cpu/--source as
+of --baseline-rev (built under another torch.ops namespace,
+bench_common.build_kernel_at_rev). The baseline engine is built, warmed up and
+run with the modules' `load_cpu_ops` answering that op from the baseline
+build, so its eager steps call it and its recorded decode forward
+(engine/decode_capture.py) replays it. The script counts the baseline ops in
+that recording and stops with an error if there are none (the swap did not
+take). Then rounds alternate the two engines (ABBA), each generating
+--tokens greedy tokens for a batch of --batch prompts; the table gives the
+median ms per decode step of each and whether both produced the same tokens.
+
+    .venv/bin/python benchmarks/kernel_ab_engine.py --source dense_gemv.cpp --op dense_gemv --baseline-rev HEAD~1
+    .venv/bin/python benchmarks/kernel_ab_engine.py --model DIR --source fp8_gemm.cpp --op fp8_linear \\
+        --baseline-rev HEAD~1 --batch 4 --rounds 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import build_kernel_at_rev, command_line, describe_machine, emit_table, machine_info  # noqa: E402
+
+BASELINE_NAMESPACE = "fp8serve_base_engine"
+
+
+class _OneOpFrom:
+    """torch.ops.fp8serve with `op` taken from another build."""
+
+    def __init__(self, ours, base, op: str) -> None:
+        self._ours, self._base, self._op = ours, base, op
+
+    def __getattr__(self, name: str):
+        return getattr(self._base if name == self._op else self._ours, name)
+
+
+@contextlib.contextmanager
+def serving(ops) -> object:
+    """Every fp8serve module's `load_cpu_ops` returns `ops` inside."""
+    from fp8serve.kernels import cpu_ops
+
+    real = cpu_ops.load_cpu_ops
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("fp8serve") and getattr(m, "load_cpu_ops", None) is real]
+    for m in modules:
+        m.load_cpu_ops = lambda: ops
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.load_cpu_ops = real
+
+
+def recorded_ops(namespace: str) -> int:
+    """Calls of torch.ops.NAMESPACE in the decode forwards recorded so far."""
+    from fp8serve.engine.compiled_replay import CapturedForward
+
+    count = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on some of torch's deprecated objects warns
+        captures = [obj for obj in gc.get_objects() if isinstance(obj, CapturedForward)]
+    for obj in captures:
+        count += sum(1 for func, *_ in obj.calls if getattr(func, "namespace", None) == namespace)
+    return count
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint (default: the built-in default model)")
+    p.add_argument("--source", required=True, help="kernel source file in fp8serve/kernels/cpu, e.g. dense_gemv.cpp")
+    p.add_argument("--op", required=True, help="the op of that file to swap, e.g. dense_gemv")
+    p.add_argument("--baseline-rev", required=True, help="git revision of the baseline build")
+    p.add_argument("--batch", type=int, default=1, help="prompts per generation (decode batch)")
+    p.add_argument("--tokens", type=int, default=160, help="greedy tokens per prompt per generation")
+    p.add_argument("--rounds", type=int, default=12, help="ABBA rounds (medians)")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache of each engine (e.g. 512MiB)")
+    p.add_argument("--output", type=Path, default=None, help="also write the table (markdown) here")
+    args = p.parse_args()
+    for name in ("batch", "tokens", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+    from fp8serve import LLM, SamplingParams
+    from fp8serve.kernels import cpu_ops
+    from fp8serve.utils.memory import parse_size
+
+    try:
+        parse_size(args.kv_cache_memory)
+    except ValueError as e:
+        p.error(f"--kv-cache-memory: {e}")
+
+    ours = cpu_ops.load_cpu_ops()
+    if ours is None:
+        raise SystemExit("C++ CPU kernels unavailable")
+    if not hasattr(ours, args.op):
+        raise SystemExit(f"--op {args.op}: no such op in torch.ops.fp8serve")
+    base = build_kernel_at_rev(args.baseline_rev, args.source, BASELINE_NAMESPACE)
+    if not hasattr(base, args.op):
+        raise SystemExit(f"--op {args.op}: {args.source} at {args.baseline_rev} does not define it")
+    swapped = _OneOpFrom(ours, base, args.op)
+
+    kwargs = {"kv_cache_memory": args.kv_cache_memory}
+    if args.model:
+        kwargs["model"] = args.model
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    prompts = [f"Write about the history of printing, part {i}." for i in range(args.batch)]
+    engines = {"this tree": (LLM(**kwargs), contextlib.nullcontext)}
+    with serving(swapped):
+        engines["baseline"] = (LLM(**kwargs), lambda: serving(swapped))
+    # Long enough to record each engine's decode forward at this batch size (decode_capture.py).
+    warm = SamplingParams(max_tokens=max(args.tokens, 80), temperature=0, ignore_eos=True)
+    for llm, ctx in engines.values():
+        with ctx():
+            llm.generate(prompts, warm, use_tqdm=False)
+    swaps = recorded_ops(BASELINE_NAMESPACE)
+    if swaps == 0:
+        raise SystemExit(f"the baseline engine's recorded decode forward has no {BASELINE_NAMESPACE} op: "
+                         f"{args.op} is not on its decode path, or the swap did not take")
+
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, list[list[int]]] = {}
+    for r in range(args.rounds):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            llm, ctx = engines[name]
+            with ctx():
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                times[name].append(time.perf_counter() - t0)
+            tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
+    step = {name: statistics.median(v) / args.tokens * 1e3 for name, v in times.items()}
+    wins = sum(a < b for a, b in zip(times["this tree"], times["baseline"]))
+    lines = [
+        f"# {args.op} ({args.source}) in engine decode steps: this tree vs {args.baseline_rev}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        *describe_machine(machine_info()),
+        f"- model: {args.model or 'the built-in default model'}; batch {args.batch}, {args.tokens} greedy tokens per "
+        f"generation (its prefill included in the time), {args.rounds} ABBA rounds; the baseline engine's recorded "
+        f"decode forward calls {swaps} {BASELINE_NAMESPACE} ops",
+        "",
+        "| engine | ms / decode step (median) | rounds faster | same tokens |",
+        "|---|---|---|---|",
+        f"| this tree | {step['this tree']:.2f} | {wins} of {args.rounds} | {tokens['this tree'] == tokens['baseline']} |",
+        f"| {args.baseline_rev} | {step['baseline']:.2f} | {args.rounds - wins} of {args.rounds} | |",
+        "",
+        f"speedup (baseline / this tree): {step['baseline'] / step['this tree']:.3f}x",
+    ]
+    emit_table(lines, args.output)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,45 @@
+"""benchmarks/kernel_ab_engine.py on a tiny bf16 checkpoint: the baseline engine
+really runs the baseline build's op (counted in its recorded decode forward),
+both engines are timed and give the same tokens, and bad arguments are
+rejected before anything is built."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from benchmark_scripts import assert_rejected, run_table
+from checkpoints import write_tiny_llama
+
+
+def test_both_engines_are_timed_with_the_op_swapped(ops, monkeypatch, tmp_path):
+    # bf16 weights: under float32 compute the engine keeps them and runs dense_gemv on them at batch 1.
+    src = write_tiny_llama(tmp_path / "llama", vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
+    text, rows = run_table(monkeypatch, tmp_path, "kernel_ab_engine.py", "--model", str(src),
+                           "--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD",
+                           "--tokens", "6", "--rounds", "2", "--kv-cache-memory", "16MiB", header="| engine")
+    assert [r[0] for r in rows] == ["this tree", "HEAD"]
+    assert all(float(r[1]) > 0 for r in rows)
+    assert rows[0][3] == "True"  # the same kernel source at HEAD: the same tokens
+    swapped = int(re.search(r"calls (\d+) fp8serve_base_engine ops", text).group(1))
+    assert swapped >= 2 * 4  # every decoder linear of both layers
+    assert re.search(r"speedup \(baseline / this tree\): \d+\.\d+x", text)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--rounds", "0"], "--rounds"),
+    (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--batch", "-1"], "--batch"),
+    (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--kv-cache-memory", "lots"],
+     "--kv-cache-memory"),
+    (["--source", "dense_gemv.cpp", "--baseline-rev", "HEAD"], "--op"),
+])
+def test_bad_arguments_are_rejected(monkeypatch, tmp_path, capsys, argv, message):
+    assert_rejected(monkeypatch, tmp_path, capsys, "kernel_ab_engine.py", argv, message)
+
+
+def test_an_op_this_build_lacks_is_an_error(ops, monkeypatch, tmp_path):
+    with pytest.raises(SystemExit, match="--op no_such_op: no such op in torch.ops.fp8serve"):
+        run_table(monkeypatch, tmp_path, "kernel_ab_engine.py", "--source", "dense_gemv.cpp", "--op", "no_such_op",
+                  "--baseline-rev", "HEAD", header="|")
