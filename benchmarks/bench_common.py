@@ -115,10 +115,10 @@ def describe_machine(info: dict) -> list[str]:
     ]
 
 
-# namespace -> (commit, source) built into it in this process. Kept on `sys`,
-# not here: a script loaded twice (tests load them afresh) gets a new copy of
-# this module, but torch's op registrations live as long as the process.
-_BUILT_AT_REV: dict[str, tuple[str, str]] = sys.__dict__.setdefault("_fp8serve_kernels_built_at_rev", {})
+# (namespace, source) -> the commit built into it in this process. Kept on
+# `sys`, not here: a script loaded twice (tests load them afresh) gets a new
+# copy of this module, but torch's op registrations live as long as the process.
+_BUILT_AT_REV: dict[tuple[str, str], str] = sys.__dict__.setdefault("_fp8serve_kernels_built_at_rev", {})
 
 
 def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
@@ -126,9 +126,10 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
     the headers beside it) as of git revision `rev`, built with the engine's
     flags and registered under torch.ops.NAMESPACE instead of fp8serve, so a
     benchmark can time them side by side with this tree's. Built once per
-    process: a namespace can hold one registration only (a second one aborts
-    the process), so asking again for the same commit and source returns the
-    first build, and for another one is an error."""
+    process: an op can be registered once only (a second registration aborts
+    the process), so asking again for the same source in the same namespace
+    returns the first build if it is of the same commit, and is an error if
+    not. Other sources may share a namespace (their ops differ)."""
     import shutil
     import subprocess
     import tempfile
@@ -141,11 +142,11 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
                               text=True)
     if resolved.returncode != 0:
         raise SystemExit(f"--baseline-rev {rev}: git cannot list {csrc} there ({resolved.stderr.strip()})")
-    key = (resolved.stdout.strip(), source)
-    if namespace in _BUILT_AT_REV:
-        if _BUILT_AT_REV[namespace] != key:
-            raise SystemExit(f"torch.ops.{namespace} already holds {_BUILT_AT_REV[namespace][1]} at "
-                             f"{_BUILT_AT_REV[namespace][0][:12]}; one process builds one baseline per namespace")
+    commit, key = resolved.stdout.strip(), (namespace, source)
+    if key in _BUILT_AT_REV:
+        if _BUILT_AT_REV[key] != commit:
+            raise SystemExit(f"torch.ops.{namespace} already holds {source} at {_BUILT_AT_REV[key][:12]}; one "
+                             f"process builds a source into a namespace once ({rev} is another commit)")
         return getattr(torch.ops, namespace)
     tmp = Path(tempfile.mkdtemp(prefix="fp8serve_baseline_"))
     try:
@@ -177,7 +178,7 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
              extra_ldflags=["-fopenmp"], build_directory=str(tmp), is_python_module=False, verbose=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the library stays mapped
-    _BUILT_AT_REV[namespace] = key
+    _BUILT_AT_REV[key] = commit
     return getattr(torch.ops, namespace)
 
 

@@ -22,9 +22,10 @@ def test_alternate_reverses_the_order_every_other_round_and_takes_medians():
 
 
 def test_a_baseline_build_is_made_once_per_namespace(ops):
-    """A torch.ops namespace takes one registration per process (a second
-    aborts it): the same commit and source again returns the first build, even
-    from a freshly loaded copy of the module; another commit is an error."""
+    """An op takes one registration per process (a second aborts it): the
+    same source in the same namespace again returns the first build, even from
+    a freshly loaded copy of the module, if it is of the same commit; another
+    commit of it is an error."""
     import pytest
     import torch
 
