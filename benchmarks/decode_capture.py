@@ -6,7 +6,9 @@ each batch size (its fifth, and none of a fresh engine's first 64: DecodeCapture
 first_record_after) records the forward and, unless an earlier size's compiled replay fits it
 (`DecodeCaptures.share_compiled`, the default), compiles its own (TorchScript, ~0.13-0.2 s on the
 default model). A serving batch changes size with every admission, finish and preemption, and a
-run's drain walks down through every size.
+run's drain walks down through every size. The engine replays batches of up to 8 as static plans
+(no compile: fp8serve/engine/static_plan.py); the engines here take the compiled replay at every
+size, since compiling is what this script measures.
 
 Workload: --num-prompts requests of --input-len random token ids added at once, greedy, ignore_eos,
 the i-th with max_tokens = --first-output + i * --steps-per-size, so the batch drains from
@@ -127,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_seqs=max(args.num_prompts, 1))
         captures = llm.llm_engine.model_runner.decode_captures
         captures.share_compiled = share
+        # What this script measures is compiling: every size takes the compiled replay, not the
+        # static plans the engine uses for batches of up to 8 (benchmarks/static_plan.py).
+        captures.static_plans = False
         if record_after is not None:
             captures.record_after = record_after
         if first_record_after is not None:

@@ -123,6 +123,10 @@ def main() -> None:
     engines = {"this tree": (LLM(**kwargs), contextlib.nullcontext)}
     with serving(swapped):
         engines["baseline"] = (LLM(**kwargs), lambda: serving(swapped))
+    # Both engines replay through TorchScript: a static plan (engine/static_plan.py) calls the ops of
+    # this build by name, so the baseline engine would take the compiled replay and the other a plan.
+    for llm, _ in engines.values():
+        llm.llm_engine.model_runner.decode_captures.static_plans = False
     # Long enough to record each engine's decode forward at this batch size (decode_capture.py).
     warm = SamplingParams(max_tokens=max(args.tokens, 80), temperature=0, ignore_eos=True)
     for llm, ctx in engines.values():

@@ -18,6 +18,11 @@ shares an earlier size's compiled replay where the two recordings differ only
 in batch-sized dimensions (which the compiled code then takes as `n * k`):
 see DecodeCaptures.
 
+Batches of up to STATIC_PLAN_MAX_BATCH sequences replay as static plans
+instead where the recording allows (fp8serve/engine/static_plan.py): the
+recorded kernels called from C++ on the recording's own tensors, no
+TorchScript, views or allocations; the rest as above.
+
 What a replay assumes, and how it is enforced:
   - the forward takes the same path for every step of this batch size:
     decode-only steps on the C++ paged backend, batch size fixed per capture,
@@ -33,6 +38,7 @@ What a replay assumes, and how it is enforced:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -42,11 +48,19 @@ from fp8serve.attention.forward_context import set_forward_context
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.engine.compiled_replay import CapturedForward, unify
 from fp8serve.engine.op_recorder import OpRecorder, record
+from fp8serve.engine.static_plan import StaticPlan, Unsupported
+from fp8serve.kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
 
 
 _MISSING = object()
+
+# Largest batch replayed as a static plan: the plan keeps every intermediate
+# tensor of its recording (~0.9 MiB per sequence on the default model), and
+# what it saves (0.7-2.0 ms a forward at batches 1-8 on the FP8 checkpoint,
+# benchmarks/results/static_plan_2026-12-02_zen3.md) matters less as steps grow.
+STATIC_PLAN_MAX_BATCH = 8
 
 
 class DecodeCaptures:
@@ -107,6 +121,11 @@ class DecodeCaptures:
         self._logged = False
         self.num_replays = 0  # decode forwards served by a replay
         self.num_compiled = 0  # recordings compiled (the rest shared a compiled forward)
+        # Batch sizes up to static_plan_max_batch replay as static plans where
+        # the recording allows (see _static_plan); FP8SERVE_STATIC_PLAN=0: never.
+        self.static_plans = os.environ.get("FP8SERVE_STATIC_PLAN", "1") != "0"
+        self.static_plan_max_batch = STATIC_PLAN_MAX_BATCH
+        self.num_static = 0  # recordings replayed as static plans
 
     def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         with set_forward_context(md):
@@ -132,6 +151,12 @@ class DecodeCaptures:
         self._eager_steps.pop(key, None)
         start = time.perf_counter()
         output, recorder = record(lambda: self._eager(input_ids, positions, md), inputs)
+        if self.static_plans and md.num_seqs <= self.static_plan_max_batch:
+            plan = self._static_plan(recorder, inputs, output)
+            if plan is not None:
+                self._captures[key] = plan
+                self.num_static += 1
+                return output
         recorded, template, compiled = self._compile(recorder, output, len(inputs), md.num_seqs)
         problem = recorded if isinstance(recorded, str) else self._problem(recorded, output, inputs)
         if logger.isEnabledFor(logging.DEBUG):
@@ -157,6 +182,33 @@ class DecodeCaptures:
             else:
                 self._templates.append(recorded)
         return output
+
+    def _static_plan(self, recorder: OpRecorder, inputs: Sequence[torch.Tensor],
+                     output: torch.Tensor) -> StaticPlan | None:
+        """The recording as a static plan, checked like a compiled replay
+        (its first run must reproduce the recorded output bit for bit), or None."""
+        if load_cpu_ops() is None:
+            return None
+        try:
+            plan = StaticPlan(recorder, inputs, output)
+        except Unsupported as e:
+            logger.debug("decode batch size %d: no static plan (%s)", output.shape[0], e)
+            return None
+        expected = output.clone()
+        try:
+            same = _same(plan.replay(*inputs), expected)
+        except RuntimeError as e:  # a kernel refused the plan's tensors
+            logger.info("decode batch size %d: the static plan failed (%s); using the compiled replay",
+                        output.shape[0], str(e).splitlines()[0] if str(e) else type(e).__name__)
+            same = False
+        else:
+            if not same:
+                logger.info("decode batch size %d: the static plan did not reproduce the recorded output; "
+                            "using the compiled replay", output.shape[0])
+        if not same:
+            output.copy_(expected)
+            return None
+        return plan
 
     def _compile(self, recorder: OpRecorder, output: torch.Tensor, num_inputs: int,
                  batch_size: int) -> tuple[CapturedForward | str, CapturedForward | None, bool]:
@@ -184,6 +236,7 @@ class DecodeCaptures:
         self._eager_steps.clear()
         self._eager_total = 0
         self.num_compiled = 0
+        self.num_static = 0
 
     @property
     def recorded_batch_sizes(self) -> list[int]:
@@ -191,9 +244,15 @@ class DecodeCaptures:
 
     @property
     def scripted_batch_sizes(self) -> list[int]:
-        """Batch sizes whose replay runs in the TorchScript interpreter."""
+        """Batch sizes whose replay runs compiled: in the TorchScript
+        interpreter or as a static plan (not straight-line Python)."""
         return sorted({key[0] for key, rec in self._captures.items()
-                       if rec is not None and rec.replay is not rec.python_replay})
+                       if rec is not None and (isinstance(rec, StaticPlan) or rec.replay is not rec.python_replay)})
+
+    @property
+    def static_batch_sizes(self) -> list[int]:
+        """Batch sizes replayed as static plans."""
+        return sorted({key[0] for key, rec in self._captures.items() if isinstance(rec, StaticPlan)})
 
     def _problem(self, recorded: CapturedForward, output: torch.Tensor, inputs) -> str | None:
         """Why `recorded` must not be replayed, or None."""

@@ -29,14 +29,19 @@ def llama_dir(tmp_path_factory):
 
 
 def make_engine(model_dir: str, *, enforce_eager: bool, kv_cache_dtype: str = "auto", dtype: str = "float32",
-                record_after: int = 1, first_record_after: int = 0, **kwargs) -> LLMEngine:
+                record_after: int = 1, first_record_after: int = 0, static_plans: bool = False,
+                **kwargs) -> LLMEngine:
     """record_after = 1 and first_record_after = 0 (the engine's defaults are 4 and 64): these runs are
-    short, and would otherwise stay eager; one eager step first still covers the eager-then-record path."""
+    short, and would otherwise stay eager; one eager step first still covers the eager-then-record path.
+    static_plans = False: these tests are about the compiled (TorchScript / Python) replays, which the
+    engine uses for batches above STATIC_PLAN_MAX_BATCH (tests/engine/test_static_plan.py covers the
+    static plans that serve the smaller ones)."""
     engine = LLMEngine.from_args(model_dir, dtype=dtype, device="cpu", block_size=BLOCK_SIZE, kv_cache_memory=1 << 20,
                                  max_model_len=64, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
                                  **kwargs)
     engine.model_runner.decode_captures.record_after = record_after
     engine.model_runner.decode_captures.first_record_after = first_record_after
+    engine.model_runner.decode_captures.static_plans = static_plans
     return engine
 
 

@@ -297,6 +297,16 @@ def test_fused_entry_scales_and_converts(ops, seed, kv_format, dtype):
     with pytest.raises(RuntimeError, match="heads must be contiguous"):
         ops.paged_attention_decode_fused(query.transpose(1, 2), case.key_cache, case.value_cache,
                                          case.block_tables, case.seq_lens, KV_FORMATS[kv_format], 1.0, 1.0)
+    # The _out entry (decode plans) writes the same result into a given tensor.
+    into = torch.full((n, h, d), float("nan"), dtype=dtype)
+    ops.paged_attention_decode_fused_out(into, query, case.key_cache, case.value_cache, case.block_tables,
+                                         case.seq_lens, KV_FORMATS[kv_format], q_scale, case.out_scale)
+    assert torch.equal(into, out), f"seed={seed}"
+    for bad in (torch.empty(n, h, d + 1, dtype=dtype), torch.empty(n, h, d, dtype=torch.float64),
+                torch.empty(n, d, h, dtype=dtype).transpose(1, 2)):
+        with pytest.raises(RuntimeError, match=f"out must be a contiguous \\[{n}, {h}, {d}\\] CPU tensor"):
+            ops.paged_attention_decode_fused_out(bad, query, case.key_cache, case.value_cache, case.block_tables,
+                                                 case.seq_lens, KV_FORMATS[kv_format], q_scale, case.out_scale)
 
 
 # ------------------------------------------------------------ bf16 dot-product tiles

@@ -191,3 +191,29 @@ def test_bf16_dot_path_is_built_where_the_cpu_has_it():
     if os.environ.get("FP8SERVE_CPU_MARCH") or "avx512_bf16" not in cpu_flags():
         pytest.skip("not a native AVX512-BF16 build")
     assert ops.dense_gemv_has_bf16_dot()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 17])
+@pytest.mark.parametrize("w_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_gemv_out_writes_what_dense_gemv_returns(seed, m, w_dtype, x_dtype, with_bias):
+    """`dense_gemv_out` (what decode plans call) fills a given tensor with
+    exactly dense_gemv's result, whatever it held before."""
+    ops = cpu_ops.load_cpu_ops()
+    g = torch.Generator().manual_seed(seed)
+    for k in (576, 1024, 37):
+        w = (torch.randn(167, k, generator=g) * 0.1).to(w_dtype)
+        x = torch.randn(m, k, generator=g).to(x_dtype)
+        bias = torch.randn(167, generator=g).to(x_dtype) if with_bias else None
+        out = torch.full((m, 167), float("nan"), dtype=x_dtype)
+        ops.dense_gemv_out(out, x, w, bias)
+        assert torch.equal(out, ops.dense_gemv(x, w, bias)), f"seed={seed} k={k}"
+
+
+def test_dense_gemv_out_rejects_a_wrong_output(seed):
+    ops = cpu_ops.load_cpu_ops()
+    x, w = torch.randn(3, 64), torch.randn(10, 64)
+    for bad in (torch.empty(3, 11), torch.empty(3, 10, dtype=torch.bfloat16), torch.empty(10, 3).t()):
+        with pytest.raises(RuntimeError, match=r"out must be a contiguous \[3, 10\] CPU tensor of x's dtype"):
+            ops.dense_gemv_out(bad, x, w, None)

@@ -359,3 +359,26 @@ def test_without_amx_bf16_keeps_the_fused_kernel_to_16_rows(monkeypatch):
     # applies() is false without AMX: the dequantized tile goes through torch's GEMM.
     assert_close(fp8_linear_ops._dequantize_and_matmul(load_cpu_ops(), x, w, scale, bias), x, w, scale, bias, seed,
                  "dequant+GEMM without AMX")
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m", [1, 2, 7, 33])
+def test_fp8_linear_out_writes_what_fp8_linear_returns(m, with_bias, x_dtype):
+    """`fp8_linear_out` (what decode plans call) fills a given tensor with
+    exactly fp8_linear's result, whatever it held before."""
+    ops = load_cpu_ops()
+    for n, k in SHAPES:
+        seed = fresh_seed()
+        x, w, scale, bias = make_case(m, n, k, x_dtype, with_bias, seed)
+        out = torch.full((m, n), float("nan"), dtype=x_dtype)
+        ops.fp8_linear_out(out, x, w, scale, bias)
+        assert torch.equal(out, ops.fp8_linear(x, w, scale, bias)), f"seed={seed} n={n} k={k}"
+
+
+def test_fp8_linear_out_rejects_a_wrong_output():
+    ops = load_cpu_ops()
+    x, w, scale, _ = make_case(2, 37, 64, torch.float32, False, fresh_seed())
+    for bad in (torch.empty(2, 36), torch.empty(2, 37, dtype=torch.bfloat16), torch.empty(37, 2).t()):
+        with pytest.raises(RuntimeError, match=r"out must be a contiguous \[2, 37\] CPU tensor of x's dtype"):
+            ops.fp8_linear_out(bad, x, w, scale, None)

@@ -372,8 +372,9 @@ void rows_any(int64_t mt, bool seq, float* out, const float* x, int64_t ldx, con
 // allow_bf16_dot: false keeps the float32-FMA loop (tests, benchmarks).
 // walk: a Walk (kAutoWalk picks by CPU vendor and M; the others force one,
 // for tests and benchmarks; kSequential takes M <= 2).
+// out_arg: the [M, N] result tensor to write (contiguous, x's dtype), or null: a new one.
 at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias, bool allow_bf16_dot,
-                           int64_t walk) {
+                           int64_t walk, const at::Tensor* out_arg = nullptr) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && w.device().is_cpu(), "x must be a [M, K] CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bf16");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() &&
@@ -390,7 +391,13 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
     b = bias->to(at::kFloat).contiguous();
   }
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = out_arg != nullptr ? *out_arg : at::empty({M, N}, x.options());
+  if (out_arg != nullptr) {
+    TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == x.scalar_type() &&
+                    out.is_contiguous() && out.device().is_cpu(),
+                "out must be a contiguous [", M, ", ", N, "] CPU tensor of x's dtype, got ", out.sizes(), " ",
+                out.scalar_type());
+  }
   if (M == 0 || N == 0) return out;
   const bool wbf16 = w.scalar_type() == at::kBFloat16;
   const bool wf16 = w.scalar_type() == at::kHalf;
@@ -473,6 +480,11 @@ at::Tensor dense_gemv(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias
   return dense_gemv_impl(x, w, bias, /*allow_bf16_dot=*/true, kAutoWalk);
 }
 
+// dense_gemv into a given [M, N] tensor (decode plans: decode_plan.cpp).
+void dense_gemv_out(at::Tensor out, at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias) {
+  dense_gemv_impl(x, w, bias, /*allow_bf16_dot=*/true, kAutoWalk, &out);
+}
+
 // Same contract, always the float32-FMA loop (what CPUs without AVX512-BF16 run).
 at::Tensor dense_gemv_fma(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias) {
   return dense_gemv_impl(x, w, bias, /*allow_bf16_dot=*/false, kAutoWalk);
@@ -499,6 +511,7 @@ bool dense_gemv_has_bf16_dot() {
 
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("dense_gemv", &dense_gemv);
+  m.def("dense_gemv_out(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()", &dense_gemv_out);
   m.def("dense_gemv_fma", &dense_gemv_fma);
   m.def("dense_gemv_walk", &dense_gemv_walk);
   m.def("dense_gemv_auto_walk", &dense_gemv_auto_walk);

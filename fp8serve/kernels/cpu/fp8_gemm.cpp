@@ -430,8 +430,10 @@ void check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K) {
 // none. Returns [M, N] in x's dtype, accumulated in float32.
 // walk: a Walk (kAutoWalk picks by CPU vendor and M; the others force one,
 // for tests and benchmarks; kSequential takes M <= 2).
+// out_arg: the [M, N] result tensor to write (contiguous, x's dtype), or
+// null: a new one.
 at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias,
-                           bool wide, int64_t walk) {
+                           bool wide, int64_t walk, const at::Tensor* out_arg = nullptr) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous [M, K] CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -443,7 +445,13 @@ at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::op
                     bias->is_contiguous(),
                 "bias must be a contiguous float32 [N] tensor");
   }
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = out_arg != nullptr ? *out_arg : at::empty({M, N}, x.options());
+  if (out_arg != nullptr) {
+    TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == x.scalar_type() &&
+                    out.is_contiguous() && out.device().is_cpu(),
+                "out must be a contiguous [", M, ", ", N, "] CPU tensor of x's dtype, got ", out.sizes(), " ",
+                out.scalar_type());
+  }
   if (M == 0 || N == 0) return out;
 
   const fp8serve_staging::Float32Staging io(x, out);
@@ -483,6 +491,12 @@ at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::op
 
 at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
   return fp8_linear_impl(x, w, scale, bias, /*wide=*/true, kAutoWalk);
+}
+
+// fp8_linear into a given [M, N] tensor: what a decode plan (decode_plan.cpp)
+// calls, so every step writes the same buffers.
+void fp8_linear_out(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
+  fp8_linear_impl(x, w, scale, bias, /*wide=*/true, kAutoWalk, &out);
 }
 
 // Same contract, the 8-lane loops only (what AVX2-only CPUs run).
@@ -580,6 +594,7 @@ bool fp8_gemm_has_avx512() {
 
 TORCH_LIBRARY_FRAGMENT(FP8SERVE_GEMM_NS, m) {
   m.def("fp8_linear", &fp8_linear);
+  m.def("fp8_linear_out(Tensor(a!) out, Tensor x, Tensor w, Tensor scale, Tensor? bias) -> ()", &fp8_linear_out);
   m.def("fp8_linear_avx2", &fp8_linear_avx2);
   m.def("fp8_linear_walk", &fp8_linear_walk);
   m.def("fp8_linear_auto_walk", &fp8_linear_auto_walk);

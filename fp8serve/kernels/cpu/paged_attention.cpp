@@ -1195,16 +1195,26 @@ void paged_attention_decode_scalar(at::Tensor out, at::Tensor query, at::Tensor 
 // out in query's dtype. Doing the conversions here saves three ATen ops per
 // layer (query.float().mul_(), empty_like, out.to(dtype)), ~10 us each at
 // batch 1.
-at::Tensor paged_attention_decode_fused(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                        at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format,
-                                        double q_scale, double out_scale) {
+// out_arg: the [num_seqs, num_heads, head_size] result to write (contiguous,
+// query's dtype), or null: a new one.
+at::Tensor paged_attention_decode_fused_impl(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                             at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format,
+                                             double q_scale, double out_scale, const at::Tensor* out_arg) {
   TORCH_CHECK(query.dim() == 3 && query.device().is_cpu(), "query must be a [num_seqs, num_heads, head_size] CPU tensor");
   const int64_t n = query.size(0), h = query.size(1), d = query.size(2);
   TORCH_CHECK(query.stride(2) == 1 && (h <= 1 || query.stride(1) == d), "query's heads must be contiguous");
   const auto dt = query.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "query must be float32, bf16 or fp16");
+  if (out_arg != nullptr) {
+    TORCH_CHECK(out_arg->dim() == 3 && out_arg->size(0) == n && out_arg->size(1) == h && out_arg->size(2) == d &&
+                    out_arg->scalar_type() == dt && out_arg->is_contiguous() && out_arg->device().is_cpu(),
+                "out must be a contiguous [", n, ", ", h, ", ", d, "] CPU tensor of query's dtype, got ",
+                out_arg->sizes(), " ", out_arg->scalar_type());
+  }
   const at::Tensor qf = at::empty({n, h, d}, query.options().dtype(at::kFloat));
-  at::Tensor outf = at::empty({n, h, d}, query.options().dtype(at::kFloat));
+  // A float32 result goes straight into out_arg.
+  at::Tensor outf = out_arg != nullptr && dt == at::kFloat ? *out_arg
+                                                            : at::empty({n, h, d}, query.options().dtype(at::kFloat));
   const int64_t row = h * d, ld = query.stride(0);
   const float qs = static_cast<float>(q_scale);
   float* qp = qf.data_ptr<float>();
@@ -1222,7 +1232,7 @@ at::Tensor paged_attention_decode_fused(at::Tensor query, at::Tensor key_cache, 
   paged_attention_decode_dispatch(outf, qf, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
                                   dt == at::kBFloat16 ? kBf16DotPath : kBestPath);
   if (dt == at::kFloat) return outf;
-  at::Tensor out = at::empty({n, h, d}, query.options());
+  at::Tensor out = out_arg != nullptr ? *out_arg : at::empty({n, h, d}, query.options());
   const float* op = outf.data_ptr<float>();
   void* dst = out.data_ptr();
   for (int64_t i = 0; i < n * row; ++i) {
@@ -1230,6 +1240,21 @@ at::Tensor paged_attention_decode_fused(at::Tensor query, at::Tensor key_cache, 
     else fp8serve_cvt::store_from_f32<2>(dst, i, op[i]);
   }
   return out;
+}
+
+at::Tensor paged_attention_decode_fused(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                        at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format,
+                                        double q_scale, double out_scale) {
+  return paged_attention_decode_fused_impl(query, key_cache, value_cache, block_tables, seq_lens, kv_format, q_scale,
+                                           out_scale, nullptr);
+}
+
+// The same into a given tensor (decode plans: decode_plan.cpp).
+void paged_attention_decode_fused_out(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                      at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double q_scale,
+                                      double out_scale) {
+  paged_attention_decode_fused_impl(query, key_cache, value_cache, block_tables, seq_lens, kv_format, q_scale,
+                                    out_scale, &out);
 }
 
 bool has_avx2() {
@@ -1305,6 +1330,10 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("paged_attention_decode_scalar", &paged_attention_decode_scalar);
   m.def("paged_attention_decode_bf16dot", &paged_attention_decode_bf16dot);
   m.def("paged_attention_decode_fused", &paged_attention_decode_fused);
+  m.def(
+      "paged_attention_decode_fused_out(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, int kv_format, float q_scale, float out_scale) -> ()",
+      &paged_attention_decode_fused_out);
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
   m.def("paged_attention_has_bf16_dot", &has_bf16_dot);
