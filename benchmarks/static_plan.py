@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (command_line, describe_machine, emit_table, machine_info, parse_sizes,  # noqa: E402
-                          record_as_a_warm_engine, time_greedy_decode, token_source)
+                          record_as_a_warm_engine, require_positive, time_greedy_decode, token_source)
 
 ENGINES = ("static plan", "TorchScript")
 
@@ -44,9 +44,7 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=None, help="also write the table (markdown) here")
     args = p.parse_args()
     batches = parse_sizes(p, "--batches", args.batches)
-    for name in ("prompt_len", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "prompt_len", "steps", "rounds")
 
     from fp8serve import LLM
     from fp8serve.engine.decode_capture import STATIC_PLAN_MAX_BATCH
@@ -94,7 +92,8 @@ def main() -> None:
                 times[name].append(step)
         ratios = [t / s for s, t in zip(times["static plan"], times["TorchScript"])]
         rows.append((b, statistics.median(times["static plan"]) * 1e3, statistics.median(times["TorchScript"]) * 1e3,
-                     min(ratios), max(ratios), sum(x > 1 for x in ratios), tokens["static plan"] == tokens["TorchScript"]))
+                     min(ratios), max(ratios), sum(x > 1 for x in ratios),
+                     tokens["static plan"] == tokens["TorchScript"]))
 
     lines = [
         "# Decode steps: static plans vs the TorchScript replay",

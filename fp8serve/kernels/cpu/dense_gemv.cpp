@@ -391,13 +391,7 @@ at::Tensor dense_gemv_impl(at::Tensor x, at::Tensor w, std::optional<at::Tensor>
     b = bias->to(at::kFloat).contiguous();
   }
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = out_arg != nullptr ? *out_arg : at::empty({M, N}, x.options());
-  if (out_arg != nullptr) {
-    TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == x.scalar_type() &&
-                    out.is_contiguous() && out.device().is_cpu(),
-                "out must be a contiguous [", M, ", ", N, "] CPU tensor of x's dtype, got ", out.sizes(), " ",
-                out.scalar_type());
-  }
+  at::Tensor out = fp8serve_staging::result_tensor(out_arg, x, M, N);
   if (M == 0 || N == 0) return out;
   const bool wbf16 = w.scalar_type() == at::kBFloat16;
   const bool wf16 = w.scalar_type() == at::kHalf;

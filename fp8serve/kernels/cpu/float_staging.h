@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -53,5 +54,18 @@ struct Float32Staging {
   std::vector<float> x_buf_, out_buf_;
   c10::BFloat16* out_bf16_ = nullptr;
 };
+
+// The [M, N] result tensor of a GEMV over x: `out_arg` when the caller
+// gives one (an `_out` entry: contiguous, x's dtype, on the CPU), else a new
+// tensor.
+inline at::Tensor result_tensor(const at::Tensor* out_arg, const at::Tensor& x, int64_t M, int64_t N) {
+  if (out_arg == nullptr) return at::empty({M, N}, x.options());
+  const at::Tensor& out = *out_arg;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == x.scalar_type() &&
+                  out.is_contiguous() && out.device().is_cpu(),
+              "out must be a contiguous [", M, ", ", N, "] CPU tensor of x's dtype, got ", out.sizes(), " ",
+              out.scalar_type());
+  return out;
+}
 
 }  // namespace fp8serve_staging

@@ -445,13 +445,7 @@ at::Tensor fp8_linear_impl(at::Tensor x, at::Tensor w, at::Tensor scale, std::op
                     bias->is_contiguous(),
                 "bias must be a contiguous float32 [N] tensor");
   }
-  at::Tensor out = out_arg != nullptr ? *out_arg : at::empty({M, N}, x.options());
-  if (out_arg != nullptr) {
-    TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == x.scalar_type() &&
-                    out.is_contiguous() && out.device().is_cpu(),
-                "out must be a contiguous [", M, ", ", N, "] CPU tensor of x's dtype, got ", out.sizes(), " ",
-                out.scalar_type());
-  }
+  at::Tensor out = fp8serve_staging::result_tensor(out_arg, x, M, N);
   if (M == 0 || N == 0) return out;
 
   const fp8serve_staging::Float32Staging io(x, out);
