@@ -66,7 +66,6 @@ class StaticPlan:
         if out_slot is None:
             raise Unsupported("the forward's output was not produced by a recorded op")
         self.num_inputs = len(inputs)
-        self.output = output
         tensors = recorder.alive  # slot -> the recorded tensor (inputs first)
         plan = torch.classes.fp8serve.DecodePlan()
         kinds: dict[str, int] = {}
