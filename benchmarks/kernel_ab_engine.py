@@ -13,8 +13,11 @@ build, so its eager steps call it and its recorded decode forward
 (engine/decode_capture.py) replays it. The script counts the baseline ops in
 that recording and stops with an error if there are none (the swap did not
 take). Then rounds alternate the two engines (ABBA), each generating
---tokens greedy tokens for a batch of --batch prompts; the table gives the
-median ms per decode step of each and whether both produced the same tokens.
+--tokens + 2 greedy tokens for a batch of --batch prompts (a short sentence
+each, or --prompt-len tokens of the built-in calibration text, so attention
+runs over a long context); a round's time is the median of its steps that
+decode the whole batch (no prefill), and the table gives the median of the
+rounds and whether both engines produced the same tokens.
 
     .venv/bin/python benchmarks/kernel_ab_engine.py --source dense_gemv.cpp --op dense_gemv --baseline-rev HEAD~1
     .venv/bin/python benchmarks/kernel_ab_engine.py --model DIR --source fp8_gemm.cpp --op fp8_linear \\
@@ -26,16 +29,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import random
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import build_kernel_at_rev, command_line, describe_machine, emit_table, machine_info  # noqa: E402
+from bench_common import (  # noqa: E402
+    build_kernel_at_rev, command_line, describe_machine, emit_table, machine_info, time_greedy_decode, token_source,
+)
 
 BASELINE_NAMESPACE = "fp8serve_base_engine"
 
@@ -90,11 +95,20 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=160, help="greedy tokens per prompt per generation")
     p.add_argument("--rounds", type=int, default=12, help="ABBA rounds (medians)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache of each engine (e.g. 512MiB)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype of both engines (auto, fp8, ...)")
+    p.add_argument("--prompt-len", type=int, default=0,
+                   help="prompts of this many tokens of the built-in calibration text (0: a short sentence each)")
     p.add_argument("--output", type=Path, default=None, help="also write the table (markdown) here")
     args = p.parse_args()
     for name in ("batch", "tokens", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prompt_len < 0:
+        p.error(f"--prompt-len must be >= 0, got {args.prompt_len}")
+    from fp8serve.config import KV_CACHE_DTYPE_CHOICES
+
+    if args.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+        p.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {args.kv_cache_dtype!r}")
 
     from fp8serve import LLM, SamplingParams
     from fp8serve.kernels import cpu_ops
@@ -115,12 +129,17 @@ def main() -> None:
         raise SystemExit(f"--op {args.op}: {args.source} at {args.baseline_rev} does not define it")
     swapped = _OneOpFrom(ours, base, args.op)
 
-    kwargs = {"kv_cache_memory": args.kv_cache_memory}
+    kwargs = {"kv_cache_memory": args.kv_cache_memory, "kv_cache_dtype": args.kv_cache_dtype}
     if args.model:
         kwargs["model"] = args.model
-    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    prompts = [f"Write about the history of printing, part {i}." for i in range(args.batch)]
     engines = {"this tree": (LLM(**kwargs), contextlib.nullcontext)}
+    first = engines["this tree"][0].llm_engine
+    if args.prompt_len:
+        draw = token_source(first, "text")
+        rng = random.Random(0)
+        prompts = [draw(args.prompt_len, rng) for _ in range(args.batch)]
+    else:
+        prompts = [first.tokenize_prompt(f"Write about the history of printing, part {i}.")[1] for i in range(args.batch)]
     with serving(swapped):
         engines["baseline"] = (LLM(**kwargs), lambda: serving(swapped))
     # Both engines replay through TorchScript: a static plan (engine/static_plan.py) calls the ops of
@@ -131,7 +150,7 @@ def main() -> None:
     warm = SamplingParams(max_tokens=max(args.tokens, 80), temperature=0, ignore_eos=True)
     for llm, ctx in engines.values():
         with ctx():
-            llm.generate(prompts, warm, use_tqdm=False)
+            llm.generate([{"prompt_token_ids": t} for t in prompts], warm, use_tqdm=False)
     swaps = recorded_ops(BASELINE_NAMESPACE)
     if swaps == 0:
         raise SystemExit(f"the baseline engine's recorded decode forward has no {BASELINE_NAMESPACE} op: "
@@ -143,11 +162,10 @@ def main() -> None:
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             llm, ctx = engines[name]
             with ctx():
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                times[name].append(time.perf_counter() - t0)
-            tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
-    step = {name: statistics.median(v) / args.tokens * 1e3 for name, v in times.items()}
+                # The median of the steps that decode the whole batch (no prefill in it).
+                step_s, tokens[name] = time_greedy_decode(llm.llm_engine, prompts, args.tokens)
+                times[name].append(step_s)
+    step = {name: statistics.median(v) * 1e3 for name, v in times.items()}
     wins = sum(a < b for a, b in zip(times["this tree"], times["baseline"]))
     lines = [
         f"# {args.op} ({args.source}) in engine decode steps: this tree vs {args.baseline_rev}",
@@ -155,8 +173,9 @@ def main() -> None:
         f"Command: `{command_line()}`",
         "",
         *describe_machine(machine_info()),
-        f"- model: {args.model or 'the built-in default model'}; batch {args.batch}, {args.tokens} greedy tokens per "
-        f"generation (its prefill included in the time), {args.rounds} ABBA rounds; the baseline engine's recorded "
+        f"- model: {args.model or 'the built-in default model'}; KV cache {args.kv_cache_dtype}; batch {args.batch}, "
+        f"prompts of {args.prompt_len or 'a short sentence'} tokens, {args.tokens + 2} greedy tokens per "
+        f"generation, {args.rounds} ABBA rounds (per round: the median of the steps that decode the whole batch); the baseline engine's recorded "
         f"decode forward calls {swaps} {BASELINE_NAMESPACE} ops",
         "",
         "| engine | ms / decode step (median) | rounds faster | same tokens |",

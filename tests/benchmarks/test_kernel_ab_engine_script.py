@@ -28,12 +28,27 @@ def test_both_engines_are_timed_with_the_op_swapped(ops, monkeypatch, tmp_path):
     assert re.search(r"speedup \(baseline / this tree\): \d+\.\d+x", text)
 
 
+def test_long_prompts_and_an_fp8_cache(ops, monkeypatch, tmp_path):
+    src = write_tiny_llama(tmp_path / "llama", vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
+    text, rows = run_table(monkeypatch, tmp_path, "kernel_ab_engine.py", "--model", str(src),
+                           "--source", "paged_attention.cpp", "--op", "paged_attention_decode_fused",
+                           "--baseline-rev", "HEAD", "--kv-cache-dtype", "fp8", "--prompt-len", "40",
+                           "--tokens", "6", "--rounds", "2", "--kv-cache-memory", "16MiB", header="| engine")
+    assert rows[0][3] == "True"
+    assert "KV cache fp8" in text and "prompts of 40 tokens" in text
+    assert int(re.search(r"calls (\d+) fp8serve_base_engine ops", text).group(1)) >= 2  # one per layer
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--rounds", "0"], "--rounds"),
     (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--batch", "-1"], "--batch"),
     (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--kv-cache-memory", "lots"],
      "--kv-cache-memory"),
     (["--source", "dense_gemv.cpp", "--baseline-rev", "HEAD"], "--op"),
+    (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--prompt-len", "-3"],
+     "--prompt-len"),
+    (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--kv-cache-dtype", "int4"],
+     "--kv-cache-dtype"),
 ])
 def test_bad_arguments_are_rejected(monkeypatch, tmp_path, capsys, argv, message):
     assert_rejected(monkeypatch, tmp_path, capsys, "kernel_ab_engine.py", argv, message)
