@@ -174,7 +174,8 @@ def main() -> None:
         "",
         *describe_machine(machine_info()),
         f"- model: {args.model or 'the built-in default model'}; KV cache {args.kv_cache_dtype}; batch {args.batch}, "
-        f"prompts of {args.prompt_len or 'a short sentence'} tokens, {args.tokens + 2} greedy tokens per "
+        f"prompts of {f'{args.prompt_len} tokens' if args.prompt_len else 'one short sentence'}, {args.tokens + 2} "
+        f"greedy tokens per "
         f"generation, {args.rounds} ABBA rounds (per round: the median of the steps that decode the whole batch); the baseline engine's recorded "
         f"decode forward calls {swaps} {BASELINE_NAMESPACE} ops",
         "",
