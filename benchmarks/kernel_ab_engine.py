@@ -92,7 +92,8 @@ def main() -> None:
     p.add_argument("--op", required=True, help="the op of that file to swap, e.g. dense_gemv")
     p.add_argument("--baseline-rev", required=True, help="git revision of the baseline build")
     p.add_argument("--batch", type=int, default=1, help="prompts per generation (decode batch)")
-    p.add_argument("--tokens", type=int, default=160, help="decode steps timed per generation (each prompt gets --tokens + 2 greedy tokens)")
+    p.add_argument("--tokens", type=int, default=160,
+                   help="decode steps timed per generation (each prompt gets --tokens + 2 greedy tokens)")
     p.add_argument("--rounds", type=int, default=12, help="ABBA rounds (medians)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache of each engine (e.g. 512MiB)")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype of both engines (auto, fp8, ...)")
