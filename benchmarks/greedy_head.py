@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """The exact greedy LM head (fp8serve/kernels/screened_argmax.py) against
-the full head, inside one engine per checkpoint, float32 activations.
+the full head, inside one engine per checkpoint, float32 activations
+(--dtype bfloat16: bf16 compute, a bf16 head and bf16 activations, whose full
+head rounds its logits to bf16).
 
 Per config (`base`: the model as it is; `fp8`: its FP8 checkpoint, whose
 16-bit head stays bf16) it
@@ -55,8 +57,12 @@ def time_head(head, screen, x: torch.Tensor, flush: torch.Tensor, calls: int, ro
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
+    logits_of_rows = head.logits_of_rows(x)
+    if logits_of_rows is None:
+        sys.exit(f"the head's path for {tuple(x.shape)} {x.dtype} rows cannot give a few rows' logits alone "
+                 f"(AMX, or no dense_gemv for these dtypes): the screen does not serve it")
     full = lambda: cpu_ops.greedy_argmax(head(x))
-    screened = lambda: screened_argmax.greedy_tokens(x, head.weight, screen)
+    screened = lambda: screened_argmax.greedy_tokens(x, head.weight, screen, logits_of_rows)
     med = alternate({"full": lambda: timed(full), "screened": lambda: timed(screened)}, rounds)
     tokens = screened()
     return med["full"], med["screened"], tokens is not None and torch.equal(tokens, full())
@@ -65,8 +71,8 @@ def time_head(head, screen, x: torch.Tensor, flush: torch.Tensor, calls: int, ro
 def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
     from fp8serve import LLM
 
-    with narrow_weights(keep=False):  # "base": the 16-bit checkpoint's head upcast to float32
-        llm = LLM(model=str(model_dir), dtype="float32", max_model_len=args.decode_context + args.decode_steps + 64,
+    with narrow_weights(keep=False):  # "base" under float32: the 16-bit checkpoint's head upcast to float32
+        llm = LLM(model=str(model_dir), dtype=args.dtype, max_model_len=args.decode_context + args.decode_steps + 64,
                   max_num_seqs=max(8, max(args.decode_batch)), device="cpu", seed=args.seed,
                   kv_cache_memory=args.kv_cache_memory)
     engine = llm.llm_engine
@@ -75,10 +81,11 @@ def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
     screen = head.greedy_screen
     if screen is None:
         sys.exit(f"{name}: the engine built no screen for its LM head (FP8SERVE_SCREENED_ARGMAX=0, no C++ "
-                 f"kernels, or a compute dtype other than float32)")
+                 f"kernels, or a compute dtype and head the screen does not serve)")
     rng = random.Random(args.seed)
     draw = token_source(engine, args.prompts)
-    rows = greedy_head_rows(engine, draw, rng, args.decode_context, args.sample_steps)
+    compute_dtype = engine.model_runner.dtype
+    rows = greedy_head_rows(engine, draw, rng, args.decode_context, args.sample_steps).to(compute_dtype)
     counts = [screened_argmax.screened_candidates(r.unsqueeze(0), screen).numel() for r in rows]
     w = head.weight
     lines.append(f"- {name}: {model_dir}; head {tuple(w.shape)} {w.dtype}, {w.numel() * w.element_size() / 2**20:.1f} "
@@ -88,7 +95,7 @@ def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
     for m in ROWS:
         x = rows[torch.arange(m) % len(rows)].contiguous()
         full, screened, same = time_head(head, screen, x, flush, args.calls, args.rounds)
-        screens = "yes" if m <= screened_argmax.engine_rows(w.dtype) else "no"
+        screens = "yes" if m <= screened_argmax.engine_rows(w.dtype, compute_dtype) else "no"
         lines.append(f"| {name} | head alone, cold | {m} | {screens} | {1e3 * full:.2f} | {1e3 * screened:.2f} | "
                      f"{full / screened:.2f}x | {'yes' if same else 'NO'} |")
         print(lines[-1], file=sys.stderr, flush=True)
@@ -103,7 +110,7 @@ def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
                 res[side].append(t)
         head.greedy_screen = screen
         full, screened = statistics.median(res["full"]), statistics.median(res["screened"])
-        screens = "yes" if batch <= screened_argmax.engine_rows(w.dtype) else "no"
+        screens = "yes" if batch <= screened_argmax.engine_rows(w.dtype, compute_dtype) else "no"
         lines.append(f"| {name} | engine decode step, batch {batch} x ~{args.decode_context} | {batch} | {screens} | "
                      f"{1e3 * full:.2f} | {1e3 * screened:.2f} | {full / screened:.2f}x | "
                      f"{'yes' if toks['full'] == toks['screened'] else 'NO'} |")
@@ -116,6 +123,8 @@ def main() -> None:
     p.add_argument("--fp8-model", default=None, help="FP8 checkpoint for the fp8 config (default: written once "
                    "from --model, as single_stream.py does)")
     p.add_argument("--configs", default="base,fp8", help="comma-separated: base, fp8")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="compute dtype (bfloat16: the default model's head stays bf16)")
     p.add_argument("--decode-batch", default="1", help="comma-separated batch sizes of the engine decode steps")
     p.add_argument("--decode-context", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=16)
@@ -146,7 +155,7 @@ def main() -> None:
 
     src = Path(args.model) if args.model else ensure_default_model()
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info())),
-             f"- float32 activations; medians of {args.rounds} ABBA rounds; head rows recorded from a greedy "
+             f"- {args.dtype} activations; medians of {args.rounds} ABBA rounds; head rows recorded from a greedy "
              f"generation ({args.prompts} prompts)"]
     table = ["", "| config | cell | rows | engine screens | full ms | screened ms | full / screened | same tokens |",
              "|---|---|---|---|---|---|---|---|"]

@@ -54,9 +54,10 @@ def packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
     return (-(-n // BLOCK_ROWS), k // 2, BLOCK_ROWS, 2)
 
 
-def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_gemv_weight(weight: torch.Tensor, huge_pages: bool = True) -> torch.Tensor:
     """`weight` [N, K] bf16 (K even) as packed[b, p, j, i] = weight[16 b + j, 2 p + i],
-    rows past N zero; contiguous, on 2 MiB pages where Linux grants them."""
+    rows past N zero; contiguous, on 2 MiB pages where Linux grants them
+    (huge_pages; not for the few rows the greedy screen packs per step)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"pack_gemv_weight takes a 2-D bf16 CPU weight [N, K], got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
@@ -65,7 +66,8 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_gemv_weight: weight {tuple(weight.shape)} needs N >= 1 and an even K")
     blocks, pairs, _, _ = packed_shape(n, k)
     packed = torch.empty(blocks, pairs, BLOCK_ROWS, 2, dtype=torch.bfloat16)
-    advise_huge_pages(packed, "weight")  # before the first write, as the weights' own arena
+    if huge_pages:
+        advise_huge_pages(packed, "weight")  # before the first write, as the weights' own arena
     padded = weight
     if blocks * BLOCK_ROWS != n:
         padded = torch.zeros(blocks * BLOCK_ROWS, k, dtype=torch.bfloat16)

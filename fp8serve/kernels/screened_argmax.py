@@ -15,15 +15,19 @@ the one greedy sampling of the full logits picks, ties and all: the row with
 the largest float32 logit is always a candidate (proof at `build_screen`), and
 so is every row tied with it.
 
-Where it serves (`LMHead.greedy_tokens`): CPU, float32 activations, a
-float32 head at 1-8 rows or a bf16 one at 1-4 (`engine_rows`), whose full
-path is dense_gemv.
+Where it serves (`LMHead.greedy_tokens`): CPU; float32 activations with a
+float32 head at 1-8 rows or a bf16 one at 1-4, whose full path is
+dense_gemv; bf16 activations (bf16 compute) with a bf16 head, whose full path
+is dense_gemv_packed or dense_gemv: bf16 dot products (vdpbf16ps, denormals
+read as zero) and logits rounded to bf16, which the screen's test covers with
+two more terms (`screened_candidates`). `engine_rows` says at how many rows.
 FP8SERVE_SCREENED_ARGMAX=0 turns it off (the engine then computes every
 logit, as before); auto (the default) or 1 leaves it on."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +49,26 @@ MAX_ROWS = 8
 # (a 16-bit checkpoint kept at 16 bits: quantization/narrow_weights.py) reads
 # the same bytes as a bf16 one and takes its rows (not measured apart).
 _ENGINE_ROWS = {torch.float32: MAX_ROWS, torch.bfloat16: 4, torch.float16: 4}
+# bf16 compute (a bf16 head, bf16 activations; on AMD CPUs with AVX512-BF16
+# its full path is dense_gemv_packed, 28-30 GB/s from memory): measured on a
+# Zen 5 EPYC (2 vCPUs, the default model and its FP8 checkpoint, the 16-lane
+# screen; benchmarks/results/greedy_head_bf16_2026-12-03_zen5.md), the head
+# alone, cold: 1.53-1.70x at 1 row, 1.46-1.68x at 2, 0.91-0.96x at 4.
+_BF16_COMPUTE_ROWS = 2
 _SCREENED_DTYPES = tuple(_ENGINE_ROWS)
+# The relative width of a bf16 rounding interval is at most 2^-7 of the value
+# (8 significant bits); twice that leaves room for the bound on |logit| the
+# kernel uses (`big`, itself within its float32 margin).
+BF16_LOGIT_REL_GAP = 2.0**-6
 
 
-def engine_rows(head_dtype: torch.dtype) -> int:
-    """The most rows the engine screens for a head stored in `head_dtype` (0: none)."""
+def engine_rows(head_dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32) -> int:
+    """The most rows the engine screens for a head stored in `head_dtype`
+    under `compute_dtype` activations (0: none)."""
+    if compute_dtype == torch.bfloat16:
+        return _BF16_COMPUTE_ROWS if head_dtype == torch.bfloat16 else 0
+    if compute_dtype != torch.float32:
+        return 0
     return _ENGINE_ROWS.get(head_dtype, 0)
 
 
@@ -64,6 +83,7 @@ class GreedyScreen:
     codes: torch.Tensor  # [V, K] int8
     scale: torch.Tensor  # [V] float32: row v ~ scale[v] * codes[v]
     slack: torch.Tensor  # [V] float32: |screened - full logit| <= |x|_2 * slack[v]
+    weight_abs_max: float = 0.0  # max |w| of the head (the flush term of a bf16 head's test)
 
     @property
     def nbytes(self) -> int:
@@ -105,11 +125,13 @@ def build_screen(weight: torch.Tensor) -> GreedyScreen | None:
     codes = torch.empty(num_rows, k, dtype=torch.int8)
     scale = torch.empty(num_rows, dtype=torch.float32)
     slack = torch.empty(num_rows, dtype=torch.float32)
+    weight_abs_max = 0.0
     for start in range(0, num_rows, _BUILD_ROWS):
         w = weight[start:start + _BUILD_ROWS].double()
         if not torch.isfinite(w).all():
             return None
         amax = w.abs().amax(dim=1)
+        weight_abs_max = max(weight_abs_max, float(amax.max()))
         # The float32 scale the kernel multiplies by; an all-zero row gets 1.
         s = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).float()
         q = torch.round(w / s.double().unsqueeze(1)).clamp_(-127, 127)
@@ -122,26 +144,39 @@ def build_screen(weight: torch.Tensor) -> GreedyScreen | None:
         slack[start:start + _BUILD_ROWS] = c32
     if not torch.isfinite(slack).all():
         return None
-    return GreedyScreen(codes, scale, slack)
+    return GreedyScreen(codes, scale, slack, weight_abs_max)
+
+
+def _full_head_terms(x: torch.Tensor, screen: GreedyScreen) -> tuple[float, float]:
+    """(logit_rel_gap, flushed_weight_max) of the full head that rows of x's
+    dtype meet (screened_argmax.cpp): float32 rows, plain float32 dot
+    products (none); bf16 rows, bf16 dot products with denormals flushed and
+    logits rounded to bf16."""
+    if x.dtype == torch.bfloat16:
+        return BF16_LOGIT_REL_GAP, screen.weight_abs_max
+    return 0.0, -1.0
 
 
 def screened_candidates(x: torch.Tensor, screen: GreedyScreen) -> torch.Tensor:
     """Sorted vocabulary rows that may hold some row of x's largest logit
-    (int64 [C]); empty when x is not finite. x: [M, K] float32, 1 <= M <= MAX_ROWS."""
-    if x.dim() != 2 or x.dtype != torch.float32 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"screened_candidates takes [1..{MAX_ROWS}, K] float32 rows, got {x.dtype} "
+    (int64 [C]); empty when x is not finite. x: [M, K] float32 or bf16 (the
+    activations the full head takes; see _full_head_terms), 1 <= M <= MAX_ROWS."""
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"screened_candidates takes [1..{MAX_ROWS}, K] float32 or bf16 rows, got {x.dtype} "
                          f"{tuple(x.shape)}")
     if x.shape[1] != screen.codes.shape[1]:
         raise ValueError(f"x has {x.shape[1]} columns, the screen {screen.codes.shape[1]}")
     ops = cpu_ops.load_cpu_ops()
     if ops is None:
         return screened_candidates_ref(x, screen)
-    return ops.screened_candidates(x, screen.codes, screen.scale, screen.slack)
+    gap, flushed = _full_head_terms(x, screen)
+    return ops.screened_candidates(x.float(), screen.codes, screen.scale, screen.slack, gap, flushed)
 
 
 def screened_candidates_ref(x: torch.Tensor, screen: GreedyScreen) -> torch.Tensor:
     """The reference the kernel is tested against: the same test in float64
     (a superset of the kernel's candidates up to its float32 margin)."""
+    gap, flushed = _full_head_terms(x, screen)
     x64 = x.double()
     norm = x64.norm(dim=1, keepdim=True)
     if not torch.isfinite(norm).all():
@@ -149,36 +184,47 @@ def screened_candidates_ref(x: torch.Tensor, screen: GreedyScreen) -> torch.Tens
     a = (x64 @ screen.codes.double().T) * screen.scale.double()
     bound = norm * screen.slack.double()
     best = (a - bound).max(dim=1, keepdim=True).values
-    return torch.nonzero((a + bound >= best).any(dim=0)).flatten()
+    extra = torch.zeros_like(best)
+    if gap > 0:
+        extra += gap * (a.abs() + bound).max(dim=1, keepdim=True).values + 2.0**-120
+    if flushed >= 0:
+        extra += 2 * x.shape[1] * 2.0**-126 * (flushed + x64.abs().max(dim=1, keepdim=True).values + 1)
+    return torch.nonzero((a + bound + extra >= best).any(dim=0)).flatten()
 
 
-def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, screen: GreedyScreen) -> torch.Tensor | None:
+def greedy_tokens(x: torch.Tensor, weight: torch.Tensor, screen: GreedyScreen,
+                  candidate_logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
     """int64 [M]: for each row of x, the first index of the largest logit of
-    dense_gemv(x, weight), found from the screen; None when x is not finite
-    (the caller computes the logits). The candidates' logits come from
-    dense_gemv on the gathered rows: its arithmetic per (row, vocabulary row)
-    depends only on M and the CPU, so they are the full head's values bit for
-    bit; the candidates are sorted, so the first maximum among them is the
-    first in the vocabulary."""
+    the full head, found from the screen; None when x is not finite (the
+    caller computes the logits). candidate_logits(rows) gives the float32
+    logits [M, len(rows)] of the head's rows `rows` exactly as the full head
+    computes them (default: dense_gemv(x, weight) on the gathered rows, whose
+    arithmetic per (row, vocabulary row) depends only on M and the CPU, so
+    they are the full head's values bit for bit). The candidates are sorted,
+    so the first maximum among them is the first in the vocabulary."""
     candidates = screened_candidates(x, screen)
     if candidates.numel() == 0:
         return None
-    logits = cpu_ops.dense_gemv(x, weight.index_select(0, candidates)).float()
+    if candidate_logits is None:
+        logits = cpu_ops.dense_gemv(x, weight.index_select(0, candidates)).float()
+    else:
+        logits = candidate_logits(candidates)
     return candidates[cpu_ops.greedy_argmax(logits)]
 
 
 def attach_screens(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
     """Give the model's LM heads (modules with a `greedy_screen` slot) their
-    screen, under float32 compute on CPU, when FP8SERVE_SCREENED_ARGMAX allows
-    and the copy fits in memory. Returns the bytes added."""
-    if not enabled() or compute_dtype != torch.float32 or cpu_ops.load_cpu_ops() is None:
+    screen, on CPU, where some row count is screened (`engine_rows`: float32
+    compute, or a bf16 head under bf16 compute), when FP8SERVE_SCREENED_ARGMAX
+    allows and the copy fits in memory. Returns the bytes added."""
+    if not enabled() or compute_dtype not in (torch.float32, torch.bfloat16) or cpu_ops.load_cpu_ops() is None:
         return 0
     total = 0
     for m in model.modules():
         w = getattr(m, "weight", None)
         if not hasattr(m, "greedy_screen") or not isinstance(w, torch.Tensor) or w.device.type != "cpu":
             continue
-        if w.dim() != 2 or w.dtype not in _SCREENED_DTYPES:
+        if w.dim() != 2 or w.dtype not in _SCREENED_DTYPES or engine_rows(w.dtype, compute_dtype) == 0:
             continue
         if not copy_fits(w.shape[0] * (w.shape[1] + 8), "greedy LM head: int8 screen", logger):
             continue

@@ -8,11 +8,13 @@ full-width copy of the weight."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8serve.kernels import amx_linear_ops, cpu_ops, onednn_linear, screened_argmax
+from fp8serve.kernels import amx_linear_ops, cpu_ops, gemv_packing, onednn_linear, screened_argmax
 
 # Up to this many activation rows, a narrower head runs dense_gemv on slices
 # of the rows (each reading the bf16 weight as it is) instead of upcasting
@@ -53,12 +55,6 @@ class LMHead(nn.Module):
         # set by the model runner where it serves.
         self.greedy_screen: screened_argmax.GreedyScreen | None = None
 
-    def _takes_dense_gemv(self, hidden_states: torch.Tensor) -> bool:
-        return (not amx_linear_ops.applies(hidden_states, self.weight)
-                and not cpu_ops.dense_gemv_packed_applies(hidden_states, self.weight_gemv_packed,
-                                                          cpu_ops.LM_HEAD_PACKED_MIN_ROWS)
-                and cpu_ops.dense_gemv_applies(hidden_states, self.weight))
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Logits in float32 whatever the compute dtype: sampling and logprobs
         # need the precision.
@@ -85,14 +81,35 @@ class LMHead(nn.Module):
                               for i in range(0, hidden_states.shape[0], rows)])
         return onednn_linear.linear(hidden_states, self.weight).float()
 
+    def logits_of_rows(self, hidden_states: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """For the screen: a function giving `forward`'s logits of some
+        vocabulary rows, bit for bit (the path `forward` takes for these
+        activations, on those rows alone), or None where that path is not one
+        whose arithmetic per row is independent of the other rows."""
+        if amx_linear_ops.applies(hidden_states, self.weight):
+            return None
+        if cpu_ops.dense_gemv_packed_applies(hidden_states, self.weight_gemv_packed, cpu_ops.LM_HEAD_PACKED_MIN_ROWS):
+            # Each output lane of the packed kernel sums its own row along k in
+            # one fixed order: packing the gathered rows gives the same sums.
+            return lambda rows: cpu_ops.dense_gemv_packed(
+                hidden_states, gemv_packing.pack_gemv_weight(self.weight.index_select(0, rows), huge_pages=False),
+                rows.numel(), float_out=True)
+        if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
+            return lambda rows: cpu_ops.dense_gemv(hidden_states, self.weight.index_select(0, rows)).float()
+        return None
+
     def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """int64 [num_rows]: the token greedy sampling of `forward`'s logits
         picks for each row (first index of the largest), found through the
         screen without computing every logit; None where the screen does not
-        serve this call (no screen, other rows or dtypes, a path other than
-        dense_gemv, non-finite activations): compute the logits then."""
-        if (self.greedy_screen is None or hidden_states.dtype != torch.float32
-                or not 1 <= hidden_states.shape[0] <= screened_argmax.engine_rows(self.weight.dtype)
-                or not self._takes_dense_gemv(hidden_states)):
+        serve this call (no screen, other rows or dtypes, a path whose logits
+        of a few rows cannot be had alone, non-finite activations): compute
+        the logits then."""
+        if (self.greedy_screen is None or hidden_states.dim() != 2
+                or not 1 <= hidden_states.shape[0] <= screened_argmax.engine_rows(self.weight.dtype,
+                                                                                  hidden_states.dtype)):
             return None
-        return screened_argmax.greedy_tokens(hidden_states, self.weight, self.greedy_screen)
+        candidate_logits = self.logits_of_rows(hidden_states)
+        if candidate_logits is None:
+            return None
+        return screened_argmax.greedy_tokens(hidden_states, self.weight, self.greedy_screen, candidate_logits)

@@ -36,7 +36,23 @@ def test_every_cell_is_timed_and_the_tokens_agree(ops, monkeypatch, tmp_path):
     assert "candidates per row" in text and "torch.float32" in text and "torch.bfloat16" in text
 
 
+def test_bf16_compute_screens_the_bf16_head(ops, monkeypatch, tmp_path):
+    """--dtype bfloat16: the head stays bf16 under bf16 activations; every
+    cell's screened tokens equal the full head's (logits rounded to bf16)."""
+    src = tmp_path / "llama"
+    write_tiny_llama(src, vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
+    monkeypatch.delenv("FP8SERVE_SCREENED_ARGMAX", raising=False)
+    text, rows = _run(monkeypatch, tmp_path, "--model", str(src), "--configs", "base", "--dtype", "bfloat16",
+                      "--decode-batch", "1", "--decode-context", "20", "--decode-steps", "3", "--sample-steps", "4",
+                      "--calls", "1", "--rounds", "2", "--prompts", "random")
+    assert [r[2] for r in rows] == ["1", "2", "4", "8", "1"]
+    assert all(r[7] == "yes" for r in rows), rows
+    assert [r[3] for r in rows] == ["yes", "yes", "no", "no", "yes"]  # bf16 compute: 1-2 rows
+    assert "bfloat16 activations" in text and "torch.bfloat16" in text
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--dtype", "float16"], "--dtype"),
     (["--configs", "base,int4"], "--configs"),
     (["--decode-batch", "1,x"], "--decode-batch"),
     (["--decode-batch", "0"], "--decode-batch"),

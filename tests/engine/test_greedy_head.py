@@ -23,9 +23,9 @@ def model_dir(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("greedy") / "llama", vocab_size=3000, tie_word_embeddings=True)
 
 
-def engine(model_dir, monkeypatch, switch: str) -> LLMEngine:
+def engine(model_dir, monkeypatch, switch: str, dtype: str = "float32") -> LLMEngine:
     monkeypatch.setenv(screened_argmax.SCREENED_ARGMAX_ENV, switch)
-    return LLMEngine.from_args(str(model_dir), dtype="float32", device="cpu", block_size=16,
+    return LLMEngine.from_args(str(model_dir), dtype=dtype, device="cpu", block_size=16,
                                kv_cache_memory=4 << 20, max_model_len=128, enforce_eager=True)
 
 
@@ -41,25 +41,31 @@ def tokens(outs: dict) -> dict:
     return {rid: out.outputs[0].token_ids for rid, out in outs.items()}
 
 
-def test_greedy_tokens_equal_the_full_heads(model_dir, monkeypatch, seed, ops):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_equal_the_full_heads(model_dir, monkeypatch, seed, ops, dtype):
+    """float32 compute (a float32 head, 1-8 rows) and bf16 compute (the bf16
+    head, bf16 logits with their ties, 1-2 rows)."""
     calls = []
     real = screened_argmax.greedy_tokens
 
-    def spy(x, w, screen):
+    def spy(x, *rest):
         calls.append(x.shape[0])
-        return real(x, w, screen)
+        return real(x, *rest)
 
     greedy = lambda i, n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    off = engine(model_dir, monkeypatch, "0")
+    off = engine(model_dir, monkeypatch, "0", dtype)
     assert off.model_runner.model.lm_head.greedy_screen is None
     want = tokens(run_requests(off, requests(seed, greedy)))
-    on = engine(model_dir, monkeypatch, "auto")
-    assert on.model_runner.model.lm_head.greedy_screen is not None
+    on = engine(model_dir, monkeypatch, "auto", dtype)
+    head = on.model_runner.model.lm_head
+    assert head.greedy_screen is not None
     monkeypatch.setattr(screened_argmax, "greedy_tokens", spy)
     got = tokens(run_requests(on, requests(seed, greedy)))
     assert got == want, seed
-    assert calls and max(calls) <= screened_argmax.MAX_ROWS, (calls, seed)
-    assert len(calls) >= 10, (calls, seed)  # every step from 8 rows down
+    rows = screened_argmax.engine_rows(head.weight.dtype, on.model_runner.dtype)
+    assert calls and max(calls) <= rows, (calls, seed)
+    # Every step from `rows` rows down: the last 10 (8 rows) or 3 (2 rows) at least.
+    assert len(calls) >= (10 if rows >= 8 else 3), (calls, seed)
 
 
 def test_other_steps_keep_the_full_logits(model_dir, monkeypatch, seed, ops):

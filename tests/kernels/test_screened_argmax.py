@@ -97,6 +97,91 @@ def test_near_ties_follow_the_float32_logits(ops, seed):
     assert torch.equal(greedy_tokens(x, w, screen), full_tokens(x, w)), seed
 
 
+def bf16_full_head(x: torch.Tensor, w: torch.Tensor):
+    """The full bf16-compute head (LMHead.forward on bf16 rows, no AMX):
+    the packed kernel where this build has it, else dense_gemv; float32
+    logits holding bf16 values. Returns (logits, candidate_logits)."""
+    if cpu_ops.load_cpu_ops().dense_gemv_has_packed():
+        from fp8serve.kernels.gemv_packing import pack_gemv_weight
+
+        def run(rows_w: torch.Tensor) -> torch.Tensor:
+            return cpu_ops.dense_gemv_packed(x, pack_gemv_weight(rows_w, huge_pages=False), rows_w.shape[0],
+                                             float_out=True)
+    else:
+        def run(rows_w: torch.Tensor) -> torch.Tensor:
+            return cpu_ops.dense_gemv(x, rows_w).float()
+    return run(w), lambda rows: run(w.index_select(0, rows))
+
+
+@pytest.mark.parametrize("shape", [(1, 49, 64), (3, 1001, 72), (4, 2048, 100), (2, 4096, 576)])
+def test_bf16_rows_get_the_bf16_heads_tokens(ops, seed, shape):
+    """bf16 compute: bf16 rows against a bf16 head, whose logits are bf16
+    dot products rounded to bf16 (many exact ties): the screen's token is
+    still the full head's first maximum."""
+    m, vocab, hidden = shape
+    g = torch.Generator().manual_seed(seed)
+    w = head(g, vocab, hidden, torch.bfloat16)
+    screen = build_screen(w)
+    for trial in range(5):
+        x = (torch.randn(m, hidden, generator=g) * (0.5 + 4 * trial)).bfloat16()
+        logits, candidate_logits = bf16_full_head(x, w)
+        got = greedy_tokens(x, w, screen, candidate_logits)
+        assert got is not None, seed
+        assert torch.equal(got, cpu_ops.greedy_argmax(logits)), (trial, seed)
+
+
+def test_bf16_rounding_ties_keep_the_first_index(ops, seed):
+    """Rows just below the best one, placed before it: their float32 sums are
+    smaller, but they round to the same bf16 logit, and then the first of them
+    is the full head's token. The rows are exact multiples of their int8
+    scale, so the copy's own error (slack) is ~1e-4 of a logit, far below a
+    bf16 step: only the rounding-gap term keeps them candidates."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, hidden = 3000, 64
+    w = head(g, vocab, hidden, torch.bfloat16)
+    x = torch.randn(1, hidden, generator=g).bfloat16()
+    # The winner: codes * 2^-7 with the signs of x (its logit beats every
+    # other row's), one code 127 (so the copy's scale is exactly 2^-7).
+    codes = torch.randint(40, 127, (hidden,), generator=g) * torch.where(x[0] >= 0, 1, -1)
+    top = int(torch.argmax(x[0].float().abs()))
+    codes[top] = 127 if x[0, top] >= 0 else -127
+    # Lower the code at the largest positive x but one: the sum drops by
+    # x_j * 2^-7 (~0.01-0.02), well past the screen's float32 error and
+    # mostly inside a bf16 step (0.125-0.25 at these logits).
+    pos = torch.where(x[0].float() > 0, x[0].float(), torch.full((hidden,), float("-inf")))
+    pos[top] = float("-inf")
+    j = int(torch.argmax(pos))
+    nudged = codes.clone()
+    nudged[j] -= 1
+    places = sorted(torch.randperm(vocab, generator=g)[:9].tolist())
+    for p in places[:-1]:
+        w[p] = (nudged.float() * 2**-7).bfloat16()
+    w[places[-1]] = (codes.float() * 2**-7).bfloat16()
+    screen = build_screen(w)
+    logits, candidate_logits = bf16_full_head(x, w)
+    want = cpu_ops.greedy_argmax(logits)
+    exact = (x.double() @ w.double().T)[0]
+    assert exact[places[0]] < exact[places[-1]], seed  # the nudged rows are below the winner...
+    if logits[0, places[0]] == logits[0, places[-1]]:  # ...and tie with it after rounding (~90% of seeds)
+        assert int(want[0]) == places[0], seed
+    assert set(places) <= set(screened_candidates(x, screen).tolist()), seed
+    assert torch.equal(greedy_tokens(x, w, screen, candidate_logits), want), seed
+
+
+def test_bf16_candidates_match_the_float64_test(ops, seed):
+    """The kernel's bf16 terms (rounding gap, flush) against the float64
+    reference's, as for float32 rows below."""
+    g = torch.Generator().manual_seed(seed)
+    w = head(g, 4096, 128, torch.bfloat16)
+    screen = build_screen(w)
+    x = (torch.randn(2, 128, generator=g) * 3).bfloat16()
+    got = set(screened_candidates(x, screen).tolist())
+    ref = set(screened_candidates_ref(x, screen).tolist())
+    assert len(got ^ ref) <= 2, (sorted(got ^ ref), seed)
+    assert got >= set(screened_candidates(x.float(), screen).tolist()), seed  # wider than float32's test
+    assert len(got) < 4096 // 10, (len(got), seed)
+
+
 def test_candidates_are_a_screen_and_match_the_float64_test(ops, seed):
     """The kernel keeps every row the float64 reference keeps except, at
     most, rows on the boundary (within float32 rounding of it); and a head
@@ -135,16 +220,21 @@ def test_non_finite_rows_fall_back_to_the_full_head(ops, seed):
 def test_bad_arguments_are_errors(ops):
     w = torch.randn(100, 64)
     screen = build_screen(w)
-    with pytest.raises(ValueError, match="float32 rows"):
+    with pytest.raises(ValueError, match="float32 or bf16 rows"):
         screened_candidates(torch.randn(9, 64), screen)
     with pytest.raises(ValueError, match="columns"):
         screened_candidates(torch.randn(1, 32), screen)
     with pytest.raises(ValueError, match="float32, bf16 or fp16 head"):
         build_screen(torch.randn(100, 64).double())
     with pytest.raises(RuntimeError, match="int8"):
-        ops.screened_candidates(torch.randn(1, 64), screen.codes.to(torch.uint8), screen.scale, screen.slack)
+        ops.screened_candidates(torch.randn(1, 64), screen.codes.to(torch.uint8), screen.scale, screen.slack,
+                                0.0, -1.0)
     with pytest.raises(RuntimeError, match=r"\[V\] float32"):
-        ops.screened_candidates(torch.randn(1, 64), screen.codes, screen.scale[:5], screen.slack)
+        ops.screened_candidates(torch.randn(1, 64), screen.codes, screen.scale[:5], screen.slack, 0.0, -1.0)
+    with pytest.raises(RuntimeError, match="logit_rel_gap"):
+        ops.screened_candidates(torch.randn(1, 64), screen.codes, screen.scale, screen.slack, -0.5, -1.0)
+    with pytest.raises(ValueError, match="float32 or bf16 rows"):
+        screened_candidates(torch.randn(1, 64).half(), screen)
 
 
 def test_the_switch_reads_auto_1_0_and_rejects_the_rest(monkeypatch):

@@ -101,4 +101,11 @@ def test_greedy_tokens_are_the_argmax_of_the_heads_logits(ops, seed, weight_dtyp
     lm.greedy_screen = build_screen(lm.weight)
     assert torch.equal(lm.greedy_tokens(x), cpu_ops.greedy_argmax(lm(x))), seed
     assert lm.greedy_tokens(torch.randn(rows + 1, 96, generator=g)) is None  # past the rows it pays for
-    assert lm.greedy_tokens(x.bfloat16()) is None  # the screen takes float32 rows
+    if weight_dtype == torch.float32:
+        assert lm.greedy_tokens(x.bfloat16()) is None  # no bf16 rows against a float32 head
+    else:  # bf16 compute: bf16 dot products, logits rounded to bf16; fewer rows
+        bf16_rows = screened_argmax.engine_rows(torch.bfloat16, torch.bfloat16)
+        assert 1 <= bf16_rows < rows
+        xb = x[:bf16_rows].bfloat16()
+        assert torch.equal(lm.greedy_tokens(xb), cpu_ops.greedy_argmax(lm(xb))), seed
+        assert lm.greedy_tokens(x[:bf16_rows + 1].bfloat16()) is None

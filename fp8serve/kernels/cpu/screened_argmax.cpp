@@ -21,6 +21,18 @@
 // float32 with an absolute margin that covers their own rounding (see
 // `margin`).
 //
+// Two more terms serve a full head that is not a plain float32 dot product
+// (a bf16 head under bf16 compute: vdpbf16ps sums, logits rounded to bf16):
+//   - logit_rel_gap: the full head rounds each float32 sum to a narrower
+//     format whose rounding interval at y is at most logit_rel_gap * |y| wide.
+//     Rows whose sums round to the same value as the largest one tie with
+//     it, and the first index of a tie wins, so each candidate test is
+//     widened by that width at the largest |logit| (`big` below bounds it).
+//   - flushed_weight_max >= 0: the full head reads denormal inputs as zero
+//     and flushes denormal results (vdpbf16ps), each change below 2^-126 in
+//     a product or a sum: K * 2^-126 * (max|w| + max|x_m| + 1), doubled,
+//     bounds them all; < 0: no such head.
+//
 // Returns the sorted union over the rows of x of their candidates (int64), or
 // an empty tensor when x is not finite (the caller then runs the full head,
 // which keeps NaN semantics).
@@ -36,6 +48,7 @@
 #include <vector>
 
 #include "prefetch_level.h"
+#include "vec16.h"
 #include "vec8.h"
 
 namespace {
@@ -58,7 +71,24 @@ inline void screen_row(const float* x, int64_t K, const int8_t* codes, float sca
   constexpr int KS = MT == 1 ? 4 : MT == 2 ? 2 : 1;
   int64_t k = 0;
   float dots[MT];
-#ifdef FP8SERVE_VEC8
+#ifdef FP8SERVE_VEC16
+  // 16 codes per step: half the converts and FMAs of the 8-lane loop (the
+  // order of the sums differs; slack's gamma terms bound any order).
+  __m512 acc[KS][MT];
+  for (int s = 0; s < KS; ++s)
+    for (int m = 0; m < MT; ++m) acc[s][m] = _mm512_setzero_ps();
+  const auto step = [&](int s, int64_t kk) {
+    const __m128i c16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk));
+    const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c16));
+    for (int m = 0; m < MT; ++m) acc[s][m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + kk), acc[s][m]);
+  };
+  for (; k + 16 * KS <= K; k += 16 * KS)
+    for (int s = 0; s < KS; ++s) step(s, k + 16 * s);
+  for (; k + 16 <= K; k += 16) step(0, k);
+  for (int s = 1; s < KS; ++s)
+    for (int m = 0; m < MT; ++m) acc[0][m] = _mm512_add_ps(acc[0][m], acc[s][m]);
+  for (int m = 0; m < MT; ++m) dots[m] = _mm512_reduce_add_ps(acc[0][m]);
+#elif defined(FP8SERVE_VEC8)
   __m256 acc[KS][MT];
   for (int s = 0; s < KS; ++s)
     for (int m = 0; m < MT; ++m) acc[s][m] = _mm256_setzero_ps();
@@ -121,8 +151,10 @@ void screen_rows_any(int64_t M, const float* x, int64_t K, const int8_t* codes, 
 
 }  // namespace
 
-// x: [M, K] float32, 1 <= M <= 8; codes: [V, K] int8; scale, slack: [V] float32.
-at::Tensor screened_candidates(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor slack) {
+// x: [M, K] float32, 1 <= M <= 8; codes: [V, K] int8; scale, slack: [V] float32;
+// logit_rel_gap >= 0 and flushed_weight_max: see the top of the file.
+at::Tensor screened_candidates(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor slack,
+                               double logit_rel_gap, double flushed_weight_max) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "screened_candidates: x must be a [M, K] float32 CPU tensor");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
@@ -134,20 +166,29 @@ at::Tensor screened_candidates(at::Tensor x, at::Tensor codes, at::Tensor scale,
   for (const at::Tensor* t : {&scale, &slack})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == V && t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "screened_candidates: scale and slack must be contiguous [V] float32 tensors");
+  TORCH_CHECK(std::isfinite(logit_rel_gap) && logit_rel_gap >= 0 && logit_rel_gap < 1,
+              "screened_candidates: logit_rel_gap must be in [0, 1), got ", logit_rel_gap);
+  TORCH_CHECK(std::isfinite(flushed_weight_max), "screened_candidates: flushed_weight_max must be finite");
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* lp = slack.data_ptr<float>();
 
-  // |x_m|_2, computed in double and rounded up to float: a bound, never an underestimate.
+  // |x_m|_2, computed in double and rounded up to float: a bound, never an
+  // underestimate; and the flush term of row m (see the top of the file).
   float norm[kMaxRows];
+  double flush[kMaxRows];
   for (int64_t m = 0; m < M; ++m) {
-    double s = 0.0;
-    for (int64_t k = 0; k < K; ++k) s += static_cast<double>(xp[m * K + k]) * xp[m * K + k];
+    double s = 0.0, xmax = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      s += static_cast<double>(xp[m * K + k]) * xp[m * K + k];
+      xmax = std::max(xmax, std::fabs(static_cast<double>(xp[m * K + k])));
+    }
     const double n = std::sqrt(s);
     if (!std::isfinite(n) || n > 1e30) return at::empty({0}, at::kLong);  // the full head decides
     norm[m] = std::nextafter(static_cast<float>(n), std::numeric_limits<float>::infinity());
+    flush[m] = flushed_weight_max < 0 ? 0.0 : 2.0 * K * 0x1p-126 * (flushed_weight_max + xmax + 1.0);
   }
 
   // One pass over the copy (its bytes are the cost), split over the threads;
@@ -170,13 +211,19 @@ at::Tensor screened_candidates(at::Tensor x, at::Tensor codes, at::Tensor scale,
   // Row m's best lower bound, and `margin`: every float32 product and sum
   // here is off by at most 2^-24 of |a| + |x| slack; 2^-20 of the largest
   // such value covers them on both sides of the comparison with room to spare.
+  // The gap and flush terms join the margin, rounded up to float (tiny
+  // against `big` where they are zero: 2^-120 keeps a rounding gap's test
+  // wide enough for subnormal logits too).
   float best[kMaxRows], margin[kMaxRows];
   for (int64_t m = 0; m < M; ++m) {
     float lo = -std::numeric_limits<float>::infinity(), big = 0.f;
     for (const Task& t : tasks) lo = std::max(lo, t.ex.lo[m]), big = std::max(big, t.ex.big[m]);
     if (!std::isfinite(lo) || !std::isfinite(big)) return at::empty({0}, at::kLong);
     best[m] = lo;
-    margin[m] = big * 0x1p-20f;
+    const double extra = logit_rel_gap > 0 ? logit_rel_gap * big + 0x1p-120 : 0.0;
+    margin[m] = 2.f * big * 0x1p-20f +
+                std::nextafter(static_cast<float>(extra + flush[m]), std::numeric_limits<float>::infinity());
+    if (!std::isfinite(margin[m])) return at::empty({0}, at::kLong);
   }
   // A row of the head is a candidate when its upper bound a + |x| slack
   // reaches some row m's best lower bound.
@@ -184,7 +231,7 @@ at::Tensor screened_candidates(at::Tensor x, at::Tensor codes, at::Tensor scale,
     Task& t = tasks[at::get_thread_num()];
     for (int64_t v = begin; v < end; ++v) {
       for (int64_t m = 0; m < M; ++m) {
-        if (a[m * V + v] + norm[m] * lp[v] + 2.f * margin[m] >= best[m]) {
+        if (a[m * V + v] + norm[m] * lp[v] + margin[m] >= best[m]) {
           t.found.push_back(v);
           break;
         }
