@@ -91,7 +91,9 @@ def test_model_weight_bytes_on_loaded_models(ss, tmp_path):
                    "total": 425984}
     assert label == "float32" + (f" + lm_head{screened}" if kernels else "")
     got, label, _ = _model_bytes(ss, untied, "bfloat16")
-    assert got["total"] == 212992 and got["lm_head_screen"] == 0 and label == "bfloat16"
+    # bf16 compute screens its bf16 head too (1-2 rows: screened_argmax.engine_rows).
+    assert got["total"] == 212992 and got["lm_head_screen"] == screen, got
+    assert label == "bfloat16" + (f" + lm_head{screened}" if kernels else "")
     # A bf16 checkpoint under float32 compute keeps bf16 weights (with the C++ kernels): half the bytes.
     got, label, _ = _model_bytes(ss, write_tiny_llama(tmp_path / "bf16", dtype=torch.bfloat16), "float32")
     assert got["total"] == (212992 if kernels else 425984)
