@@ -45,13 +45,31 @@ def random_requests(seed: int, n: int = 12, **params) -> list:
     return requests
 
 
-def assert_same(got: dict, ref: dict, tol: float) -> None:
+def first_tie_split(a, b, tol: float) -> int | None:
+    """Where two greedy outputs part at a near-tie: the first position whose
+    tokens differ, provided both runs rank the two tokens within `tol` of each
+    other there (each run's own top-2 holds both) -- the FP8 noise below makes
+    that a coin flip; None if the tokens never differ. Anything else fails."""
+    for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+        if ta == tb:
+            continue
+        for lp in (a.logprobs[i], b.logprobs[i]):
+            assert ta in lp and tb in lp and abs(lp[ta].logprob - lp[tb].logprob) < tol, (i, ta, tb, lp)
+        return i
+    assert len(a.token_ids) == len(b.token_ids)
+    return None
+
+
+def assert_same(got: dict, ref: dict, tol: float, allow_tie_splits: bool = False) -> None:
     assert got.keys() == ref.keys()
     for rid in ref:
         a, b = got[rid].outputs[0], ref[rid].outputs[0]
-        assert a.token_ids == b.token_ids, rid
+        split = first_tie_split(a, b, tol) if allow_tie_splits and b.logprobs is not None else None
+        if split is None:
+            assert a.token_ids == b.token_ids, rid
         if b.logprobs is not None:
-            for t, la, lb in zip(b.token_ids, a.logprobs, b.logprobs):
+            # Up to the split the contexts are the same; from there they differ.
+            for t, la, lb in list(zip(b.token_ids, a.logprobs, b.logprobs))[:split]:
                 assert abs(la[t].logprob - lb[t].logprob) < tol, rid
         if ref[rid].prompt_logprobs is not None:
             pa, pb = got[rid].prompt_logprobs, ref[rid].prompt_logprobs
@@ -77,8 +95,11 @@ def test_chunked_prefill_generates_what_whole_prefills_do(model_dir, kv_cache_dt
     # float32 cache: rounding only (2.4e-6 at most over 25 seeds). FP8: a chunk's K/V come out of
     # matmuls of other shapes, a float32 ulp apart, and a value next to a rounding midpoint is
     # stored as the neighbouring code (see test_prefix_caching.py): up to 8.5e-3 (e4m3) and
-    # 1.7e-3 (e5m2) over the same 25 seeds, the same tokens every time.
-    assert_same(got, ref, 1e-5 if kv_cache_dtype == "auto" else 3e-2)
+    # 1.7e-3 (e5m2) over the same 25 seeds, the same tokens every time there (AVX2 Zen 3). On a Zen 5
+    # (AVX-512 GEMMs) seed 608918648 met a near-tie: the reference's top two 1.4e-4 apart, swapped by
+    # that noise. So FP8 tokens may part where both runs rank the two within the tolerance.
+    fp8 = kv_cache_dtype != "auto"
+    assert_same(got, ref, 3e-2 if fp8 else 1e-5, allow_tie_splits=fp8)
     assert chunked.stats.prompt_tokens_total == sum(len(p) for _, p, _ in requests)
     assert chunked.scheduler.num_preemptions == 0
 
@@ -142,7 +163,8 @@ def test_with_prefix_caching_and_preemption(model_dir, kv_cache_dtype):
     got = run(small, requests)
     ref = run(make_engine(model_dir, budget=None, kv_cache_dtype=kv_cache_dtype), requests)
     assert small.scheduler.num_preemptions > 0 and bm.prefix_cache_hits > 0
-    assert_same(got, ref, 1e-5 if kv_cache_dtype == "auto" else 3e-2)  # FP8: see the first test
+    assert_same(got, ref, 1e-5 if kv_cache_dtype == "auto" else 3e-2,  # FP8: see the first test
+                allow_tie_splits=kv_cache_dtype != "auto")
     assert bm.num_free_blocks == bm.num_blocks
 
 
@@ -185,4 +207,4 @@ def test_mixtral_chunks_too(tmp_path, kv_cache_dtype, seed):
     requests = random_requests(seed, n=6, temperature=0.0, logprobs=1)
     got = run(make_engine(model, budget=MAX_NUM_SEQS, kv_cache_dtype=kv_cache_dtype), requests)
     ref = run(make_engine(model, budget=None, kv_cache_dtype=kv_cache_dtype), requests)
-    assert_same(got, ref, 1e-5 if kv_cache_dtype == "auto" else 3e-2)
+    assert_same(got, ref, 1e-5 if kv_cache_dtype == "auto" else 3e-2, allow_tie_splits=kv_cache_dtype != "auto")

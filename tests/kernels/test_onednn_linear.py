@@ -167,12 +167,15 @@ def test_packed_bf16_matches_float64_and_f_linear(seed, shape, k, n, with_bias):
 
 @needs_packing
 def test_packed_weight_is_used_only_for_inputs_of_its_dtype(seed):
-    """A float32 call on a layer holding a packed bf16 copy takes the plain path."""
+    """A float32 call on a layer holding a packed bf16 copy takes the plain
+    path: the weight upcast a slice at a time, as without the copy."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(24, 40, generator=g).bfloat16()
     x = torch.randn(3, 40, generator=g)
-    with pytest.raises(RuntimeError):  # F.linear refuses float32 x bf16, as without the packed copy
-        onednn_linear.linear(x, w, packed=onednn_linear.pack_weight(w))
+    got = onednn_linear.linear(x, w, packed=onednn_linear.pack_weight(w))
+    assert got.dtype == torch.float32
+    assert torch.equal(got, onednn_linear.linear(x, w)), f"seed={seed}"
+    torch.testing.assert_close(got, F.linear(x, w.float()), rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
 
 
 def test_pack_weight_rejects_bad_input():
