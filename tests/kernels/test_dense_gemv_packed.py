@@ -178,6 +178,29 @@ def test_fp8_exact_on_integer_data(seed, m):
 
 
 @_fp8
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_out_writes_what_fp8_gemv_packed_returns(seed, m, with_bias):
+    """`fp8_gemv_packed_out` (what decode plans call) fills a given tensor with
+    exactly fp8_gemv_packed's result, whatever it held before; a wrong output
+    tensor is an error."""
+    from fp8serve.kernels.gemv_packing import pack_fp8_gemv_weight
+
+    g = torch.Generator().manual_seed(seed)
+    n, k = 167, 576
+    packed, scale = pack_fp8_gemv_weight(_random_codes(n, k, g), torch.rand(n, generator=g) * 0.02 + 1e-3)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g) if with_bias else None
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    _ops.fp8_gemv_packed_out(out, x, packed, scale, n, bias)
+    assert torch.equal(out, _ops.fp8_gemv_packed(x, packed, scale, n, bias)), f"seed={seed}"
+    for bad in (torch.empty(m, n - 1, dtype=torch.bfloat16), torch.empty(m, n),
+                torch.empty(m, 2 * n, dtype=torch.bfloat16)[:, ::2]):
+        with pytest.raises(RuntimeError, match=rf"out must be a contiguous \[{m}, {n}\] CPU tensor of x's dtype"):
+            _ops.fp8_gemv_packed_out(bad, x, packed, scale, n, bias)
+
+
+@_fp8
 def test_fp8_rejects_bad_input():
     from fp8serve.kernels.gemv_packing import pack_fp8_gemv_weight
 

@@ -31,6 +31,7 @@ namespace {
 enum class Kind {
   kFp8Linear,        // out, x, w, scale[, bias]
   kDenseGemv,        // out, x, w[, bias]
+  kFp8GemvPacked,    // out, x, codes_packed, scale[, bias]; n
   kAttention,        // out, query, key_cache, value_cache, block_tables, seq_lens; kv_format; q_scale, out_scale
   kRmsNorm,          // out, x, weight; eps
   kFusedAddRmsNorm,  // x, residual, weight; eps
@@ -50,6 +51,7 @@ struct KindInfo {
 constexpr KindInfo kKinds[] = {
     {"fp8_linear", Kind::kFp8Linear, 4, 5, 0, 0},
     {"dense_gemv", Kind::kDenseGemv, 3, 4, 0, 0},
+    {"fp8_gemv_packed", Kind::kFp8GemvPacked, 4, 5, 1, 0},
     {"attention", Kind::kAttention, 6, 6, 1, 2},
     {"rms_norm", Kind::kRmsNorm, 3, 3, 0, 1},
     {"fused_add_rms_norm", Kind::kFusedAddRmsNorm, 3, 3, 0, 1},
@@ -73,6 +75,8 @@ struct Ops {
       find<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, OptTensor)>("fp8serve::fp8_linear_out");
   c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, at::Tensor, OptTensor)> dense_gemv =
       find<void(at::Tensor, at::Tensor, at::Tensor, OptTensor)>("fp8serve::dense_gemv_out");
+  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, OptTensor)> fp8_gemv_packed =
+      find<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, OptTensor)>("fp8serve::fp8_gemv_packed_out");
   c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
                                 double, double)>
       attention = find<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
@@ -153,6 +157,9 @@ class DecodePlan : public torch::CustomClassHolder {
       switch (s.kind) {
         case Kind::kFp8Linear: o.fp8_linear.call(t[0], t[1], t[2], t[3], optional_at(t, 4)); break;
         case Kind::kDenseGemv: o.dense_gemv.call(t[0], t[1], t[2], optional_at(t, 3)); break;
+        case Kind::kFp8GemvPacked:
+          o.fp8_gemv_packed.call(t[0], t[1], t[2], t[3], s.i[0], optional_at(t, 4));
+          break;
         case Kind::kAttention: o.attention.call(t[0], t[1], t[2], t[3], t[4], t[5], s.i[0], s.f[0], s.f[1]); break;
         case Kind::kRmsNorm: o.rms_norm.call(t[0], t[1], t[2], s.f[0]); break;
         case Kind::kFusedAddRmsNorm: o.fused_add_rms_norm.call(t[0], t[1], t[2], s.f[0]); break;

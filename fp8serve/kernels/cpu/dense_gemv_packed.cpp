@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "float_staging.h"
 #include "fp8_bf16_lut.h"
 #include "prefetch_level.h"
 
@@ -305,9 +306,10 @@ at::Tensor dense_gemv_packed_float_out(at::Tensor x, at::Tensor w_packed, int64_
 // x: [M, K] bf16, rows contiguous, 1 <= M <= 512, K a multiple of 4;
 // codes_packed: [ceil(N/16), K/4, 64] uint8 e4m3 codes in the layout above;
 // scale: [ceil(N/16) * 16] float32, each row's weight scale times 2^8 (the
-// decode's scale); n: N; bias: [N] float32 or bf16, or none. Returns [M, N] bf16.
-at::Tensor fp8_gemv_packed(at::Tensor x, at::Tensor codes_packed, at::Tensor scale, int64_t n,
-                           std::optional<at::Tensor> bias) {
+// decode's scale); n: N; bias: [N] float32 or bf16, or none. Returns [M, N]
+// bf16: out_arg when given (the `_out` entry of static decode plans).
+at::Tensor fp8_gemv_packed_impl(at::Tensor x, at::Tensor codes_packed, at::Tensor scale, int64_t n,
+                                std::optional<at::Tensor> bias, const at::Tensor* out_arg) {
 #ifdef FP8SERVE_GEMV_PACKED_FP8
   TORCH_CHECK(codes_packed.dim() == 3, "codes_packed must be a contiguous uint8 [ceil(N/16), K/4, 64] tensor, got ",
               codes_packed.sizes());
@@ -323,7 +325,7 @@ at::Tensor fp8_gemv_packed(at::Tensor x, at::Tensor codes_packed, at::Tensor sca
                   scale.size(0) == num_blocks * 16,
               "scale must be a contiguous float32 [", num_blocks * 16, "] tensor");
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({M, n}, x.options());
+  at::Tensor out = fp8serve_staging::result_tensor(out_arg, x, M, n);
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = codes_packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -336,11 +338,21 @@ at::Tensor fp8_gemv_packed(at::Tensor x, at::Tensor codes_packed, at::Tensor sca
               });
   return out;
 #else
-  (void)x, (void)codes_packed, (void)scale, (void)n, (void)bias;
+  (void)x, (void)codes_packed, (void)scale, (void)n, (void)bias, (void)out_arg;
   TORCH_CHECK(false, "fp8_gemv_packed needs a build for a CPU with AVX512-BF16 and AVX512-VBMI "
                      "(see fp8_gemv_has_packed)");
   return at::Tensor();
 #endif
+}
+
+at::Tensor fp8_gemv_packed(at::Tensor x, at::Tensor codes_packed, at::Tensor scale, int64_t n,
+                           std::optional<at::Tensor> bias) {
+  return fp8_gemv_packed_impl(x, codes_packed, scale, n, bias, nullptr);
+}
+
+void fp8_gemv_packed_out(at::Tensor out, at::Tensor x, at::Tensor codes_packed, at::Tensor scale, int64_t n,
+                         std::optional<at::Tensor> bias) {
+  fp8_gemv_packed_impl(x, codes_packed, scale, n, bias, &out);
 }
 
 bool fp8_gemv_has_packed() {
@@ -364,5 +376,7 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("dense_gemv_packed_float_out", &dense_gemv_packed_float_out);
   m.def("dense_gemv_has_packed", &dense_gemv_has_packed);
   m.def("fp8_gemv_packed", &fp8_gemv_packed);
+  m.def("fp8_gemv_packed_out(Tensor(a!) out, Tensor x, Tensor codes_packed, Tensor scale, int n, Tensor? bias) -> ()",
+        &fp8_gemv_packed_out);
   m.def("fp8_gemv_has_packed", &fp8_gemv_has_packed);
 }
