@@ -83,7 +83,7 @@ class GreedyScreen:
     codes: torch.Tensor  # [V, K] int8
     scale: torch.Tensor  # [V] float32: row v ~ scale[v] * codes[v]
     slack: torch.Tensor  # [V] float32: |screened - full logit| <= |x|_2 * slack[v]
-    weight_abs_max: float = 0.0  # max |w| of the head (the flush term of a bf16 head's test)
+    weight_abs_max: float  # max |w| of the head (the flush term of a bf16 head's test)
 
     @property
     def nbytes(self) -> int:
