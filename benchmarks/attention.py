@@ -30,7 +30,10 @@ to prefetching show there, not in the hot cells.
 Timings are the best of several repeats after warm-up (the CPU may be shared:
 the best repeat is the least disturbed one); every ratio comes from the same
 run. Fixed seeds. Targets (issue "Fast on CPU"): FP8 reads >= 50% of the copy
-bandwidth, FP8 attention time <= 16-bit attention time.
+bandwidth, FP8 attention time <= 16-bit attention time. The FP8 / 16-bit
+tables time each cell's formats again side by side (alternating rounds, hot
+and cold), not from the per-format rows: those run one format after another,
+and a shared machine's memory bandwidth can change 2x between them.
 
 Examples:
   python benchmarks/attention.py                         # SmolLM2 shapes, full grid, saves results
@@ -153,6 +156,33 @@ def time_cold(cases: list[DecodeCase], flush: torch.Tensor, rounds: int, op=None
     return statistics.median(times)
 
 
+def cold_cases(args, kv_dtype: str, batch: int, context: int) -> list[DecodeCase]:
+    """The cell and a few copies of it (at least ~8 MiB of K+V per pass, at most
+    8 cases), each with its own cache and block table: a cold pass calls every
+    one once, so no call reads K+V that a recent call touched."""
+    seed = batch * 100003 + context
+    first = DecodeCase(args, kv_dtype, batch, context, seed=seed)
+    n = max(1, min(8, math.ceil((8 << 20) / first.bytes_read)))
+    return [first, *(DecodeCase(args, kv_dtype, batch, context, seed=seed + i) for i in range(1, n))]
+
+
+def paired_format_times(args, dtypes: list[str], batch: int, context: int,
+                        flush: torch.Tensor | None) -> tuple[dict[str, float], dict[str, float]]:
+    """(hot, cold) seconds per call of each KV format of one cell, timed side by
+    side: the formats alternate (order reversed every other round) for
+    --baseline-rounds hot rounds and --cold-rounds cold passes, medians. The
+    per-format rows above are timed one format after another, minutes apart,
+    and this machine's memory bandwidth can change by 2x within minutes: a
+    ratio of those rows can say more about the minute than about the format."""
+    cases = {d: cold_cases(args, d, batch, context) if flush is not None
+             else [DecodeCase(args, d, batch, context, seed=batch * 100003 + context)] for d in dtypes}
+    per = args.min_time / args.baseline_rounds
+    hot = alternate({d: (lambda d=d: best_time(cases[d][0].kernel, per, 2)) for d in dtypes}, args.baseline_rounds)
+    cold = {} if flush is None else alternate({d: (lambda d=d: time_cold(cases[d], flush, 1)) for d in dtypes},
+                                              args.cold_rounds)
+    return hot, cold
+
+
 def time_cache_write(args, kv_dtype: str, num_tokens: int, min_time: float, repeats: int) -> tuple[float, float]:
     """(seconds, GB/s counting float32 K+V read and cache bytes written) of one write."""
     g = torch.Generator().manual_seed(1)
@@ -255,8 +285,6 @@ def main() -> None:
     copy_start, read_start = measure_bandwidth(args.min_time, args.repeats)
     print(f"(bandwidth at start: copy {copy_start:.1f} GB/s, read {read_start:.1f} GB/s)", flush=True)
     rows: list[dict] = []
-    kernel_ms: dict[tuple[str, int, int], float] = {}
-    cold_ms: dict[tuple[str, int, int], float] = {}
     flush = torch.ones((args.cold_flush_mib << 20) // 4) if args.cold_flush_mib else None
     for kv_dtype in args.kv_dtypes:
         for batch in args.batch_sizes:
@@ -274,13 +302,9 @@ def main() -> None:
                 else:
                     r["kernel"] = best_time(case.kernel, args.min_time, args.repeats)
                 r["gbs"] = case.bytes_read / r["kernel"] / 1e9
-                kernel_ms[kv_dtype, batch, context] = r["kernel"] * 1e3
                 if flush is not None:
                     # A few copies per pass (at least ~8 MiB of K+V, at most 8) amortize the timer.
-                    n = max(1, min(8, math.ceil((8 << 20) / case.bytes_read)))
-                    others = [DecodeCase(args, kv_dtype, batch, context, seed=batch * 100003 + context + i)
-                              for i in range(1, n)]
-                    cases = [case, *others]
+                    cases = [case, *cold_cases(args, kv_dtype, batch, context)[1:]]
                     if baseline:
                         both = alternate({"kernel": lambda: time_cold(cases, flush, 1),
                                           "base": lambda: time_cold(cases, flush, 1, baseline)}, args.cold_rounds)
@@ -288,8 +312,7 @@ def main() -> None:
                     else:
                         r["cold"] = time_cold(cases, flush, args.cold_rounds)
                     r["cold_gbs"] = case.bytes_read / r["cold"] / 1e9
-                    cold_ms[kv_dtype, batch, context] = r["cold"] * 1e3
-                    del others, cases
+                    del cases
                 r["paged"] = best_time(lambda: case.backend_step(case.paged), args.min_time, args.repeats)
                 if not args.skip_reference:
                     case.reference.build_metadata(case.md)
@@ -344,18 +367,31 @@ def main() -> None:
     fp8 = [d for d in args.kv_dtypes if d.startswith("fp8")]
     sixteen = [d for d in args.kv_dtypes if d in ("bfloat16", "float16")]
     if fp8 and sixteen:
-        for label, times in (("", kernel_ms), ("cold ", cold_ms)):
+        # The ratios are timed again with the formats side by side (see paired_format_times).
+        paired_hot: dict[tuple[str, int, int], float] = {}
+        paired_cold: dict[tuple[str, int, int], float] = {}
+        for batch in args.batch_sizes:
+            for context in args.context_lens:
+                hot, cold = paired_format_times(args, fp8 + sixteen, batch, context, flush)
+                for d in hot:
+                    paired_hot[d, batch, context] = hot[d] * 1e3
+                for d in cold:
+                    paired_cold[d, batch, context] = cold[d] * 1e3
+        for label, times, rounds in (("", paired_hot, args.baseline_rounds), ("cold ", paired_cold, args.cold_rounds)):
             if not times:
                 continue
             emit()
-            emit(f"FP8 {label}kernel time / 16-bit {label}kernel time (target <= 1):")
+            emit(f"FP8 {label}kernel time / 16-bit {label}kernel time (target <= 1), the formats of each cell "
+                 f"timed side by side ({rounds} alternating rounds, medians; ms in brackets):")
             emit()
             emit("| batch | context | " + " | ".join(f"{f} / {s}" for f in fp8 for s in sixteen) + " |")
             emit("|---|---|" + "---|" * (len(fp8) * len(sixteen)))
             for batch in args.batch_sizes:
                 for context in args.context_lens:
-                    ratios = [times[f, batch, context] / times[s, batch, context] for f in fp8 for s in sixteen]
-                    emit(f"| {batch} | {context} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+                    cells = [f"{times[f, batch, context] / times[s, batch, context]:.2f} "
+                             f"({times[f, batch, context]:.3f} / {times[s, batch, context]:.3f})"
+                             for f in fp8 for s in sixteen]
+                    emit(f"| {batch} | {context} | " + " | ".join(cells) + " |")
 
     emit()
     emit("Cache write (`CpuPagedBackend.write_kv_cache`: quantize/convert + scatter of K and V into "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmark_scripts import loaded_script
 
@@ -36,7 +39,32 @@ def test_cold_columns_and_ratio_table(ops, monkeypatch, capsys):
     assert "| cold ms | cold GB/s | cold % copy |" in header
     rows = [ln for ln in out.splitlines() if ln.startswith("| bfloat16 | 2 | 40 |") or ln.startswith("| fp8_e4m3 | 2 |")]
     assert len(rows) == 2 and all(float(r.split("|")[9]) > 0 for r in rows)  # cold ms
-    assert "FP8 cold kernel time / 16-bit cold kernel time (target <= 1):" in out
+    lines = out.splitlines()
+    for label, rounds in (("kernel time / 16-bit kernel time", 8), ("cold kernel time / 16-bit cold kernel time", 2)):
+        title = next(i for i, ln in enumerate(lines) if ln.startswith(f"FP8 {label} (target <= 1)"))
+        assert f"({rounds} alternating rounds, medians; ms in brackets)" in lines[title]
+        # The paired table's own times, not the per-format rows': ratio == fp8 ms / bf16 ms.
+        cell = next(ln for ln in lines[title:] if ln.startswith("| 2 | 40 |")).split("|")[3].strip()
+        ratio, fp8_ms, bf16_ms = re.fullmatch(r"([\d.]+) \(([\d.]+) / ([\d.]+)\)", cell).groups()
+        assert float(fp8_ms) > 0 and float(bf16_ms) > 0
+        assert float(ratio) == pytest.approx(float(fp8_ms) / float(bf16_ms), abs=0.01, rel=0.002 / float(bf16_ms))
+
+
+def test_paired_format_times_alternate_the_formats(ops, monkeypatch):
+    """Each format of a cell is timed in every round, the order reversed every
+    other round (a slow stretch weighs on both formats)."""
+    with loaded_script("attention.py") as script:
+        calls = []
+        monkeypatch.setattr(script, "best_time", lambda fn, *a: calls.append(("hot", fn.__self__.kv_dtype)) or 1e-3)
+        monkeypatch.setattr(script, "time_cold",
+                            lambda cases, flush, rounds: calls.append(("cold", cases[0].kv_dtype)) or 2e-3)
+        args = SimpleNamespace(block_size=16, num_kv_heads=1, head_size=64, num_heads=2,
+                               query_dtype=torch.float32, min_time=0.01, baseline_rounds=3, cold_rounds=2)
+        hot, cold = script.paired_format_times(args, ["fp8_e4m3", "bfloat16"], 2, 40, torch.ones(16))
+    assert hot == {"fp8_e4m3": 1e-3, "bfloat16": 1e-3} and cold == {"fp8_e4m3": 2e-3, "bfloat16": 2e-3}
+    assert calls == [("hot", "fp8_e4m3"), ("hot", "bfloat16"), ("hot", "bfloat16"), ("hot", "fp8_e4m3"),
+                     ("hot", "fp8_e4m3"), ("hot", "bfloat16"), ("cold", "fp8_e4m3"), ("cold", "bfloat16"),
+                     ("cold", "bfloat16"), ("cold", "fp8_e4m3")]
 
 
 @pytest.mark.parametrize("bad, message", [(["--cold-flush-mib", "-1"], "--cold-flush-mib must be >= 0, got -1"),
