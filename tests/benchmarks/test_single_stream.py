@@ -4,6 +4,7 @@ table, on tiny inputs with hand-computed values. The benchmark itself is not run
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -176,7 +177,7 @@ def test_finish_and_table(ss):
     lines = table.splitlines()
     assert lines[0].startswith("| system | config | weights | dtype | kv dtype | prefill ms |")
     assert len(lines) == 4
-    assert "| fp8serve | float32 | float32 | float32 | float32 | 2.0 | 5000 | 0.8 | 78% of 1 (float32) | MISS | " \
+    assert "| fp8serve | float32 | float32 | float32 | float32 | 2.0 | 5000 | 0.8 | 78% of 1 (float32) | — | MISS | " \
            "4.00 | 250.0 | 0.4 | 0.43 | 11% | — | >= 80% of bound | MISS |" == lines[2]
     assert lines[3].endswith("| >= 53-57 tok/s (llama.cpp, issue) | IN RANGE |")
     json.dumps([ss.asdict(x) for x in (r, f)])  # the --json payload serializes
@@ -250,6 +251,79 @@ def test_paired_bound_uses_each_chunks_own_bandwidth(ss):
     assert "| 74% | >= 80% of bound (paired) | MISS |" in ss.format_table([r2])
 
 
+def test_paired_prefill_peak_uses_each_prefills_own_probes(ss):
+    """--pair-prefill-calls: a prefill's % of the peak divides its GFLOP/s by the larger of the
+    peaks probed right before and after it; the verdict takes the median over the prefills and the
+    best-of-run figure stays next to it."""
+    arch = ss.Arch.from_config(TINY)
+    flops = ss.prefill_flops(arch, 10)["total"]  # 1565696
+    # GFLOP/s of a prefill of `ms`: flops / ms / 1e6.
+    pairs = [{"prefill_ms": 2.0, "peak_before": 0.9, "peak_after": 1.0},   # 0.783 of 1.0: 78.3%
+             {"prefill_ms": 1.8, "peak_before": 1.0, "peak_after": 0.95},  # 0.870 of 1.0: 87.0%
+             {"prefill_ms": 2.5, "peak_before": 0.95, "peak_after": 0.7}]  # 0.626 of 0.95: 65.9%
+    pcts = ss.paired_pct_peak(pairs, flops)
+    assert pcts == pytest.approx([100 * flops / 2e-3 / 1e9 / 1.0, 100 * flops / 1.8e-3 / 1e9 / 1.0,
+                                  100 * flops / 2.5e-3 / 1e9 / 0.95])
+    r = ss.Result(system="fp8serve", config="float32", model="m", weights="float32", dtype="float32",
+                  kv_dtype="float32", prompt_len=10, prefill_ms_all=[q["prefill_ms"] for q in pairs],
+                  prefill_pairs=pairs, decode_ms_all=[4.0], weight_bytes={"total": 1})
+    ss.finish(r, arch, peaks={"float32": 1.0}, read_gb_s=1.0, llama_tok_s=None)
+    assert r.pct_peak_paired == pytest.approx(pcts[0]) and r.prefill_verdict == "MISS"  # median 78.3%
+    assert r.pct_peak == pytest.approx(100 * flops / 2e-3 / 1e9)  # best-of-run: median prefill 2.0 ms
+    assert "| 78% of 1 (float32) | 78% | MISS (paired) |" in ss.format_table([r])
+    pairs[0]["peak_after"] = 0.97  # 80.7%: the median prefill now passes against its own probes
+    r2 = ss.Result(system="fp8serve", config="float32", model="m", weights="float32", dtype="float32",
+                   kv_dtype="float32", prompt_len=10, prefill_ms_all=[q["prefill_ms"] for q in pairs],
+                   prefill_pairs=pairs, decode_ms_all=[4.0], weight_bytes={"total": 1})
+    ss.finish(r2, arch, peaks={"float32": 1.0}, read_gb_s=1.0, llama_tok_s=None)
+    assert r2.pct_peak_paired == pytest.approx(100 * flops / 2e-3 / 1e9 / 0.97) and r2.prefill_verdict == "PASS"
+    assert r2.pct_peak == pytest.approx(r.pct_peak)  # the best-of-run figure (a MISS) is unchanged
+
+
+class _PrefillEngine:
+    """add_request + step like LLMEngine for one-token requests: every step finishes the request."""
+
+    def __init__(self, log):
+        self.log, self.pending = log, 0
+
+    def add_request(self, request_id, prompt, params):
+        self.pending += 1
+
+    def step(self):
+        self.log.append("step")
+        self.pending -= 1
+        return [SimpleNamespace(finished=True)]
+
+    def has_unfinished_requests(self):
+        return self.pending > 0
+
+
+def test_time_prefill_probes_around_every_prefill(ss):
+    log = []
+    peaks = iter([10.0, 9.0, 11.0, 8.0])
+
+    def probe():
+        log.append("probe")
+        return next(peaks)
+
+    times, pairs = ss.time_prefill(_PrefillEngine(log), [1, 2, 3], warmup=2, repeats=3, probe=probe)
+    # 2 warm-up prefills, then probe | prefill | probe | prefill | probe | prefill | probe.
+    assert log == ["step", "step", "probe", "step", "probe", "step", "probe", "step", "probe"]
+    assert len(times) == 3
+    assert [(q["peak_before"], q["peak_after"]) for q in pairs] == [(10.0, 9.0), (9.0, 11.0), (11.0, 8.0)]
+    assert [q["prefill_ms"] for q in pairs] == pytest.approx([1e3 * t for t in times])
+    log.clear()
+    times, pairs = ss.time_prefill(_PrefillEngine(log), [1], warmup=1, repeats=2)  # unpaired: no probes
+    assert log == ["step"] * 3 and pairs == [] and len(times) == 2
+
+
+def test_matmul_peak_probe_measures(ss):
+    arch = ss.Arch.from_config(TINY)
+    probe = ss.matmul_peak_probe(arch, 16, torch.float32, calls=2)
+    first, second = probe(), probe()
+    assert 0.001 < first < 1e6 and 0.001 < second < 1e6  # a finite, positive rate, every call
+
+
 class _FakeEngine:
     """add_request + step like LLMEngine for one request; every step's output is one sequence."""
 
@@ -296,7 +370,8 @@ def test_read_bandwidth_probe_measures(ss):
 
 
 @pytest.mark.parametrize("argv, message", [(["--pair-steps", "-1"], "--pair-steps must be 0 (off)"),
-                                           (["--pair-bw-mib", "0"], "--pair-bw-mib must be at least 1, got 0")])
+                                           (["--pair-bw-mib", "0"], "--pair-bw-mib must be at least 1, got 0"),
+                                           (["--pair-prefill-calls", "-1"], "--pair-prefill-calls must be 0 (off)")])
 def test_rejects_bad_pairing_flags(ss, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         ss.main(argv)
