@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import math
 import statistics
 import sys
 import time
@@ -95,13 +96,6 @@ class GemmTimer:
 
     def reset(self) -> None:
         self.calls, self.seconds = [], 0.0
-
-
-def _rows(shape: tuple) -> int:
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
-    return rows
 
 
 def replay_alone(calls: list[tuple], repeats: int) -> float:
@@ -212,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             row = [str(cell), str(cell.tokens), f"{step_ms:.1f}", f"{1e6 * r['step_s'] / cell.tokens:.0f}",
                    f"{gflops:.0f}"]
             if r["calls"]:
-                flops = sum(2.0 * _rows(shape) * shape[-1] * w.shape[0] for shape, _, w, _, _ in r["calls"])
+                flops = sum(2.0 * math.prod(shape) * w.shape[0] for shape, _, w, _, _ in r["calls"])
                 alone = replay_alone(r["calls"], args.repeats)
                 row += [str(len(r["calls"])), f"{1e3 * r['gemm_s']:.1f}", f"{flops / r['gemm_s'] / 1e9:.0f}",
                         f"{1e3 * alone:.1f}", f"{r['gemm_s'] / alone:.2f}", f"{step_ms - 1e3 * r['gemm_s']:.1f}"]
