@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.output is not None and not args.output.parent.is_dir():
+        p.error(f"--output: directory {args.output.parent} does not exist")
 
     import json
 

@@ -66,6 +66,7 @@ def test_replay_alone_runs_the_recorded_calls(ops, monkeypatch):
     (["--cells", "512"], "--cells takes comma-separated SEQSxTOKENS"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--output", "/nonexistent-dir/table.md"], "--output: directory /nonexistent-dir does not exist"),
 ])
 def test_bad_arguments(bad, message, capsys):
     with loaded_script("prefill_breakdown.py") as script, pytest.raises(SystemExit):
