@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """One kernel op of this tree against the same op built at a git revision,
-inside whole engine decode steps.
+inside whole engine decode steps (or, with --phase prefill, prefill steps).
 
 Kernel scripts (dense_gemv.py, fp8_linear.py, attention.py --baseline-rev)
 time an op alone; this one asks what the change is worth to the engine. Two
@@ -19,9 +19,18 @@ runs over a long context); a round's time is the median of its steps that
 decode the whole batch (no prefill), and the table gives the median of the
 rounds and whether both engines produced the same tokens.
 
+--phase prefill times steps that prefill the whole batch of --prompt-len-token
+prompts at once (max_tokens=1; prefix caching is off, so every step computes
+the prompts in full): a round's time is the median of --prefills such steps,
+after two untimed ones. Prefills run the module tree, not a recording, so
+the proof that the swap took is the count of the baseline op's lookups during
+the baseline engine's steps (none: an error).
+
     .venv/bin/python benchmarks/kernel_ab_engine.py --source dense_gemv.cpp --op dense_gemv --baseline-rev HEAD~1
     .venv/bin/python benchmarks/kernel_ab_engine.py --model DIR --source fp8_gemm.cpp --op fp8_linear \\
         --baseline-rev HEAD~1 --batch 4 --rounds 12
+    .venv/bin/python benchmarks/kernel_ab_engine.py --source layer_ops.cpp --op silu_and_mul \
+        --baseline-rev HEAD~1 --phase prefill --prompt-len 512
 """
 
 from __future__ import annotations
@@ -50,9 +59,13 @@ class _OneOpFrom:
 
     def __init__(self, ours, base, op: str) -> None:
         self._ours, self._base, self._op = ours, base, op
+        self.lookups = 0  # of `op`, i.e. of the baseline build's op
 
     def __getattr__(self, name: str):
-        return getattr(self._base if name == self._op else self._ours, name)
+        if name == self._op:
+            self.lookups += 1
+            return getattr(self._base, name)
+        return getattr(self._ours, name)
 
 
 @contextlib.contextmanager
@@ -85,6 +98,32 @@ def recorded_ops(namespace: str) -> int:
     return count
 
 
+def time_prefill(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[int]]:
+    """Median seconds of `steps` engine steps that each prefill every prompt (one greedy token
+    each), and the tokens of the last step, in prompt order."""
+    import gc
+    import time
+
+    from fp8serve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times, tokens = [], []
+    for _ in range(steps):
+        ids = [engine.new_request_id() for _ in prompts]
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+        gc.collect()
+        t = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - t)
+        if len(outs) != len(prompts) or engine.has_unfinished_requests():
+            raise RuntimeError(f"the {len(prompts)} prompts did not all prefill in one step; "
+                               f"lower --batch or --prompt-len")
+        by_id = {o.request_id: o.outputs[0].token_ids[0] for o in outs}
+        tokens = [by_id[i] for i in ids]
+    return statistics.median(times), tokens
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the built-in default model)")
@@ -99,13 +138,19 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype of both engines (auto, fp8, ...)")
     p.add_argument("--prompt-len", type=int, default=0,
                    help="prompts of this many tokens of the built-in calibration text (0: a short sentence each)")
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                   help="time decode steps (default) or steps that prefill the whole batch")
+    p.add_argument("--prefills", type=int, default=3,
+                   help="--phase prefill: timed prefill steps per engine per round (median)")
     p.add_argument("--output", type=Path, default=None, help="also write the table (markdown) here")
     args = p.parse_args()
-    for name in ("batch", "tokens", "rounds"):
+    for name in ("batch", "tokens", "rounds", "prefills"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prompt_len < 0:
         p.error(f"--prompt-len must be >= 0, got {args.prompt_len}")
+    if args.phase == "prefill" and args.prompt_len == 0:
+        p.error("--phase prefill needs --prompt-len (the tokens each prompt prefills), e.g. --prompt-len 512")
     from fp8serve.config import KV_CACHE_DTYPE_CHOICES
 
     if args.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
@@ -143,44 +188,64 @@ def main() -> None:
         prompts = [first.tokenize_prompt(f"Write about the history of printing, part {i}.")[1] for i in range(args.batch)]
     with serving(swapped):
         engines["baseline"] = (LLM(**kwargs), lambda: serving(swapped))
-    # Both engines replay through TorchScript: a static plan (engine/static_plan.py) calls the ops of
-    # this build by name, so the baseline engine would take the compiled replay and the other a plan.
-    for llm, _ in engines.values():
-        llm.llm_engine.model_runner.decode_captures.static_plans = False
-    # Long enough to record each engine's decode forward at this batch size (decode_capture.py).
-    warm = SamplingParams(max_tokens=max(args.tokens, 80), temperature=0, ignore_eos=True)
-    for llm, ctx in engines.values():
-        with ctx():
-            llm.generate([{"prompt_token_ids": t} for t in prompts], warm, use_tqdm=False)
-    swaps = recorded_ops(BASELINE_NAMESPACE)
-    if swaps == 0:
-        raise SystemExit(f"the baseline engine's recorded decode forward has no {BASELINE_NAMESPACE} op: "
-                         f"{args.op} is not on its decode path, or the swap did not take")
+    prefill = args.phase == "prefill"
+    if prefill:
+        for llm, ctx in engines.values():
+            with ctx():
+                time_prefill(llm.llm_engine, prompts, 2)
+        swapped.lookups = 0
+    else:
+        # Both engines replay through TorchScript: a static plan (engine/static_plan.py) calls the ops of
+        # this build by name, so the baseline engine would take the compiled replay and the other a plan.
+        for llm, _ in engines.values():
+            llm.llm_engine.model_runner.decode_captures.static_plans = False
+        # Long enough to record each engine's decode forward at this batch size (decode_capture.py).
+        warm = SamplingParams(max_tokens=max(args.tokens, 80), temperature=0, ignore_eos=True)
+        for llm, ctx in engines.values():
+            with ctx():
+                llm.generate([{"prompt_token_ids": t} for t in prompts], warm, use_tqdm=False)
+        swaps = recorded_ops(BASELINE_NAMESPACE)
+        if swaps == 0:
+            raise SystemExit(f"the baseline engine's recorded decode forward has no {BASELINE_NAMESPACE} op: "
+                             f"{args.op} is not on its decode path, or the swap did not take")
 
     times: dict[str, list[float]] = {name: [] for name in engines}
-    tokens: dict[str, list[list[int]]] = {}
+    tokens: dict[str, list] = {}
     for r in range(args.rounds):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             llm, ctx = engines[name]
             with ctx():
-                # The median of the steps that decode the whole batch (no prefill in it).
-                step_s, tokens[name] = time_greedy_decode(llm.llm_engine, prompts, args.tokens)
+                if prefill:
+                    step_s, tokens[name] = time_prefill(llm.llm_engine, prompts, args.prefills)
+                else:
+                    # The median of the steps that decode the whole batch (no prefill in it).
+                    step_s, tokens[name] = time_greedy_decode(llm.llm_engine, prompts, args.tokens)
                 times[name].append(step_s)
+    if prefill:
+        swaps = swapped.lookups
+        if swaps == 0:
+            raise SystemExit(f"the baseline engine's prefill steps never looked up {args.op}: "
+                             f"it is not on their path, or the swap did not take")
     step = {name: statistics.median(v) * 1e3 for name, v in times.items()}
     wins = sum(a < b for a, b in zip(times["this tree"], times["baseline"]))
+    if prefill:
+        workload = (f"{args.rounds} ABBA rounds (per round: the median of {args.prefills} steps that each prefill "
+                    f"the whole batch, 1 greedy token per prompt); the baseline engine's timed prefill steps looked "
+                    f"up its {args.op} {swaps} times")
+    else:
+        workload = (f"{args.tokens + 2} greedy tokens per generation, {args.rounds} ABBA rounds (per round: the "
+                    f"median of the steps that decode the whole batch); the baseline engine's recorded decode "
+                    f"forward calls {swaps} {BASELINE_NAMESPACE} ops")
     lines = [
-        f"# {args.op} ({args.source}) in engine decode steps: this tree vs {args.baseline_rev}",
+        f"# {args.op} ({args.source}) in engine {args.phase} steps: this tree vs {args.baseline_rev}",
         "",
         f"Command: `{command_line()}`",
         "",
         *describe_machine(machine_info()),
         f"- model: {args.model or 'the built-in default model'}; KV cache {args.kv_cache_dtype}; batch {args.batch}, "
-        f"prompts of {f'{args.prompt_len} tokens' if args.prompt_len else 'one short sentence'}, {args.tokens + 2} "
-        f"greedy tokens per "
-        f"generation, {args.rounds} ABBA rounds (per round: the median of the steps that decode the whole batch); the baseline engine's recorded "
-        f"decode forward calls {swaps} {BASELINE_NAMESPACE} ops",
+        f"prompts of {f'{args.prompt_len} tokens' if args.prompt_len else 'one short sentence'}, {workload}",
         "",
-        "| engine | ms / decode step (median) | rounds faster | same tokens |",
+        f"| engine | ms / {args.phase} step (median) | rounds faster | same tokens |",
         "|---|---|---|---|",
         f"| this tree | {step['this tree']:.2f} | {wins} of {args.rounds} | {tokens['this tree'] == tokens['baseline']} |",
         f"| {args.baseline_rev} | {step['baseline']:.2f} | {args.rounds - wins} of {args.rounds} | |",

@@ -39,6 +39,20 @@ def test_long_prompts_and_an_fp8_cache(ops, monkeypatch, tmp_path):
     assert int(re.search(r"calls (\d+) fp8serve_base_engine ops", text).group(1)) >= 2  # one per layer
 
 
+def test_prefill_steps_run_the_baseline_op(ops, monkeypatch, tmp_path):
+    src = write_tiny_llama(tmp_path / "llama", vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
+    text, rows = run_table(monkeypatch, tmp_path, "kernel_ab_engine.py", "--model", str(src),
+                           "--source", "layer_ops.cpp", "--op", "silu_and_mul", "--baseline-rev", "HEAD",
+                           "--phase", "prefill", "--prompt-len", "40", "--batch", "2", "--prefills", "2",
+                           "--rounds", "2", "--kv-cache-memory", "16MiB", header="| engine")
+    assert [r[0] for r in rows] == ["this tree", "HEAD"]
+    assert all(float(r[1]) > 0 for r in rows)
+    assert rows[0][3] == "True"  # the same kernel source at HEAD: the same first tokens
+    assert "in engine prefill steps" in text and "| ms / prefill step (median) |" in text
+    # 2 rounds x 2 timed prefills x 2 decoder layers, one MLP activation each.
+    assert int(re.search(r"looked up its silu_and_mul (\d+) times", text).group(1)) == 2 * 2 * 2
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--rounds", "0"], "--rounds"),
     (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--batch", "-1"], "--batch"),
@@ -49,6 +63,10 @@ def test_long_prompts_and_an_fp8_cache(ops, monkeypatch, tmp_path):
      "--prompt-len"),
     (["--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--kv-cache-dtype", "int4"],
      "--kv-cache-dtype"),
+    (["--source", "layer_ops.cpp", "--op", "silu_and_mul", "--baseline-rev", "HEAD", "--phase", "prefill"],
+     "--phase prefill needs --prompt-len"),
+    (["--source", "layer_ops.cpp", "--op", "silu_and_mul", "--baseline-rev", "HEAD", "--prefills", "0"],
+     "--prefills"),
 ])
 def test_bad_arguments_are_rejected(monkeypatch, tmp_path, capsys, argv, message):
     assert_rejected(monkeypatch, tmp_path, capsys, "kernel_ab_engine.py", argv, message)

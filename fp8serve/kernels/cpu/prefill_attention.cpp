@@ -35,6 +35,9 @@
 // engine runs prefill_attention_amx.cpp) "best" is run_bf16_dot: the same
 // schedule with vdpbf16ps and P rounded to bf16, 1.55-1.67x the float32 tiles
 // on a Zen 4 guest (benchmarks/results/prefill_attention_2026-12-01_zen4.md).
+// Its softmax works in log2 units (2^x by a short polynomial) and writes P's
+// bf16 pairs in the same pass: 1.05-1.11x the kernel before that
+// (benchmarks/results/prefill_attention_exp2_2026-12-04_zen4.md).
 //
 // The same template runs 16 lanes (AVX-512), 8 lanes (AVX2+FMA) and 1 lane
 // (scalar; also what tests use to keep that path correct), so the schedule
@@ -437,8 +440,7 @@ void run_items(const Problem& p, const std::vector<int64_t>& pad_off, const Pack
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t pos = ctx + it.t0 + r / g;  // the row's token position: it sees keys [0, pos]
           const int64_t nvalid = std::min(pos + 1 - k0, kw);
-          alpha[r] = softmax_row<V>(sc.data() + r * kKeyBlock, nvalid, kwp, m[r], lsum[r]);
-          Tiles::p_row(scratch, r, sc.data() + r * kKeyBlock, kwp);
+          alpha[r] = Tiles::softmax(scratch, r, sc.data() + r * kKeyBlock, nvalid, kwp, m[r], lsum[r]);
         }
         Tiles::pv(rows, sc.data(), scratch, vv, k0, hs, kwp, alpha.data(), o.data());
       }
@@ -475,7 +477,10 @@ struct Float32Tiles {
       qk_tail<V, V::kQkRows - 1>(static_cast<int>(rows - r), qs + r * hs, kt, ldk, hs, kwp, sc + r * kKeyBlock,
                                  kKeyBlock);
   }
-  static void p_row(Scratch&, int64_t, const float*, int64_t) {}
+  // The online softmax update of row r (P stays in the scores, as floats).
+  static float softmax(Scratch&, int64_t, float* s, int64_t nvalid, int64_t npad, float& m, typename V::T& lsum) {
+    return softmax_row<V>(s, nvalid, npad, m, lsum);
+  }
   static void pv(int64_t rows, const float* sc, const Scratch&, const float* vv, int64_t k0, int64_t hs, int64_t kwp,
                  const float* alpha, float* o) {
     int64_t r = 0;
@@ -531,6 +536,24 @@ void run(const Problem& p) {
 //   V: [keys / 2][head_size] pairs (v[2j][d], v[2j + 1][d]): an output lane is
 //      one head dim, the pair runs over two keys;
 //   Q and P: rows of pairs, broadcast one word at a time.
+// 2^x for x <= 0 (log2-unit scores minus their running max): x = n + f with
+// n = round(x), |f| <= 1/2, 2^f by a degree-5 polynomial (coefficients fitted
+// here for relative error on [-1/2, 1/2]: 1.8e-7, float32's own rounding),
+// vscalefps for p * 2^n (0 far below, as exp_fma's clamp gives ~0). Five FMAs
+// and three other operations against exp_fma's thirteen; P is rounded to bf16
+// (2^-9) right after.
+inline __m512 exp2_le0(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3218672247603536e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671698324382305e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 struct Bf16Dot {
   static constexpr int W = 16, kQkRows = 8, kQkVecs = 2, kPvRows = 6, kPvVecs = 4;
 };
@@ -626,6 +649,7 @@ struct Bf16DotTiles {
   }
   static void qk(int64_t rows, const uint32_t* qs, int64_t qw, const uint32_t* kt, int64_t ldk, int64_t, int64_t kwp,
                  float scale, float* sc) {
+    scale *= 1.44269504088896341f;  // log2(e): scores in log2 units, for softmax's 2^x
     int64_t r = 0;
     for (; r + Bf16Dot::kQkRows <= rows; r += Bf16Dot::kQkRows)
       qk_rows_bf16<Bf16Dot::kQkRows>(qs + r * qw, qw, kt, ldk, kwp, scale, sc + r * kKeyBlock, kKeyBlock);
@@ -633,13 +657,43 @@ struct Bf16DotTiles {
       qk_tail_bf16<Bf16Dot::kQkRows - 1>(static_cast<int>(rows - r), qs + r * qw, qw, kt, ldk, kwp, scale,
                                          sc + r * kKeyBlock, kKeyBlock);
   }
-  // P to bf16 pairs: 32 floats -> 32 bf16 (16 words) per step; kwp is a multiple of 32.
-  static void p_row(Scratch& scratch, int64_t r, const float* srow, int64_t kwp) {
+  // softmax_row's update for scores in log2 units (qk scaled them by
+  // log2(e)), so each exponential is exp2_le0's 2^x: no multiply by log2(e)
+  // and no two-constant reduction. P goes straight to row r's bf16 pairs
+  // (32 floats -> 16 words a step; npad is a multiple of 32) instead of being
+  // stored as floats and converted in a second pass; the sums add the
+  // unrounded exponentials, as before.
+  static float softmax(Scratch& scratch, int64_t r, const float* s, int64_t nvalid, int64_t npad, float& m,
+                       __m512& lsum) {
     uint32_t* prow = scratch.p.data() + r * kPairsPerRow;
-    for (int64_t j = 0; j < kwp; j += 32) {
-      const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(srow + j + 16), _mm512_loadu_ps(srow + j));
-      _mm512_storeu_si512(prow + j / 2, (__m512i)b);
+    const __m512 zero = _mm512_setzero_ps();
+    if (nvalid <= 0) {
+      for (int64_t j = 0; j < npad; j += 32) _mm512_storeu_si512(prow + j / 2, _mm512_setzero_si512());
+      return 1.f;
     }
+    const int64_t nfull = nvalid / 16 * 16;
+    __m512 mx = _mm512_set1_ps(kNegInf);
+    for (int64_t j = 0; j < nfull; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+    for (int64_t j = nfull; j < npad; j += 16)
+      mx = _mm512_max_ps(mx, Avx512::keep_first(_mm512_loadu_ps(s + j), static_cast<int>(nvalid - j), mx));
+    const float m_new = std::max(m, _mm512_reduce_max_ps(mx));
+    const float alpha = m_new == m ? 1.f : std::exp2(m - m_new);  // 0 on the first block (m = -inf)
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 sum0 = zero, sum1 = zero;
+    for (int64_t j = 0; j < npad; j += 32) {
+      __m512 e0 = exp2_le0(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+      __m512 e1 = exp2_le0(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), mv));
+      if (j + 32 > nfull) {  // the masked tail: keys past the row's position weigh 0
+        e0 = Avx512::keep_first(e0, static_cast<int>(nvalid - j), zero);
+        e1 = Avx512::keep_first(e1, static_cast<int>(nvalid - j - 16), zero);
+      }
+      sum0 = _mm512_add_ps(sum0, e0);
+      sum1 = _mm512_add_ps(sum1, e1);
+      _mm512_storeu_si512(prow + j / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    m = m_new;
+    lsum = _mm512_add_ps(alpha == 1.f ? lsum : _mm512_mul_ps(lsum, _mm512_set1_ps(alpha)), _mm512_add_ps(sum0, sum1));
+    return alpha;
   }
   static void pv(int64_t rows, const float*, const Scratch& scratch, const uint32_t* v2, int64_t k0, int64_t hs,
                  int64_t kwp, const float* alpha, float* o) {
