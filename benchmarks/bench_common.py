@@ -38,6 +38,25 @@ def best_time(fn, min_time: float, repeats: int, warmup: int = 3) -> float:
     return best
 
 
+@contextlib.contextmanager
+def cpu_ops_served_by(ops):
+    """Inside, every imported fp8serve module's `load_cpu_ops` returns `ops` (an object standing in
+    for torch.ops.fp8serve: another build's op, timed ops). The engine looks its ops up at call time,
+    so this reaches every C++ op call of an engine built before or inside the block."""
+    from fp8serve.kernels import cpu_ops
+
+    real = cpu_ops.load_cpu_ops
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("fp8serve") and getattr(m, "load_cpu_ops", None) is real]
+    for m in modules:
+        m.load_cpu_ops = lambda: ops
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.load_cpu_ops = real
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """The command as typed (interpreter relative to the working directory)."""
     exe = os.path.relpath(sys.executable) if sys.executable else "python"

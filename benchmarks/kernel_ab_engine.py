@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    build_kernel_at_rev, command_line, describe_machine, emit_table, machine_info, time_greedy_decode, token_source,
+    build_kernel_at_rev, command_line, cpu_ops_served_by, describe_machine, emit_table, machine_info, time_greedy_decode, token_source,
 )
 
 BASELINE_NAMESPACE = "fp8serve_base_engine"
@@ -66,23 +66,6 @@ class _OneOpFrom:
             self.lookups += 1
             return getattr(self._base, name)
         return getattr(self._ours, name)
-
-
-@contextlib.contextmanager
-def serving(ops) -> object:
-    """Every fp8serve module's `load_cpu_ops` returns `ops` inside."""
-    from fp8serve.kernels import cpu_ops
-
-    real = cpu_ops.load_cpu_ops
-    modules = [m for name, m in list(sys.modules.items())
-               if name.startswith("fp8serve") and getattr(m, "load_cpu_ops", None) is real]
-    for m in modules:
-        m.load_cpu_ops = lambda: ops
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.load_cpu_ops = real
 
 
 def recorded_ops(namespace: str) -> int:
@@ -186,8 +169,8 @@ def main() -> None:
         prompts = [draw(args.prompt_len, rng) for _ in range(args.batch)]
     else:
         prompts = [first.tokenize_prompt(f"Write about the history of printing, part {i}.")[1] for i in range(args.batch)]
-    with serving(swapped):
-        engines["baseline"] = (LLM(**kwargs), lambda: serving(swapped))
+    with cpu_ops_served_by(swapped):
+        engines["baseline"] = (LLM(**kwargs), lambda: cpu_ops_served_by(swapped))
     prefill = args.phase == "prefill"
     if prefill:
         for llm, ctx in engines.values():

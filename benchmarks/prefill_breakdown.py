@@ -9,7 +9,11 @@ Why: single_stream.py says how far a prefill is from the matmul peak, not why. T
 inside the step (a wrapper on `onednn_linear.linear`, ~1 us a call) and then alone (the step's own
 calls replayed in order on its own weights, each layer's distinct, inputs of the same shapes)
 splits the gap into "the GEMMs run slower inside a step" and "the rest of the step" (attention,
-norms, activation, RoPE, cache writes, sampling, Python).
+norms, activation, RoPE, cache writes, sampling, Python). The rest is split once more: every call
+of a C++ op (torch.ops.fp8serve, reached through `load_cpu_ops`, which the engine calls at each
+use) is timed by a stand-in for the ops object (~1 us a call), per op; what is left ("outside the
+ops") is Python, torch's own small ops (views, allocations) and the dispatch between them. A second
+table lists each cell's ops by time.
 
 Linear GFLOP/s counts 2 x tokens x the weights of the model's linear layers (no LM head, no
 attention), as single_stream.py's "linear" FLOPs do. Cells whose prompts are too short for the GEMM
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bench_common import command_line, describe_machine, emit_table, machine_info
+from bench_common import command_line, cpu_ops_served_by, describe_machine, emit_table, machine_info
 
 FIRST_ORDINARY_TOKEN_ID = 17  # SmolLM2's special tokens are 0-16
 
@@ -98,6 +102,34 @@ class GemmTimer:
         self.calls, self.seconds = [], 0.0
 
 
+class OpTimer:
+    """Stands in for torch.ops.fp8serve (see bench_common.cpu_ops_served_by): while `active`, each
+    op call's wall time is added to `seconds[op]` and counted in `calls[op]`."""
+
+    def __init__(self, ops) -> None:
+        self._ops = ops
+        self.active = False
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.seconds, self.calls = {}, {}
+
+    def __getattr__(self, name: str):
+        target = getattr(self._ops, name)
+        if not self.active or not callable(target):
+            return target
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            out = target(*args, **kwargs)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return out
+
+        return timed
+
+
 def replay_alone(calls: list[tuple], repeats: int) -> float:
     """Median seconds of the recorded GEMM calls run back to back, in order, on their own weights;
     one input tensor of random values per distinct shape (values do not change a GEMM's time)."""
@@ -130,12 +162,15 @@ def linear_params(model: torch.nn.Module) -> int:
     return sum(m.input_size * m.output_size for m in model.modules() if isinstance(m, MergedLinear))
 
 
-def time_cell(engine, cell: Cell, vocab: int, warmup: int, repeats: int, timer: GemmTimer) -> dict:
+def time_cell(engine, cell: Cell, vocab: int, warmup: int, repeats: int, timer: GemmTimer,
+              op_timer: OpTimer | None = None) -> dict:
     from fp8serve import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     g = torch.Generator().manual_seed(cell.tokens)
-    steps, gemm_s, calls = [], [], []
+    steps, gemm_s, calls, ops_s = [], [], [], []
+    op_seconds: dict[str, list[float]] = {}
+    op_calls: dict[str, int] = {}
     for i in range(warmup + repeats):
         for _ in range(cell.num_seqs):
             ids = torch.randint(FIRST_ORDINARY_TOKEN_ID, vocab, (cell.prompt_len,), generator=g).tolist()
@@ -143,10 +178,15 @@ def time_cell(engine, cell: Cell, vocab: int, warmup: int, repeats: int, timer: 
         gc.collect()
         timer.reset()
         timer.active = i >= warmup
+        if op_timer is not None:
+            op_timer.reset()
+            op_timer.active = i >= warmup
         t = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t
         timer.active = False
+        if op_timer is not None:
+            op_timer.active = False
         if len(outs) != cell.num_seqs or engine.has_unfinished_requests():
             raise RuntimeError(f"cell {cell}: the prompts did not all prefill in one step "
                                f"({len(outs)} of {cell.num_seqs} finished); raise --max-num-batched-tokens")
@@ -154,7 +194,16 @@ def time_cell(engine, cell: Cell, vocab: int, warmup: int, repeats: int, timer: 
             steps.append(dt)
             gemm_s.append(timer.seconds)
             calls = timer.calls
-    return {"step_s": statistics.median(steps), "gemm_s": statistics.median(gemm_s), "calls": calls}
+            if op_timer is not None:
+                ops_s.append(sum(op_timer.seconds.values()))
+                for name, sec in op_timer.seconds.items():
+                    op_seconds.setdefault(name, []).append(sec)
+                op_calls = dict(op_timer.calls)
+    return {"step_s": statistics.median(steps), "gemm_s": statistics.median(gemm_s), "calls": calls,
+            "ops_s": statistics.median(ops_s) if ops_s else 0.0,
+            # per op: the median over the timed steps (0 where a step did not call it)
+            "ops": {name: statistics.median(v + [0.0] * (len(steps) - len(v))) for name, v in op_seconds.items()},
+            "op_calls": op_calls}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,11 +247,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{params / 1e6:.1f} M; medians of {args.repeats} steps after {args.warmup}",
               "",
               "| cell | tokens | step ms | us / token | linear GFLOP/s | GEMM calls | GEMM ms in step | GEMM GFLOP/s "
-              "in step | GEMM ms alone | in step / alone | rest of step ms |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    with GemmTimer() as timer:
+              "in step | GEMM ms alone | in step / alone | rest of step ms | C++ ops ms in step | outside GEMMs and "
+              "ops ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    from fp8serve.kernels.cpu_ops import load_cpu_ops
+
+    real_ops = load_cpu_ops()
+    op_timer = OpTimer(real_ops) if real_ops is not None else None
+    per_op: list[tuple[Cell, dict, dict]] = []
+    with GemmTimer() as timer, cpu_ops_served_by(op_timer if op_timer is not None else real_ops):
         for cell in cells:
-            r = time_cell(engine, cell, vocab, args.warmup, args.repeats, timer)
+            r = time_cell(engine, cell, vocab, args.warmup, args.repeats, timer, op_timer)
             step_ms = 1e3 * r["step_s"]
             gflops = 2.0 * params * cell.tokens / r["step_s"] / 1e9
             row = [str(cell), str(cell.tokens), f"{step_ms:.1f}", f"{1e6 * r['step_s'] / cell.tokens:.0f}",
@@ -214,10 +269,24 @@ def main(argv: list[str] | None = None) -> int:
                         f"{1e3 * alone:.1f}", f"{r['gemm_s'] / alone:.2f}", f"{step_ms - 1e3 * r['gemm_s']:.1f}"]
             else:
                 row += ["0", "-", "-", "-", "-", "-"]
+            gemm_ms = 1e3 * r["gemm_s"] if r["calls"] else 0.0
+            if op_timer is not None:
+                row += [f"{1e3 * r['ops_s']:.1f}", f"{step_ms - gemm_ms - 1e3 * r['ops_s']:.1f}"]
+                per_op.append((cell, r["ops"], r["op_calls"]))
+            else:
+                row += ["-", "-"]
             lines.append("| " + " | ".join(row) + " |")
             print(lines[-1], file=sys.stderr, flush=True)
     lines += ["", "GEMM: calls through fp8serve.kernels.onednn_linear.linear (timed inside the step by a "
-              "wrapper); alone: the same calls replayed back to back after the step (median of --repeats)."]
+              "wrapper); alone: the same calls replayed back to back after the step (median of --repeats). "
+              "C++ ops: calls of torch.ops.fp8serve ops in the step (each timed by a stand-in for the ops "
+              "object); outside GEMMs and ops: the step less both (Python, torch's small ops, dispatch)."]
+    if per_op:
+        lines += ["", "C++ ops in each cell's step: ms (median over the timed steps) and calls per step, "
+                  "largest first", "", "| cell | op | ms | calls |", "|---|---|---|---|"]
+        for cell, ops, op_calls in per_op:
+            for name, sec in sorted(ops.items(), key=lambda kv: -kv[1]):
+                lines.append(f"| {cell} | {name} | {1e3 * sec:.2f} | {op_calls.get(name, 0)} |")
     emit_table(lines, args.output)
     return 0
 

@@ -1,6 +1,8 @@
 """benchmarks/prefill_breakdown.py on a tiny checkpoint: each cell prefills in one step, the GEMMs
 timed inside the step are the model's own linear calls (4 per layer, shapes from the checkpoint),
-the linear FLOPs count the checkpoint's linear weights, and bad arguments are rejected."""
+the linear FLOPs count the checkpoint's linear weights, the C++ ops timed in the step are the
+model's own (one activation and one cache write per layer) and add up to their column, and bad
+arguments are rejected."""
 
 from __future__ import annotations
 
@@ -11,10 +13,23 @@ from benchmark_scripts import loaded_script
 from checkpoints import write_tiny_llama
 
 
-def _rows(out: str) -> dict[str, list[str]]:
-    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in out.splitlines()
+def _table_rows(out: str) -> list[list[str]]:
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in out.splitlines()
             if ln.startswith("| ") and "x" in ln.split("|")[1] and not ln.startswith("| cell")]
-    return {r[0]: r for r in rows}
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    """The main table's rows (13 columns) by cell."""
+    return {r[0]: r for r in _table_rows(out) if len(r) == 13}
+
+
+def _op_rows(out: str) -> dict[str, dict[str, tuple[float, int]]]:
+    """The per-op table: cell -> op -> (ms, calls)."""
+    ops: dict[str, dict[str, tuple[float, int]]] = {}
+    for r in _table_rows(out):
+        if len(r) == 4:
+            ops.setdefault(r[0], {})[r[1]] = (float(r[2]), int(r[3]))
+    return ops
 
 
 def test_tiny_run(ops, tmp_path, capsys):
@@ -44,6 +59,15 @@ def test_tiny_run(ops, tmp_path, capsys):
         gemm_ms, alone_ms = float(r[6]), float(r[8])
         assert 0 < gemm_ms < step_ms and alone_ms > 0
         assert float(r[10]) == pytest.approx(step_ms - gemm_ms, abs=0.15)
+        ops_ms, outside_ms = float(r[11]), float(r[12])
+        assert 0 < ops_ms < step_ms - gemm_ms
+        assert outside_ms == pytest.approx(step_ms - gemm_ms - ops_ms, abs=0.15)
+        per_op = _op_rows(out)[cell]
+        # Two layers: one SiLU-and-mul and one cache write each, per step.
+        assert per_op["silu_and_mul"][1] == 2 and per_op["reshape_and_cache"][1] == 2
+        assert all(ms >= 0 for ms, _ in per_op.values())
+        # With 2 timed steps a median is a mean, so the per-op medians add up to the column's.
+        assert sum(ms for ms, _ in per_op.values()) == pytest.approx(ops_ms, abs=0.05 + 0.005 * len(per_op))
 
 
 def test_replay_alone_runs_the_recorded_calls(ops, monkeypatch):
