@@ -190,9 +190,12 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
                         raise SystemExit(f"{csrc}/{source} at {rev}: no TORCH_LIBRARY_FRAGMENT this script can "
                                          "move to another namespace")
                 (tmp / name).write_text(text)
-        # The engine's flags (fp8serve/kernels/cpu_ops.py).
+        # The engine's flags (fp8serve/kernels/cpu_ops.py), its target included: with
+        # FP8SERVE_CPU_MARCH=x86-64-v3 both builds run their AVX2 paths.
+        from fp8serve.kernels.cpu_ops import _march
+
         load(name=f"{namespace}_{Path(source).stem}", sources=[str(tmp / source)],
-             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fopenmp",
+             extra_cflags=["-O3", f"-march={_march()}", "-fopenmp-simd", "-ffp-contract=off", "-fopenmp",
                            f"-DFP8SERVE_GEMM_NS={namespace}"],
              extra_ldflags=["-fopenmp"], build_directory=str(tmp), is_python_module=False, verbose=False)
     finally:

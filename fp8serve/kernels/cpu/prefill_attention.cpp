@@ -35,8 +35,9 @@
 // engine runs prefill_attention_amx.cpp) "best" is run_bf16_dot: the same
 // schedule with vdpbf16ps and P rounded to bf16, 1.55-1.67x the float32 tiles
 // on a Zen 4 guest (benchmarks/results/prefill_attention_2026-12-01_zen4.md).
-// Its softmax works in log2 units (2^x by a short polynomial) and writes P's
-// bf16 pairs in the same pass: 1.05-1.11x the kernel before that
+// Every path's softmax works in log2 units (2^x by a short polynomial,
+// exp2_le0_16); this one also writes P's bf16 pairs in the same pass:
+// 1.05-1.11x the kernel before that
 // (benchmarks/results/prefill_attention_exp2_2026-12-04_zen4.md).
 //
 // The same template runs 16 lanes (AVX-512), 8 lanes (AVX2+FMA) and 1 lane
@@ -86,6 +87,43 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Zen 3 EPYC (2 vCPUs) the whole kernel ran 1.17-1.30x as fast at 1 x 512 to
 // 16 x 512 and 1 x 2048, bit-identical (each output's sums keep their order;
 // benchmarks/results/prefill_attention_pv_tile_2026-12-02_zen3.md).
+// 2^x for x <= 0 (log2-unit scores minus their running max; the kernels
+// scale scores by log2(e), so the softmax's exponentials are powers of 2):
+// x = n + f with n = round(x), |f| <= 1/2, 2^f by a degree-5 polynomial
+// (coefficients fitted for relative error on [-1/2, 1/2]: 1.8e-7, float32's
+// own rounding), times 2^n. Five FMAs and three other operations against the
+// thirteen of exp_fma, which first multiplies by log2(e) and reduces with two
+// constants. 16 lanes: vscalefps (0 far below); 8 lanes: 2^n from the
+// exponent bits, x clamped at -126 (2^-126 for 0 where it is not masked).
+#define FP8SERVE_EXP2_POLY(FMA, SET1, p, f)   \
+  p = SET1(1.3218672247603536e-3f);          \
+  p = FMA(p, f, SET1(9.671698324382305e-3f)); \
+  p = FMA(p, f, SET1(5.550893023610115e-2f)); \
+  p = FMA(p, f, SET1(2.4022237956523895e-1f)); \
+  p = FMA(p, f, SET1(6.931468844413757e-1f)); \
+  p = FMA(p, f, SET1(1.f));
+#ifdef FP8SERVE_VEC16
+inline __m512 exp2_le0_16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p;
+  FP8SERVE_EXP2_POLY(_mm512_fmadd_ps, _mm512_set1_ps, p, f)
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+#ifdef FP8SERVE_VEC8
+inline __m256 exp2_le0_8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p;
+  FP8SERVE_EXP2_POLY(_mm256_fmadd_ps, _mm256_set1_ps, p, f)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+#undef FP8SERVE_EXP2_POLY
+
 struct Scalar {
   using T = float;
   static constexpr int W = 1, kQkRows = 4, kQkVecs = 4, kPvRows = 4, kPvVecs = 1;
@@ -98,7 +136,7 @@ struct Scalar {
   static T add(T a, T b) { return a + b; }
   static T sub(T a, T b) { return a - b; }
   static T max(T a, T b) { return a > b ? a : b; }
-  static T exp_le0(T a) { return fp8serve_cvt::exp_f32(a); }
+  static T exp2_le0(T a) { return std::exp2(a); }
   static float hmax(T a) { return a; }
   static float hsum(T a) { return a; }
   static T keep_first(T v, int n, T fill) { return n > 0 ? v : fill; }  // lanes >= n := fill
@@ -117,8 +155,7 @@ struct Avx2 {
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
-  // exp(x) for x <= 0 (scores minus their running max): vec8.h exp_fma.
-  static T exp_le0(T x) { return fp8serve_vec8::exp_fma(x); }
+  static T exp2_le0(T x) { return exp2_le0_8(x); }
   static float hmax(T a) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -146,10 +183,7 @@ struct Avx512 {
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
-  // exp(x) for x <= 0: fp8serve_vec16::exp_fma (Avx2::exp_poly's steps with
-  // vscalefps for p * 2^n). With vec16's FMA-free exp, which must match its
-  // scalar twin bit for bit, the softmax was a quarter of this kernel's time.
-  static T exp_le0(T x) { return fp8serve_vec16::exp_fma(x); }
+  static T exp2_le0(T x) { return exp2_le0_16(x); }
   static float hmax(T a) { return _mm512_reduce_max_ps(a); }
   static float hsum(T a) { return _mm512_reduce_add_ps(a); }
   static T keep_first(T v, int n, T fill) {
@@ -276,7 +310,8 @@ void pv_tail(int rt, const float* p, int64_t ldp, const float* vrows, int64_t hs
 }
 
 // One row's online-softmax update over a key block: scores s[0 : nvalid) are
-// real, s[nvalid : npad) masked. Overwrites s with P (0 where masked), adds
+// real, s[nvalid : npad) masked; scores, the running max m and alpha are in
+// log2 units (q carries the factor log2(e)), so P = 2^(s - m). Overwrites s with P (0 where masked), adds
 // the row's P to its lane-wise sum `lsum` (reduced once, at the end: one
 // horizontal add per row instead of one per block) and returns alpha, the
 // factor for the row's earlier output and sum.
@@ -296,24 +331,24 @@ float softmax_row(float* s, int64_t nvalid, int64_t npad, float& m, typename V::
     mx = V::max(mx, V::keep_first(V::load(s + j), static_cast<int>(nvalid - j), neg_inf));
   const float m_new = std::max(m, V::hmax(mx));
   // Past the first blocks the running max rarely moves: no exp, no rescale.
-  const float alpha = m_new == m ? 1.f : std::exp(m - m_new);  // 0 on the first block (m = -inf)
+  const float alpha = m_new == m ? 1.f : std::exp2(m - m_new);  // 0 on the first block (m = -inf)
   const T mv = V::set1(m_new);
   T sum0 = zero, sum1 = zero;
   int64_t j = 0;
   for (; j + 2 * V::W <= nfull; j += 2 * V::W) {
-    const T e0 = V::exp_le0(V::sub(V::load(s + j), mv)), e1 = V::exp_le0(V::sub(V::load(s + j + V::W), mv));
+    const T e0 = V::exp2_le0(V::sub(V::load(s + j), mv)), e1 = V::exp2_le0(V::sub(V::load(s + j + V::W), mv));
     V::store(s + j, e0);
     V::store(s + j + V::W, e1);
     sum0 = V::add(sum0, e0);
     sum1 = V::add(sum1, e1);
   }
   for (; j < nfull; j += V::W) {
-    const T e = V::exp_le0(V::sub(V::load(s + j), mv));
+    const T e = V::exp2_le0(V::sub(V::load(s + j), mv));
     V::store(s + j, e);
     sum0 = V::add(sum0, e);
   }
   for (; j < npad; j += V::W) {
-    const T e = V::keep_first(V::exp_le0(V::sub(V::load(s + j), mv)), static_cast<int>(nvalid - j), zero);
+    const T e = V::keep_first(V::exp2_le0(V::sub(V::load(s + j), mv)), static_cast<int>(nvalid - j), zero);
     V::store(s + j, e);
     sum1 = V::add(sum1, e);
   }
@@ -467,7 +502,10 @@ struct Float32Tiles {
   };
   static int64_t q_words(int64_t hs) { return hs; }
   template <int DT>
-  static void load_q(const void* qr, float* dst, int64_t hs, float scale) { row_to_f32<DT>(qr, dst, hs, scale); }
+  // q pre-scaled by scale * log2(e): scores in log2 units (see exp2_le0_16).
+  static void load_q(const void* qr, float* dst, int64_t hs, float scale) {
+    row_to_f32<DT>(qr, dst, hs, scale * 1.44269504088896341f);
+  }
   static void qk(int64_t rows, const float* qs, int64_t, const float* kt, int64_t ldk, int64_t hs, int64_t kwp, float,
                  float* sc) {
     int64_t r = 0;
@@ -536,24 +574,6 @@ void run(const Problem& p) {
 //   V: [keys / 2][head_size] pairs (v[2j][d], v[2j + 1][d]): an output lane is
 //      one head dim, the pair runs over two keys;
 //   Q and P: rows of pairs, broadcast one word at a time.
-// 2^x for x <= 0 (log2-unit scores minus their running max): x = n + f with
-// n = round(x), |f| <= 1/2, 2^f by a degree-5 polynomial (coefficients fitted
-// here for relative error on [-1/2, 1/2]: 1.8e-7, float32's own rounding),
-// vscalefps for p * 2^n (0 far below, as exp_fma's clamp gives ~0). Five FMAs
-// and three other operations against exp_fma's thirteen; P is rounded to bf16
-// (2^-9) right after.
-inline __m512 exp2_le0(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3218672247603536e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671698324382305e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 struct Bf16Dot {
   static constexpr int W = 16, kQkRows = 8, kQkVecs = 2, kPvRows = 6, kPvVecs = 4;
 };
@@ -681,8 +701,8 @@ struct Bf16DotTiles {
     const __m512 mv = _mm512_set1_ps(m_new);
     __m512 sum0 = zero, sum1 = zero;
     for (int64_t j = 0; j < npad; j += 32) {
-      __m512 e0 = exp2_le0(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-      __m512 e1 = exp2_le0(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), mv));
+      __m512 e0 = exp2_le0_16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+      __m512 e1 = exp2_le0_16(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), mv));
       if (j + 32 > nfull) {  // the masked tail: keys past the row's position weigh 0
         e0 = Avx512::keep_first(e0, static_cast<int>(nvalid - j), zero);
         e1 = Avx512::keep_first(e1, static_cast<int>(nvalid - j - 16), zero);
