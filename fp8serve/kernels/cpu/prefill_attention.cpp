@@ -71,22 +71,6 @@ constexpr int64_t kKeyBlock = 128;    // keys per softmax update; a multiple of 
 constexpr int64_t kRowPad = 16;     // floats added to each K^T row (see run)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Lane traits. kQk*: score tile = kQkRows rows x (kQkVecs * W) keys;
-// kPv*: output tile = kPvRows rows x (kPvVecs * W) head dims. Sized so the
-// accumulators plus the loaded operands fit the register file (32 zmm, 16 ymm).
-// AVX-512 shapes measured at 1 x 512 / 1 x 2048 (ms): score tiles 8x2 1.72 /
-// 25.5, 4x4 1.80 / 23.6, 6x4 1.73 / 24.2, 12x2 2.62 / 37.7 (spills); output
-// tiles 6x4 as above, 3x4 1.88 / 23.7, 12x2 2.77 / 41.4. On hot data the
-// 8x2 score tile and the 6x4 output tile run at 165-185 GFLOP/s per core,
-// F.linear's per-core rate.
-// AVX2: the output tile is 6 rows x 2 vectors, like the score tile: 12
-// accumulators, and per key 2 V loads and 6 P broadcasts. The 2 x 4 tile it
-// replaced had 8 accumulators, exactly the FMAs in flight that two FMA pipes
-// of 4-cycle latency need, and 6 loads per 8 FMAs; perf had its P V at 30% of
-// a 1 x 512 call against 24% for the scores (same FLOPs). On the AVX2-only
-// Zen 3 EPYC (2 vCPUs) the whole kernel ran 1.17-1.30x as fast at 1 x 512 to
-// 16 x 512 and 1 x 2048, bit-identical (each output's sums keep their order;
-// benchmarks/results/prefill_attention_pv_tile_2026-12-02_zen3.md).
 // 2^x for x <= 0 (log2-unit scores minus their running max; the kernels
 // scale scores by log2(e), so the softmax's exponentials are powers of 2):
 // x = n + f with n = round(x), |f| <= 1/2, 2^f by a degree-5 polynomial
@@ -94,7 +78,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // own rounding), times 2^n. Five FMAs and three other operations against the
 // thirteen of exp_fma, which first multiplies by log2(e) and reduces with two
 // constants. 16 lanes: vscalefps (0 far below); 8 lanes: 2^n from the
-// exponent bits, x clamped at -126 (2^-126 for 0 where it is not masked).
+// exponent bits, x clamped at -126 (2^-126 for 0 where it is not masked);
+// 1 lane: std::exp2.
 #define FP8SERVE_EXP2_POLY(FMA, SET1, p, f)   \
   p = SET1(1.3218672247603536e-3f);          \
   p = FMA(p, f, SET1(9.671698324382305e-3f)); \
@@ -124,6 +109,22 @@ inline __m256 exp2_le0_8(__m256 x) {
 #endif
 #undef FP8SERVE_EXP2_POLY
 
+// Lane traits. kQk*: score tile = kQkRows rows x (kQkVecs * W) keys;
+// kPv*: output tile = kPvRows rows x (kPvVecs * W) head dims. Sized so the
+// accumulators plus the loaded operands fit the register file (32 zmm, 16 ymm).
+// AVX-512 shapes measured at 1 x 512 / 1 x 2048 (ms): score tiles 8x2 1.72 /
+// 25.5, 4x4 1.80 / 23.6, 6x4 1.73 / 24.2, 12x2 2.62 / 37.7 (spills); output
+// tiles 6x4 as above, 3x4 1.88 / 23.7, 12x2 2.77 / 41.4. On hot data the
+// 8x2 score tile and the 6x4 output tile run at 165-185 GFLOP/s per core,
+// F.linear's per-core rate.
+// AVX2: the output tile is 6 rows x 2 vectors, like the score tile: 12
+// accumulators, and per key 2 V loads and 6 P broadcasts. The 2 x 4 tile it
+// replaced had 8 accumulators, exactly the FMAs in flight that two FMA pipes
+// of 4-cycle latency need, and 6 loads per 8 FMAs; perf had its P V at 30% of
+// a 1 x 512 call against 24% for the scores (same FLOPs). On the AVX2-only
+// Zen 3 EPYC (2 vCPUs) the whole kernel ran 1.17-1.30x as fast at 1 x 512 to
+// 16 x 512 and 1 x 2048, bit-identical (each output's sums keep their order;
+// benchmarks/results/prefill_attention_pv_tile_2026-12-02_zen3.md).
 struct Scalar {
   using T = float;
   static constexpr int W = 1, kQkRows = 4, kQkVecs = 4, kPvRows = 4, kPvVecs = 1;
@@ -311,10 +312,10 @@ void pv_tail(int rt, const float* p, int64_t ldp, const float* vrows, int64_t hs
 
 // One row's online-softmax update over a key block: scores s[0 : nvalid) are
 // real, s[nvalid : npad) masked; scores, the running max m and alpha are in
-// log2 units (q carries the factor log2(e)), so P = 2^(s - m). Overwrites s with P (0 where masked), adds
-// the row's P to its lane-wise sum `lsum` (reduced once, at the end: one
-// horizontal add per row instead of one per block) and returns alpha, the
-// factor for the row's earlier output and sum.
+// log2 units (q carries the factor log2(e)), so P = 2^(s - m). Overwrites s
+// with P (0 where masked), adds the row's P to its lane-wise sum `lsum`
+// (reduced once, at the end: one horizontal add per row instead of one per
+// block) and returns alpha, the factor for the row's earlier output and sum.
 template <class V>
 float softmax_row(float* s, int64_t nvalid, int64_t npad, float& m, typename V::T& lsum) {
   using T = typename V::T;
