@@ -24,12 +24,13 @@ prompts at once (max_tokens=1; prefix caching is off, so every step computes
 the prompts in full): a round's time is the median of --prefills such steps,
 after two untimed ones. Prefills run the module tree, not a recording, so
 the proof that the swap took is the count of the baseline op's lookups during
-the baseline engine's steps (none: an error).
+the baseline engine's steps (none: an error). --dtype sets both engines'
+compute dtype (float32 compute runs other kernels than the default bf16).
 
     .venv/bin/python benchmarks/kernel_ab_engine.py --source dense_gemv.cpp --op dense_gemv --baseline-rev HEAD~1
     .venv/bin/python benchmarks/kernel_ab_engine.py --model DIR --source fp8_gemm.cpp --op fp8_linear \\
         --baseline-rev HEAD~1 --batch 4 --rounds 12
-    .venv/bin/python benchmarks/kernel_ab_engine.py --source layer_ops.cpp --op silu_and_mul \
+    .venv/bin/python benchmarks/kernel_ab_engine.py --source layer_ops.cpp --op silu_and_mul \\
         --baseline-rev HEAD~1 --phase prefill --prompt-len 512
 """
 
@@ -119,6 +120,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12, help="ABBA rounds (medians)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache of each engine (e.g. 512MiB)")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype of both engines (auto, fp8, ...)")
+    p.add_argument("--dtype", default="auto",
+                   help="compute dtype of both engines (auto, float32, bfloat16, float16; as the engine's --dtype)")
     p.add_argument("--prompt-len", type=int, default=0,
                    help="prompts of this many tokens of the built-in calibration text (0: a short sentence each)")
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
@@ -134,8 +137,10 @@ def main() -> None:
         p.error(f"--prompt-len must be >= 0, got {args.prompt_len}")
     if args.phase == "prefill" and args.prompt_len == 0:
         p.error("--phase prefill needs --prompt-len (the tokens each prompt prefills), e.g. --prompt-len 512")
-    from fp8serve.config import KV_CACHE_DTYPE_CHOICES
+    from fp8serve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 
+    if args.dtype not in DTYPE_CHOICES:
+        p.error(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
     if args.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
         p.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {args.kv_cache_dtype!r}")
 
@@ -158,7 +163,7 @@ def main() -> None:
         raise SystemExit(f"--op {args.op}: {args.source} at {args.baseline_rev} does not define it")
     swapped = _OneOpFrom(ours, base, args.op)
 
-    kwargs = {"kv_cache_memory": args.kv_cache_memory, "kv_cache_dtype": args.kv_cache_dtype}
+    kwargs = {"kv_cache_memory": args.kv_cache_memory, "kv_cache_dtype": args.kv_cache_dtype, "dtype": args.dtype}
     if args.model:
         kwargs["model"] = args.model
     engines = {"this tree": (LLM(**kwargs), contextlib.nullcontext)}
@@ -225,7 +230,8 @@ def main() -> None:
         f"Command: `{command_line()}`",
         "",
         *describe_machine(machine_info()),
-        f"- model: {args.model or 'the built-in default model'}; KV cache {args.kv_cache_dtype}; batch {args.batch}, "
+        f"- model: {args.model or 'the built-in default model'}; --dtype {args.dtype}; KV cache {args.kv_cache_dtype}; "
+        f"batch {args.batch}, "
         f"prompts of {f'{args.prompt_len} tokens' if args.prompt_len else 'one short sentence'}, {workload}",
         "",
         f"| engine | ms / {args.phase} step (median) | rounds faster | same tokens |",

@@ -44,10 +44,11 @@ def test_prefill_steps_run_the_baseline_op(ops, monkeypatch, tmp_path):
     text, rows = run_table(monkeypatch, tmp_path, "kernel_ab_engine.py", "--model", str(src),
                            "--source", "layer_ops.cpp", "--op", "silu_and_mul", "--baseline-rev", "HEAD",
                            "--phase", "prefill", "--prompt-len", "40", "--batch", "2", "--prefills", "2",
-                           "--rounds", "2", "--kv-cache-memory", "16MiB", header="| engine")
+                           "--rounds", "2", "--kv-cache-memory", "16MiB", "--dtype", "float32", header="| engine")
     assert [r[0] for r in rows] == ["this tree", "HEAD"]
     assert all(float(r[1]) > 0 for r in rows)
     assert rows[0][3] == "True"  # the same kernel source at HEAD: the same first tokens
+    assert "--dtype float32" in text
     assert "in engine prefill steps" in text and "| ms / prefill step (median) |" in text
     # 2 rounds x 2 timed prefills x 2 decoder layers, one MLP activation each.
     assert int(re.search(r"looked up its silu_and_mul (\d+) times", text).group(1)) == 2 * 2 * 2
@@ -67,6 +68,7 @@ def test_prefill_steps_run_the_baseline_op(ops, monkeypatch, tmp_path):
      "--phase prefill needs --prompt-len"),
     (["--source", "layer_ops.cpp", "--op", "silu_and_mul", "--baseline-rev", "HEAD", "--prefills", "0"],
      "--prefills"),
+    (["--source", "layer_ops.cpp", "--op", "silu_and_mul", "--baseline-rev", "HEAD", "--dtype", "fp4"], "--dtype"),
 ])
 def test_bad_arguments_are_rejected(monkeypatch, tmp_path, capsys, argv, message):
     assert_rejected(monkeypatch, tmp_path, capsys, "kernel_ab_engine.py", argv, message)
