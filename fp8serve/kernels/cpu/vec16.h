@@ -106,8 +106,9 @@ inline __m512 exp(__m512 x) {
 // exp's reduction and polynomial with FMAs, and vscalefps for p * 2^n
 // (~15 instructions against ~35 for exp above, which must match its scalar
 // twin and so avoids FMAs and handles overflow). Inputs below -87.3 give
-// exp(-87.3); NaN stays NaN. Used by float32-only paths: the prefill
-// attention's softmax (x <= 0) and silu_f32_fast.
+// exp(-87.3); NaN stays NaN. Used by float32-only paths: the AMX prefill
+// attention's softmax (x <= 0) and silu_f32_fast (the vector prefill
+// attention uses its own 2^x, prefill_attention.cpp exp2_le0_16).
 inline __m512 exp_fma(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -142,8 +142,8 @@ inline __m256 exp(__m256 x) {
 // instructions against ~30 for exp above). Inputs below -87.3 give
 // exp(-87.3); a NaN input gives exp(-87.3) too (vmaxps returns its second
 // operand for NaN), so callers must keep NaN another way. Used by the
-// float32-only paths: the prefill attention's softmax (x <= 0) and
-// silu_f32_fast; vec16.h exp_fma is the 16-lane twin.
+// float32-only paths: random sampling's exponentials and silu_f32_fast;
+// vec16.h exp_fma is the 16-lane twin.
 inline __m256 exp_fma(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
