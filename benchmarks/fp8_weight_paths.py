@@ -40,12 +40,14 @@ PATHS = {"dequant + oneDNN": "0", "tiled": "1"}
 
 def use_path(engine, name: str) -> None:
     """Switch the large-M FP8 path for the steps that follow: the choice is
-    cached per process, and recorded decode forwards replay the ops of the
-    path they were recorded on, so they are dropped (and recorded again)."""
+    cached per process, and recorded decode and prefill forwards replay the
+    ops of the path they were recorded on, so they are dropped (and recorded
+    again)."""
     os.environ[fp8_linear_ops.TILED_GEMM_ENV] = PATHS[name]
     fp8_linear_ops.tiled_gemm_enabled.cache_clear()
     fp8_linear_ops._fused_rows_by_dtype.cache_clear()
     engine.model_runner.decode_captures.reset()
+    engine.model_runner.prefill_captures.reset()
 
 
 def time_prefill(engine, prompt: list[int], n: int) -> float:

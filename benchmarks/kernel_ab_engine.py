@@ -22,9 +22,10 @@ rounds and whether both engines produced the same tokens.
 --phase prefill times steps that prefill the whole batch of --prompt-len-token
 prompts at once (max_tokens=1; prefix caching is off, so every step computes
 the prompts in full): a round's time is the median of --prefills such steps,
-after two untimed ones. Prefills run the module tree, not a recording, so
-the proof that the swap took is the count of the baseline op's lookups during
-the baseline engine's steps (none: an error). --dtype sets both engines'
+after two untimed ones. Prefills run the module tree here (the engine's
+recorded prefill forwards, engine/prefill_capture.py, are turned off in both
+engines), so the proof that the swap took is the count of the baseline op's
+lookups during the baseline engine's steps (none: an error). --dtype sets both engines'
 compute dtype (float32 compute runs other kernels than the default bf16).
 
     .venv/bin/python benchmarks/kernel_ab_engine.py --source dense_gemv.cpp --op dense_gemv --baseline-rev HEAD~1
@@ -178,6 +179,9 @@ def main() -> None:
         engines["baseline"] = (LLM(**kwargs), lambda: cpu_ops_served_by(swapped))
     prefill = args.phase == "prefill"
     if prefill:
+        for llm, _ in engines.values():
+            # Recorded prefill forwards call the ops they recorded, past the lookups counted below.
+            llm.llm_engine.model_runner.prefill_captures.enabled = False
         for llm, ctx in engines.values():
             with ctx():
                 time_prefill(llm.llm_engine, prompts, 2)

@@ -13,7 +13,9 @@ norms, activation, RoPE, cache writes, sampling, Python). The rest is split once
 of a C++ op (torch.ops.fp8serve, reached through `load_cpu_ops`, which the engine calls at each
 use) is timed by a stand-in for the ops object (~1 us a call), per op; what is left ("outside the
 ops") is Python, torch's own small ops (views, allocations) and the dispatch between them. A second
-table lists each cell's ops by time.
+table lists each cell's ops by time. The steps run the module tree (the engine's recorded prefill
+forwards are off here: they would call the ops past the timers; benchmarks/prefill_capture.py
+measures what they save).
 
 Linear GFLOP/s counts 2 x tokens x the weights of the model's linear layers (no LM head, no
 attention), as single_stream.py's "linear" FLOPs do. Cells whose prompts are too short for the GEMM
@@ -239,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
               max_num_batched_tokens=max(budget, 2048), max_num_seqs=max(128, max(c.num_seqs for c in cells)),
               device="cpu", seed=0)
     engine = llm.llm_engine
+    # Eager prefills: a recorded prefill forward (engine/prefill_capture.py) calls its ops
+    # directly, past the timers below; prefill_capture.py's own benchmark times that.
+    engine.model_runner.prefill_captures.enabled = False
     params = linear_params(engine.model_runner.model)
 
     lines = [f"# fp8serve prefill breakdown — {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",

@@ -206,8 +206,9 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
-    # Always run the model eagerly: no recorded decode forwards (vLLM's
-    # --enforce-eager, which turns off its CUDA graphs; see decode_capture.py).
+    # Always run the model eagerly: no recorded decode or prefill forwards (vLLM's
+    # --enforce-eager, which turns off its CUDA graphs; see decode_capture.py
+    # and prefill_capture.py).
     enforce_eager: bool = False
     # Filled in __post_init__.
     arch: ModelArchConfig = field(init=False)

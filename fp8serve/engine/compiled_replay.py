@@ -30,7 +30,7 @@ class CapturedForward:
     batch size whose recording differs from this one only there (`bind`)."""
 
     def __init__(self, recorder: OpRecorder, num_inputs: int, output: torch.Tensor,
-                 batch_size: int = 0, scaled: dict[Path, int] | None = None) -> None:
+                 batch_size: int = 0, scaled: dict[Path, int] | None = None, script: bool = True) -> None:
         out_slot = recorder.slot_of.get(id(output))
         if out_slot is None:
             raise ValueError("the forward's output was not produced by a recorded op")
@@ -86,7 +86,7 @@ class CapturedForward:
         self.source = "\n".join(lines)
         exec(compile(self.source, "<decode capture>", "exec"), namespace)  # noqa: S102 - generated here, from op calls
         self._python = namespace["replay"]
-        self._script = _script(self.calls, num_inputs, out_slot, self.scaled)
+        self._script = _script(self.calls, num_inputs, out_slot, self.scaled) if script else None
         self._bind_replays()
 
     def _bind_replays(self) -> None:

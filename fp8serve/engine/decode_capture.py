@@ -256,18 +256,9 @@ class DecodeCaptures:
 
     def _problem(self, recorded: CapturedForward, output: torch.Tensor, inputs) -> str | None:
         """Why `recorded` must not be replayed, or None."""
-        # Every tensor baked into the recording must outlive it: the model's
-        # parameters and buffers, and the KV caches. Anything else is a
-        # per-step tensor the inputs do not cover.
-        # Views of them (folded at capture: see is_constant_view) share their storage.
-        # oneDNN's packed weights are opaque (no storage to compare): known by identity alone.
-        state = list(self.model.parameters()) + list(self.model.buffers()) + [a.kv_cache for a in self.attn_layers]
-        owned = {id(t) for t in state}
-        owned_storage = {t.untyped_storage().data_ptr() for t in state if not t.is_mkldnn}
-        foreign = [t for t in recorded.tensor_constants
-                   if id(t) not in owned and (t.is_mkldnn or t.untyped_storage().data_ptr() not in owned_storage)]
-        if foreign:
-            return f"{len(foreign)} tensors of the forward are neither inputs nor model state (e.g. {tuple(foreign[0].shape)})"
+        problem = foreign_constants(self.model, self.attn_layers, recorded)
+        if problem:
+            return problem
         again = recorded.replay(*inputs)
         if recorded.replay is not recorded.python_replay and not _same(again, output):
             logger.info("decode batch size %d: the TorchScript replay did not reproduce the recorded output; "
@@ -277,6 +268,24 @@ class DecodeCaptures:
         if not _same(again, output):
             return "its replay did not reproduce the recorded output"
         return None
+
+
+def foreign_constants(model: torch.nn.Module, attn_layers: Sequence[torch.nn.Module],
+                      recorded: CapturedForward) -> str | None:
+    """Why `recorded` must not be replayed on other inputs, or None: every
+    tensor baked into a recording must outlive it (the model's parameters and
+    buffers, and the KV caches); anything else is a per-step tensor the
+    inputs do not cover."""
+    # Views of them (folded at capture: see is_constant_view) share their storage.
+    # oneDNN's packed weights are opaque (no storage to compare): known by identity alone.
+    state = list(model.parameters()) + list(model.buffers()) + [a.kv_cache for a in attn_layers]
+    owned = {id(t) for t in state}
+    owned_storage = {t.untyped_storage().data_ptr() for t in state if not t.is_mkldnn}
+    foreign = [t for t in recorded.tensor_constants
+               if id(t) not in owned and (t.is_mkldnn or t.untyped_storage().data_ptr() not in owned_storage)]
+    if foreign:
+        return f"{len(foreign)} tensors of the forward are neither inputs nor model state (e.g. {tuple(foreign[0].shape)})"
+    return None
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from fp8serve.attention.kv_cache_spec import KVCacheSpec
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.config import EngineConfig
 from fp8serve.engine.decode_capture import DecodeCaptures
+from fp8serve.engine.prefill_capture import PrefillCaptures
 from fp8serve.engine.sequence import Sequence
 from fp8serve.errors import ConfigError
 from fp8serve.kernels import gemv_packing, onednn_linear, screened_argmax
@@ -125,6 +126,9 @@ class ModelRunner:
         # at batch 1; see decode_capture.py for the measurements).
         self.decode_captures = DecodeCaptures(self.model, self.attn_layers,
                                               enabled=not mc.enforce_eager and self.device.type == "cpu")
+        # Fresh prefills replayed at any token count between the kernels' row thresholds.
+        self.prefill_captures = PrefillCaptures(self.model, self.attn_layers, self.backend, self.dtype,
+                                                enabled=not mc.enforce_eager and self.device.type == "cpu")
 
     # ------------------------------------------------------------------ setup
     def _apply_kv_scales(self) -> None:
@@ -317,8 +321,7 @@ class ModelRunner:
         hiddens, starts, offset = [], [torch.zeros(1, dtype=torch.int64, device=self.device)], 0
         for group, group_new_tokens in groups:
             input_ids, positions, md = self._prepare(group, is_prefill, group_new_tokens)
-            with set_forward_context(md):
-                hiddens.append(self.model(input_ids, positions))
+            hiddens.append(self.prefill_captures.forward(input_ids, positions, md))
             starts.append(md.query_start_loc[1:] + offset)
             offset += md.num_tokens
         hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)

@@ -31,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 is supported")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="always run the model eagerly (no recorded decode forwards; vLLM: no CUDA graphs)")
+                   help="always run the model eagerly (no recorded decode or prefill forwards; vLLM: no CUDA graphs)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="reuse the KV cache of earlier requests' identical prompt prefixes (a shared system "
                         "prompt, a chat's earlier turns) instead of prefilling them again")

@@ -36,6 +36,16 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ...
 
+    def row_breakpoints(self, layer: nn.Module, x_dtype: torch.dtype) -> tuple[int, ...] | None:
+        """Row counts r where `apply`'s ops for an [r, K] input of `x_dtype`
+        may differ from its ops at r - 1 rows (a kernel taking over at a row
+        threshold), or None where unknown. A recorded prefill forward replays
+        at other token counts only between two of them
+        (fp8serve/engine/prefill_capture.py), so an extra one costs a
+        recording and a missing one gives wrong replays: a method that
+        branches on rows must list every threshold it consults."""
+        return None
+
 
 class QuantizationConfig(ABC):
     name: str

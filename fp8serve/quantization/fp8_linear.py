@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fp8serve.errors import ConfigError
-from fp8serve.kernels import cpu_ops, fp8_linear_ops, onednn_linear
+from fp8serve.kernels import amx_linear_ops, cpu_ops, fp8_linear_ops, onednn_linear
 from fp8serve.quantization.base import LinearMethod, QuantizationConfig, set_weight_loader
 from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8, quantize_fp8
 from fp8serve.quantization.loaders import load_output_shard, load_per_shard_scalar
@@ -182,3 +182,10 @@ class Fp8LinearMethod(LinearMethod):
         if bias is not None and fused_bias is None:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def row_breakpoints(self, layer, x_dtype: torch.dtype) -> tuple[int, ...]:
+        # Every row bound `apply` and fp8_linear_ops consult: the packed codes (1-512
+        # rows), the fused kernel's rows, AMX's rows in the dequantize + GEMM path.
+        fused = fp8_linear_ops.max_fused_rows(x_dtype) if x_dtype in (torch.float32, torch.bfloat16) else 0
+        return (1, 2, cpu_ops.FP8_GEMV_PACKED_MAX_ROWS + 1, fused + 1, amx_linear_ops.MIN_ROWS,
+                amx_linear_ops.MAX_ROWS + 1)

@@ -32,3 +32,9 @@ class UnquantizedLinearMethod(LinearMethod):
         # F.linear, or oneDNN where that is faster (on the packed weight where the layer has one;
         # a narrower weight without one is upcast a slice at a time).
         return onednn_linear.linear(x, layer.weight, bias, packed=layer.weight_packed)
+
+    def row_breakpoints(self, layer: nn.Module, x_dtype: torch.dtype) -> tuple[int, ...]:
+        # Every row bound `apply` consults, whether or not its kernel serves this layer.
+        gemv_rows = cpu_ops.dense_gemv_max_rows(x_dtype, layer.weight.dtype)
+        return (1, gemv_rows + 1, amx_linear_ops.MIN_ROWS, amx_linear_ops.MAX_ROWS + 1,
+                cpu_ops.GEMV_PACKED_MIN_ROWS, cpu_ops.GEMV_PACKED_MAX_ROWS + 1)

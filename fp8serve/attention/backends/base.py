@@ -36,6 +36,12 @@ class AttentionBackend(ABC):
     def build_metadata(self, metadata: AttentionMetadata) -> None:
         """Precompute per-step tensors every layer shares (masks, gather indices)."""
 
+    def runs_fresh_prefill_kernel(self, metadata: AttentionMetadata) -> bool:
+        """Whether `forward` runs this prefill step through one kernel call per
+        layer over the step's own K/V, the same ops at any token count: what a
+        recorded prefill forward may be replayed over (engine/prefill_capture.py)."""
+        return False
+
     @abstractmethod
     def forward(
         self,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
+from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend, _StepData
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.kernels import prefill_attention_ops
 from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, KV_FORMATS, load_cpu_ops, reshape_and_cache
@@ -52,6 +52,11 @@ class CpuPagedBackend(TorchSDPABackend):
         else:
             super().build_metadata(md)
 
+    def runs_fresh_prefill_kernel(self, md: AttentionMetadata) -> bool:
+        return (not md.is_decode_only and isinstance(md.backend_data, _StepData)
+                and md.backend_data.gather_slots is None
+                and prefill_attention_ops.applies(self.compute_dtype, md.num_tokens, md.num_seqs, self.spec.head_size))
+
     def _context_step(self, md: AttentionMetadata) -> _ContextStep:
         bs = self.spec.block_size
         seq_lens = md.seq_lens
@@ -75,8 +80,7 @@ class CpuPagedBackend(TorchSDPABackend):
         if not md.is_decode_only:
             if isinstance(md.backend_data, _ContextStep):
                 return self._context_prefill_kernel(query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale)
-            if md.backend_data.gather_slots is None and prefill_attention_ops.applies(
-                    self.compute_dtype, md.num_tokens, md.num_seqs, self.spec.head_size):
+            if self.runs_fresh_prefill_kernel(md):
                 return self._fresh_prefill_kernel(query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale)
             return super().forward(query, key, value, kv_cache, metadata,
                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)

@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Recorded prefill forwards (fp8serve/engine/prefill_capture.py) against the
+module tree, inside whole engine prefill steps.
+
+Two engines on one checkpoint live in one process: "replayed" as the engine
+runs (prefill captures on, recording each segment at its first prefills),
+"eager" with prefill captures off (decode captures stay on in both; no decode
+steps run here). Before timing, the replayed engine prefills every --lengths
+count and every count one below it, so each segment is recorded twice and
+generalized; --random counts are drawn afterwards and never recorded, so
+their replays are of a forward recorded at other counts. Then --rounds
+rounds alternate the engines (ABBA), each prefilling every count once (one
+prompt of that many tokens, one engine step, max_tokens=1). The table gives
+each count's median step time per engine, the ratio, and whether the two
+engines produced the same first token in every round; the script stops with
+an error if a timed step of the replayed engine recorded instead of
+replaying (the count of replays is checked).
+
+    .venv/bin/python benchmarks/prefill_capture.py
+    .venv/bin/python benchmarks/prefill_capture.py --dtype float32 --lengths 128,512 --random 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import command_line, describe_machine, emit_table, machine_info, parse_sizes  # noqa: E402
+
+FIRST_ORDINARY_TOKEN_ID = 17  # SmolLM2's special tokens are 0-16
+
+
+def prefill_step(engine, prompt: list[int]) -> tuple[float, int]:
+    """Seconds of one engine step that prefills `prompt`, and its greedy token."""
+    from fp8serve import SamplingParams
+
+    engine.add_request(None, {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=1,
+                                                                          ignore_eos=True))
+    gc.collect()
+    t = time.perf_counter()
+    outs = engine.step()
+    dt = time.perf_counter() - t
+    if len(outs) != 1 or not outs[0].finished or engine.has_unfinished_requests():
+        raise RuntimeError("a prefill step did not finish its one-token request")
+    return dt, outs[0].outputs[0].token_ids[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--lengths", default="128,512,1024", help="prompt token counts, recorded before timing "
+                   "(default: %(default)s)")
+    p.add_argument("--random", type=int, default=3, help="counts drawn in [--random-min, --random-max] after the "
+                   "recordings, never recorded (default: %(default)s)")
+    p.add_argument("--random-min", type=int, default=300)
+    p.add_argument("--random-max", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=6, help="ABBA rounds (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, default=None, help="also write the table to this file")
+    args = p.parse_args(argv)
+    lengths = parse_sizes(p, "--lengths", args.lengths)
+    if min(lengths) < 3:
+        p.error(f"--lengths: every count must be >= 3 (it is recorded with the count one below), got {min(lengths)}")
+    if args.random < 0:
+        p.error(f"--random must be >= 0, got {args.random}")
+    if not 1 <= args.random_min <= args.random_max:
+        p.error(f"--random-min/--random-max: need 1 <= min <= max, got {args.random_min} and {args.random_max}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.output is not None and not args.output.parent.is_dir():
+        p.error(f"--output: directory {args.output.parent} does not exist")
+
+    import json
+
+    from fp8serve import LLM
+    from fp8serve.default_model import ensure_default_model
+
+    model = Path(args.model) if args.model else Path(ensure_default_model())
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(args.seed)
+    randoms = [rng.randint(args.random_min, args.random_max) for _ in range(args.random)]
+    counts = lengths + [n for n in randoms if n not in lengths]
+    kwargs = dict(model=str(model), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device="cpu", seed=0,
+                  max_model_len=max(counts) + 1, max_num_batched_tokens=max(2048, max(counts)),
+                  kv_cache_memory="512MiB")
+    engines = {"eager": LLM(**kwargs).llm_engine, "replayed": LLM(**kwargs).llm_engine}
+    engines["eager"].model_runner.prefill_captures.enabled = False
+    captures = engines["replayed"].model_runner.prefill_captures
+    if not captures.enabled:
+        raise SystemExit("prefill captures are off for this model or machine (no C++ kernels, or a linear method "
+                         "without row breakpoints): nothing to compare")
+    captures.record_after, captures.first_record_after_tokens = 0, 0
+    prompts = {n: [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab) for _ in range(n)] for n in counts}
+    for n in lengths:  # record each segment twice: the count, then the count one below
+        for engine in engines.values():
+            prefill_step(engine, prompts[n])
+            prefill_step(engine, prompts[n][:-1])
+    recorded = captures.num_recorded
+    general = sum(1 for s in captures._segments.values() if s.general)
+
+    times = {name: {n: [] for n in counts} for name in engines}
+    same = {n: True for n in counts}
+    replays_before = captures.num_replays
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        tokens: dict[str, dict[int, int]] = {name: {} for name in engines}
+        for name in order:
+            for n in counts:
+                dt, tok = prefill_step(engines[name], prompts[n])
+                times[name][n].append(dt)
+                tokens[name][n] = tok
+        for n in counts:
+            same[n] &= tokens["eager"][n] == tokens["replayed"][n]
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    replayed = captures.num_replays - replays_before
+    if replayed != args.rounds * len(counts) or captures.num_recorded != recorded:
+        raise SystemExit(f"the replayed engine replayed {replayed} of {args.rounds * len(counts)} timed prefills "
+                         f"and recorded {captures.num_recorded - recorded} more: the comparison is not what it claims")
+
+    lines = [f"# fp8serve recorded prefill forwards vs the module tree — "
+             f"{_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",
+             f"command: {command_line(argv)}"]
+    lines += describe_machine(machine_info())
+    lines += [f"model: {model}, --dtype {args.dtype}, --kv-cache-dtype {args.kv_cache_dtype}; {args.rounds} ABBA "
+              f"rounds, one prefill step per count per engine per round; {recorded} recordings before timing "
+              f"({general} segments generalized); every timed step of the replayed engine replayed",
+              "",
+              "| prompt tokens | recorded at this count | eager ms | replayed ms | speedup (median) | by round min / max "
+              "| same first token |",
+              "|---|---|---|---|---|---|---|"]
+    for n in counts:
+        e, rp = times["eager"][n], times["replayed"][n]
+        ratios = [a / b for a, b in zip(e, rp)]
+        lines.append(f"| {n} | {'yes' if n in lengths else 'no'} | {1e3 * statistics.median(e):.1f} | "
+                     f"{1e3 * statistics.median(rp):.1f} | {statistics.median(e) / statistics.median(rp):.3f}x | "
+                     f"{min(ratios):.3f} / {max(ratios):.3f} | {same[n]} |")
+    emit_table(lines, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

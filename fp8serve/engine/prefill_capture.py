@@ -1,0 +1,190 @@
+"""Fresh-prefill forwards recorded once and replayed at any token count
+between two row thresholds of the model's kernels: the CPU counterpart of
+vLLM's prefill forwards compiled with the token count as a symbolic size.
+
+Why: a prefill's forward spends time outside its kernels too (the module
+tree, the layers' checks, ~630 op dispatches from Python), and after each
+kernel that streamed megabytes that Python runs out of cache. Measured on
+the default model, bf16, AMD EPYC Zen 4 (one process, the same prompt's
+forward eager and replayed alternately, bit-identical outputs): 84.3 ->
+73.2 ms at 128 tokens, 335 -> 321 ms at 512, 684 -> 656 ms at 1024
+(benchmarks/results/prefill_capture_2026-12-04_zen4.md).
+
+How: as for decode (decode_capture.py), one forward runs under the op
+recorder and becomes straight-line Python (compiled_replay.CapturedForward,
+no TorchScript: at these sizes it saved nothing, and costs ~0.2 s a
+compile). A recording at one token count replays that count; a second
+recording at another count in the same segment (below) is unified with the
+first (`unify`: the same ops, every int that differs is k times the token
+count in both), and the compiled forward then takes the token count as `n`
+and serves every count in the segment without recording again.
+
+What makes that safe: the forward's ops depend on the token count only
+through Python that picks a kernel by row count (each linear layer's
+`LinearMethod.apply`) or the attention route (the backend's
+`runs_fresh_prefill_kernel`, asked every step). Every linear method lists
+the row counts where its choice may change (`row_breakpoints`); the
+segments lie between them, so within one every choice is the same one. A
+method that cannot list them (None) keeps prefills eager. Token ids,
+positions, slots and query_start_loc are the replay's inputs; nothing else
+of the step may be baked in (`foreign_constants`, checked at recording).
+
+What it costs: a recording runs the forward under the recorder (~30 us an
+op more: ~20 ms at 512 tokens; the process's first recording also imports
+torch._dynamo, ~0.5 s), so a segment runs `record_after` eager prefills
+before it is recorded, and before any recording has happened in the
+process, prefills wait until `first_record_after_tokens` tokens have gone
+through eagerly (a short run never pays the import).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fp8serve.attention.forward_context import set_forward_context
+from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.engine.compiled_replay import CapturedForward, unify
+from fp8serve.engine.decode_capture import foreign_constants
+from fp8serve.engine.op_recorder import record
+
+logger = logging.getLogger(__name__)
+
+
+def recording_is_warm() -> bool:
+    """Whether this process has paid a recording's one-time cost: the op
+    recorder's dispatch mode imports torch._dynamo (~0.5 s) on first use."""
+    return "torch._dynamo" in sys.modules
+
+
+@dataclass
+class _Segment:
+    """The recording of one (segment, KV scales) key."""
+
+    forward: CapturedForward | None = None  # recorded at forward.batch_size tokens
+    general: bool = False  # forward takes any token count of the segment
+    eager_steps: int = 0  # eager prefills since the last recording
+    exact_only: bool = False  # a second recording did not unify: replay forward.batch_size only
+    disabled: str | None = None  # why this key stays eager
+
+
+class PrefillCaptures:
+    """The model runner's recorded prefill forwards. `forward(input_ids,
+    positions, md)` replays the one for the step's segment, records one, or
+    runs the model eagerly (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, attn_layers: Sequence[torch.nn.Module], backend,
+                 compute_dtype: torch.dtype, enabled: bool, record_after: int = 2,
+                 first_record_after_tokens: int = 16384) -> None:
+        for name, value in (("record_after", record_after), ("first_record_after_tokens", first_record_after_tokens)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        self.model = model
+        self.attn_layers = list(attn_layers)
+        self.backend = backend
+        self.compute_dtype = compute_dtype
+        self.record_after = record_after
+        self.first_record_after_tokens = first_record_after_tokens
+        self.enabled = enabled and bool(getattr(type(model), "supports_decode_capture", False))
+        self._breakpoints: list[int] | None = None
+        if self.enabled:
+            self._breakpoints = self._row_breakpoints()
+            if self._breakpoints is None:
+                self.enabled = False
+        self._segments: dict[tuple, _Segment] = {}
+        self._eager_tokens = 0  # eager prefill tokens before the process's first recording
+        self._logged = False
+        self.num_replays = 0  # prefill forwards served by a replay
+        self.num_recorded = 0  # recordings made
+
+    def reset(self) -> None:
+        """Forget every recording and ask the linear methods for their row
+        breakpoints again (benchmarks that switch a kernel path mid-process)."""
+        self._segments.clear()
+        self.num_recorded = 0
+        if self.enabled or self._breakpoints is not None:
+            self._breakpoints = self._row_breakpoints()
+            self.enabled = self._breakpoints is not None
+
+    def _row_breakpoints(self) -> list[int] | None:
+        points: set[int] = set()
+        for module in self.model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is None:
+                continue
+            found = method.row_breakpoints(module, self.compute_dtype)
+            if found is None:
+                logger.debug("prefill forwards stay eager: %s lists no row breakpoints", type(method).__name__)
+                return None
+            points.update(found)
+        points.add(2)  # one row: size-1 dimensions make more views contiguous
+        return sorted(points)
+
+    def segment_of(self, num_tokens: int) -> int:
+        """The segment a prefill of `num_tokens` tokens falls in."""
+        return bisect.bisect_right(self._breakpoints or [], num_tokens)
+
+    def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        with set_forward_context(md):
+            return self.model(input_ids, positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        if (not self.enabled or not self.backend.runs_fresh_prefill_kernel(md)
+                or any(a.kv_observer is not None or a.calculate_kv_scales for a in self.attn_layers)):
+            return self._eager(input_ids, positions, md)
+        n = md.num_tokens
+        key = (self.segment_of(n),) + tuple((a._k_scale, a._v_scale) for a in self.attn_layers)
+        seg = self._segments.get(key)
+        if seg is None:
+            seg = self._segments[key] = _Segment()
+        inputs = (input_ids, positions, md.slot_mapping, md.query_start_loc)
+        fwd = seg.forward
+        if fwd is not None and (seg.general or fwd.batch_size == n):
+            self.num_replays += 1
+            return (fwd if fwd.batch_size == n else fwd.bind(n)).replay(*inputs)
+        if seg.disabled or (fwd is not None and seg.exact_only):
+            return self._eager(input_ids, positions, md)
+        if seg.eager_steps < self.record_after or (not recording_is_warm()
+                                                   and self._eager_tokens < self.first_record_after_tokens):
+            seg.eager_steps += 1
+            self._eager_tokens += n
+            return self._eager(input_ids, positions, md)
+        seg.eager_steps = 0
+        output, recorder = record(lambda: self._eager(input_ids, positions, md), inputs)
+        self.num_recorded += 1
+        out_slot = recorder.slot_of.get(id(output))
+        if out_slot is None:
+            seg.disabled = "the forward's output was not produced by a recorded op"
+            return output
+        if fwd is None:
+            try:
+                fwd = CapturedForward(recorder, len(inputs), output, n, script=False)
+            except ValueError as e:
+                seg.disabled = str(e)
+            else:
+                seg.disabled = foreign_constants(self.model, self.attn_layers, fwd)
+            if seg.disabled:
+                logger.warning("prefill forwards of %d tokens run eagerly: %s", n, seg.disabled)
+                return output
+            seg.forward = fwd
+        else:
+            scaled = unify(fwd, recorder.calls, out_slot, n)
+            if scaled is None:
+                # A row threshold no `row_breakpoints` lists, or a size not proportional to the
+                # token count: keep replaying the first count only.
+                logger.info("prefill forwards of %d and %d tokens differ beyond their token count: only %d "
+                            "tokens replay in that range", fwd.batch_size, n, fwd.batch_size)
+                seg.exact_only = True
+                return output
+            seg.forward = CapturedForward(recorder, len(inputs), output, n, scaled, script=False)
+            seg.general = True
+        if not self._logged:
+            logger.info("prefill forwards are recorded and replayed at any token count between the kernels' "
+                        "row thresholds (--enforce-eager: off)")
+            self._logged = True
+        return output

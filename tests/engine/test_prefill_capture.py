@@ -1,0 +1,212 @@
+"""Recorded prefill forwards (engine/prefill_capture.py): every replay, at
+whatever token count it serves, must give exactly what the eager model gives
+for the same step; the segments must hold every row threshold of the linear
+layers' kernel choices; and prefills the recording cannot cover stay eager.
+Fresh random prompts each run (the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from checkpoints import write_tiny_llama
+from kv_scale_checkpoints import quantize_to_fp8_checkpoint
+
+from fp8serve.engine.llm_engine import LLMEngine
+from fp8serve.engine.op_recorder import OpRecorder
+from fp8serve.engine.prefill_capture import PrefillCaptures
+from fp8serve.layers.linear import Linear, MergedLinear
+from fp8serve.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    # head_size 64: the bf16 prefill kernel's dot-product path, as on the default model.
+    return str(write_tiny_llama(tmp_path_factory.mktemp("prefill_capture") / "llama", hidden_size=256, num_heads=4,
+                                num_kv_heads=2, intermediate_size=384, max_position_embeddings=1024))
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prefill_capture_fp8") / "llama-fp8"
+    quantize_to_fp8_checkpoint(llama_dir, out)
+    return str(out)
+
+
+def make_engine(model_dir: str, *, dtype: str, enforce_eager: bool = False, kv_cache_dtype: str = "auto",
+                record_after: int = 0) -> LLMEngine:
+    engine = LLMEngine.from_args(model_dir, dtype=dtype, device="cpu", block_size=16, kv_cache_memory=16 << 20,
+                                 max_model_len=1024, max_num_batched_tokens=4096, kv_cache_dtype=kv_cache_dtype,
+                                 enforce_eager=enforce_eager)
+    captures = engine.model_runner.prefill_captures
+    captures.record_after = record_after
+    captures.first_record_after_tokens = 0
+    return engine
+
+
+def checked(engine: LLMEngine) -> list[tuple[int, bool]]:
+    """Wraps the engine's prefill captures so that every replayed prefill is
+    run again eagerly on the same inputs (the cache writes are the same
+    values) and compared bit for bit; returns the list of (tokens, equal)."""
+    captures = engine.model_runner.prefill_captures
+    forward, results = captures.forward, []
+
+    def checking(input_ids, positions, md):
+        before = captures.num_replays
+        out = forward(input_ids, positions, md)
+        if captures.num_replays > before:
+            out = out.clone()
+            results.append((md.num_tokens, torch.equal(out, captures._eager(input_ids, positions, md))))
+        return out
+
+    captures.forward = checking
+    return results
+
+
+def prefill(engine: LLMEngine, prompts: list[list[int]]) -> list[int]:
+    """One greedy token per prompt, all prompts added before one engine step."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{len(p)}-{i}-{random.random()}", {"prompt_token_ids": p}, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o.outputs[0].token_ids[0] for o in engine.step() if o.finished]
+    return outs
+
+
+def prompts_of(rng: random.Random, lengths: list[int]) -> list[list[int]]:
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype,lengths", [
+    ("bfloat16", "auto", [40, 300, 47, 257, 129, 620, 999, 300]),
+    ("bfloat16", "fp8", [70, 333, 517, 129, 800, 300]),
+    ("float32", "auto", [70, 333, 517, 129, 800, 300]),
+])
+def test_prefill_replays_equal_eager_at_other_token_counts(ops, llama_dir, seed, dtype, kv_cache_dtype, lengths):
+    rng = random.Random(seed)
+    engine = make_engine(llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    results = checked(engine)
+    # Two recordings per segment, then replays at counts never recorded.
+    for n in lengths + [rng.randint(8, 1000) for _ in range(6)]:
+        prefill(engine, prompts_of(rng, [n]))
+    captures = engine.model_runner.prefill_captures
+    assert results and all(same for _, same in results), f"seed={seed}: {results}"
+    assert any(s.general for s in captures._segments.values()), f"seed={seed}"
+    replayed_counts = {n for n, _ in results}
+    assert replayed_counts - set(lengths[:2]), f"seed={seed}: no replay at a count that was not recorded"
+
+
+def test_prefill_replays_of_several_prompts_equal_eager(ops, llama_dir, seed):
+    """Steps of 1-4 fresh prompts share one recording (cu_seqlens is an input)."""
+    rng = random.Random(seed)
+    engine = make_engine(llama_dir, dtype="bfloat16")
+    results = checked(engine)
+    for _ in range(12):  # at most 3 segments, 2 recordings each
+        prefill(engine, prompts_of(rng, [rng.randint(20, 200) for _ in range(rng.randint(1, 4))]))
+    assert len(results) >= 6 and all(same for _, same in results), f"seed={seed}: {results}"
+
+
+def test_fp8_checkpoint_prefill_replays_equal_eager(ops, fp8_dir, seed):
+    rng = random.Random(seed)
+    for dtype in ("bfloat16", "float32"):
+        engine = make_engine(fp8_dir, dtype=dtype)
+        results = checked(engine)
+        for n in [300, 517, 129, 800, 70, 1000]:
+            prefill(engine, prompts_of(rng, [n]))
+        assert results and all(same for _, same in results), f"seed={seed} {dtype}: {results}"
+
+
+def test_tokens_match_enforce_eager(ops, llama_dir, seed):
+    rng = random.Random(seed)
+    prompts = prompts_of(rng, [rng.randint(10, 600) for _ in range(8)])
+    eager = make_engine(llama_dir, dtype="bfloat16", enforce_eager=True)
+    assert not eager.model_runner.prefill_captures.enabled
+    expected = [prefill(eager, [p]) for p in prompts]
+    engine = make_engine(llama_dir, dtype="bfloat16")
+    assert [prefill(engine, [p]) for p in prompts] == expected, f"seed={seed}"
+    assert engine.model_runner.prefill_captures.num_replays > 0, f"seed={seed}"
+
+
+def _linear_ops(layer, rows: int, dtype: torch.dtype) -> tuple:
+    x = torch.randn(rows, layer.input_size if hasattr(layer, "input_size") else layer.weight.shape[1], dtype=dtype)
+    rec = OpRecorder([x])
+    with torch.inference_mode(), rec:
+        layer(x)
+    return tuple(f._schema.name for f, *_ in rec.calls)
+
+
+@pytest.mark.parametrize("checkpoint,dtype", [("llama", "bfloat16"), ("llama", "float32"), ("fp8", "bfloat16"),
+                                              ("fp8", "float32")])
+def test_linear_ops_change_only_at_declared_row_breakpoints(ops, llama_dir, fp8_dir, checkpoint, dtype):
+    """The guarantee replays rest on: the ops a linear layer runs for r rows
+    are the same for every r between two of its method's row breakpoints
+    (swept over 1-600 rows, on this machine's kernels)."""
+    engine = make_engine(llama_dir if checkpoint == "llama" else fp8_dir, dtype=dtype)
+    compute = getattr(torch, dtype)
+    layers = [m for m in engine.model_runner.model.modules() if isinstance(m, (Linear, MergedLinear))][:2]
+    assert layers
+    for layer in layers:
+        points = sorted(set(layer.quant_method.row_breakpoints(layer, compute)) | {2})
+        seen: dict[int, tuple] = {}
+        for rows in range(1, 601):
+            segment = sum(1 for p in points if p <= rows)
+            names = _linear_ops(layer, rows, compute)
+            if segment in seen:
+                assert names == seen[segment], (f"{type(layer.quant_method).__name__}: {rows} rows ran {names}, "
+                                                f"earlier rows of its segment {seen[segment]} (breakpoints {points})")
+            seen[segment] = names
+
+
+def test_context_prefills_and_enforce_eager_are_not_recorded(ops, llama_dir, seed):
+    rng = random.Random(seed)
+    engine = LLMEngine.from_args(llama_dir, dtype="bfloat16", device="cpu", block_size=16, kv_cache_memory=16 << 20,
+                                 max_model_len=1024, enable_prefix_caching=True)
+    captures = engine.model_runner.prefill_captures
+    captures.record_after, captures.first_record_after_tokens = 0, 0
+    shared = prompts_of(rng, [256])[0]
+    for _ in range(4):  # the first prefills fresh; the rest continue a cached 256-token prefix
+        prefill(engine, [shared + prompts_of(rng, [40])[0]])
+    assert captures.num_recorded == 1 and captures.num_replays == 0, "a context prefill was recorded or replayed"
+    eager = make_engine(llama_dir, dtype="bfloat16", enforce_eager=True)
+    prefill(eager, prompts_of(rng, [300, 200]))
+    assert eager.model_runner.prefill_captures.num_recorded == 0
+
+
+def test_a_segment_records_after_its_eager_prefills(ops, llama_dir, seed):
+    rng = random.Random(seed)
+    engine = make_engine(llama_dir, dtype="bfloat16", record_after=2)
+    captures = engine.model_runner.prefill_captures
+    counts = [300, 301, 302, 303, 304, 305]
+    for n in counts:
+        prefill(engine, prompts_of(rng, [n]))
+    # 300, 301 eager; 302 recorded; 303, 304 eager (another count); 305 recorded and unified.
+    assert captures.num_recorded == 2 and captures.num_replays == 0, f"seed={seed}"
+    prefill(engine, prompts_of(rng, [310]))
+    assert captures.num_replays == 1, f"seed={seed}"
+    with pytest.raises(ValueError, match="record_after"):
+        PrefillCaptures(engine.model_runner.model, [], engine.model_runner.backend, torch.bfloat16, True,
+                        record_after=-1)
+
+
+def test_nothing_is_recorded_before_first_record_after_tokens(ops, llama_dir, seed, monkeypatch):
+    """Before the process's first recording (which imports torch._dynamo), prefills
+    run eagerly until first_record_after_tokens tokens have gone through."""
+    from fp8serve.engine import prefill_capture
+
+    rng = random.Random(seed)
+    engine = make_engine(llama_dir, dtype="bfloat16")
+    captures = engine.model_runner.prefill_captures
+    captures.first_record_after_tokens = 1000
+    monkeypatch.setattr(prefill_capture, "recording_is_warm", lambda: False)
+    for _ in range(4):  # 300, 600, 900, then 1200 eager tokens
+        prefill(engine, prompts_of(rng, [300]))
+    assert captures.num_recorded == 0, f"seed={seed}"
+    prefill(engine, prompts_of(rng, [300]))
+    assert captures.num_recorded == 1, f"seed={seed}"
+    monkeypatch.setattr(prefill_capture, "recording_is_warm", lambda: True)
+    fresh = make_engine(llama_dir, dtype="bfloat16")
+    fresh.model_runner.prefill_captures.first_record_after_tokens = 1000
+    prefill(fresh, prompts_of(rng, [300]))  # a process that recorded before does not wait
+    assert fresh.model_runner.prefill_captures.num_recorded == 1, f"seed={seed}"
