@@ -351,6 +351,11 @@ class Result:
     decode_target: str = "—"
     decode_verdict: str = "—"
     notes: list[str] = field(default_factory=list)
+    # Prefill steps (warm-ups included) and how many of them replayed a recorded forward
+    # (fp8serve/engine/prefill_capture.py): the engine records a prompt length's segment after
+    # its first eager prefills, so early rounds run the module tree.
+    prefill_steps: int = 0
+    prefill_replays: int = 0
     # Per round (--rounds): {"prefill_ms": median, "decode_ms": median} of that round's samples.
     rounds: list[dict] = field(default_factory=list)
 
@@ -573,7 +578,11 @@ def measure_fp8serve(engine, res: Result, prompt: list[int], args, probe=None, p
     """One round: --repeats prefills (after --warmup; each between two matmul-peak probes when
     `peak_probe` is given) and --decode-steps decode steps (in chunks of --pair-steps between
     read-bandwidth probes when `probe` is given)."""
+    captures = engine.model_runner.prefill_captures
+    replays = captures.num_replays
     pre_s, pre_pairs = time_prefill(engine, prompt, args.warmup, args.repeats, peak_probe)
+    res.prefill_steps += args.warmup + args.repeats
+    res.prefill_replays += captures.num_replays - replays
     pre = [1e3 * s for s in pre_s]
     res.prefill_pairs += pre_pairs
     times, chunks = time_decode(engine, prompt, args.decode_warmup, args.decode_steps, probe, args.pair_steps)
@@ -1001,6 +1010,9 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"paired bound: {len(pcts)} chunks of <= {args.pair_steps} steps, read {min(bws):.1f}-"
                          f"{max(bws):.1f} GB/s, % of bound min/median/max {pcts[0]:.0f}/{median(pcts):.0f}/"
                          f"{pcts[-1]:.0f}")
+        if r.system == "fp8serve":
+            parts.append(f"prefill steps replaying a recorded forward: {r.prefill_replays} of {r.prefill_steps} "
+                         f"(warm-ups included)")
         print(f"- {r.system} {r.config}: " + "; ".join(parts + r.notes))
     load_end = os.getloadavg()
     print(f"- loadavg at end: {load_end}")
