@@ -362,11 +362,8 @@ def record_as_a_warm_engine(engine) -> None:
     """For benchmarks of steady-state steps: the engine records decode forwards as one that has
     already compiled its first recording would (DecodeCaptures.first_record_after = 0; a batch size
     is still recorded after record_after eager steps), instead of running its first 64 decode steps
-    eagerly as a fresh engine does (fp8serve/engine/decode_capture.py); prefill forwards likewise
-    (PrefillCaptures.first_record_after_tokens = 0: a segment is recorded after its record_after
-    eager prefills, fp8serve/engine/prefill_capture.py)."""
+    eagerly as a fresh engine does (fp8serve/engine/decode_capture.py)."""
     engine.model_runner.decode_captures.first_record_after = 0
-    engine.model_runner.prefill_captures.first_record_after_tokens = 0
 
 
 def add_model_args(parser, dtype: str = "bfloat16") -> None:

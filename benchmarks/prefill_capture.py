@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if not captures.enabled:
         raise SystemExit("prefill captures are off for this model or machine (no C++ kernels, or a linear method "
                          "without row breakpoints): nothing to compare")
-    captures.record_after, captures.first_record_after_tokens = 0, 0
+    captures.record_after = 0
     prompts = {n: [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab) for _ in range(n)] for n in counts}
     for n in lengths:  # record each segment twice: the count, then the count one below
         for engine in engines.values():

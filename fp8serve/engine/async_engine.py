@@ -103,9 +103,8 @@ class AsyncLLMEngine:
         # A server lives long: it will run far more than the 64 eager decode steps a fresh engine
         # waits before its first recording (a compile a short offline run would not win back), so
         # it records as soon as a batch size has run its record_after eager steps
-        # (fp8serve/engine/decode_capture.py), and prefill segments likewise (prefill_capture.py).
+        # (fp8serve/engine/decode_capture.py).
         engine.model_runner.decode_captures.first_record_after = 0
-        engine.model_runner.prefill_captures.first_record_after_tokens = 0
         self.stall_timeout = stall_timeout
         self._stats_logger = StatsLogger(log_stats_interval, engine.block_manager.enable_prefix_caching,
                                                  spec_decode=engine.proposer is not None) \

@@ -23,6 +23,13 @@ class OpRecorder(TorchDispatchMode):
     an input or an earlier op's output, (CONST, value), or (LIST, [specs]);
     `out` the slot numbers the op's outputs get (inputs take 0..len-1)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # A recording never runs under torch.compile. Left True (torch's
+        # default), __torch_dispatch__ is wrapped in dynamo's `disable`, which
+        # imports torch._dynamo on the first recording of a process (~0.5 s).
+        return False
+
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.slot_of: dict[int, int] = {id(t): i for i, t in enumerate(inputs)}

@@ -30,19 +30,17 @@ method that cannot list them (None) keeps prefills eager. Token ids,
 positions, slots and query_start_loc are the replay's inputs; nothing else
 of the step may be baked in (`foreign_constants`, checked at recording).
 
-What it costs: a recording runs the forward under the recorder (~30 us an
-op more: ~20 ms at 512 tokens; the process's first recording also imports
-torch._dynamo, ~0.5 s), so a segment runs `record_after` eager prefills
-before it is recorded, and before any recording has happened in the
-process, prefills wait until `first_record_after_tokens` tokens have gone
-through eagerly (a short run never pays the import).
+What it costs: a recording runs the forward under the recorder (~20-60 ms
+more than an eager forward at 512 tokens) and compiles it (~20 ms), about
+one or two replays' savings, so a segment runs `record_after` eager
+prefills before it is recorded: a prompt length met once or twice never
+pays for it.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,12 +53,6 @@ from fp8serve.engine.decode_capture import foreign_constants
 from fp8serve.engine.op_recorder import record
 
 logger = logging.getLogger(__name__)
-
-
-def recording_is_warm() -> bool:
-    """Whether this process has paid a recording's one-time cost: the op
-    recorder's dispatch mode imports torch._dynamo (~0.5 s) on first use."""
-    return "torch._dynamo" in sys.modules
 
 
 @dataclass
@@ -80,17 +72,14 @@ class PrefillCaptures:
     runs the model eagerly (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, attn_layers: Sequence[torch.nn.Module], backend,
-                 compute_dtype: torch.dtype, enabled: bool, record_after: int = 2,
-                 first_record_after_tokens: int = 16384) -> None:
-        for name, value in (("record_after", record_after), ("first_record_after_tokens", first_record_after_tokens)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+                 compute_dtype: torch.dtype, enabled: bool, record_after: int = 2) -> None:
+        if record_after < 0:
+            raise ValueError(f"record_after must be >= 0, got {record_after}")
         self.model = model
         self.attn_layers = list(attn_layers)
         self.backend = backend
         self.compute_dtype = compute_dtype
         self.record_after = record_after
-        self.first_record_after_tokens = first_record_after_tokens
         self.enabled = enabled and bool(getattr(type(model), "supports_decode_capture", False))
         self._breakpoints: list[int] | None = None
         if self.enabled:
@@ -98,7 +87,6 @@ class PrefillCaptures:
             if self._breakpoints is None:
                 self.enabled = False
         self._segments: dict[tuple, _Segment] = {}
-        self._eager_tokens = 0  # eager prefill tokens before the process's first recording
         self._logged = False
         self.num_replays = 0  # prefill forwards served by a replay
         self.num_recorded = 0  # recordings made
@@ -150,10 +138,8 @@ class PrefillCaptures:
             return (fwd if fwd.batch_size == n else fwd.bind(n)).replay(*inputs)
         if seg.disabled or (fwd is not None and seg.exact_only):
             return self._eager(input_ids, positions, md)
-        if seg.eager_steps < self.record_after or (not recording_is_warm()
-                                                   and self._eager_tokens < self.first_record_after_tokens):
+        if seg.eager_steps < self.record_after:
             seg.eager_steps += 1
-            self._eager_tokens += n
             return self._eager(input_ids, positions, md)
         seg.eager_steps = 0
         output, recorder = record(lambda: self._eager(input_ids, positions, md), inputs)

@@ -154,3 +154,20 @@ def test_unify_refuses_other_memory_and_other_floats(seed):
     x5 = torch.randn(5, 8, generator=g)
     _, rec, out = _recorded(lambda t: t * cache[:t.shape[0]], x5, 5)
     assert unify(ref, rec.calls, rec.slot_of[id(out)], 5) is None, "a batch-sliced constant was shared"
+
+
+def test_a_recording_does_not_import_dynamo():
+    """The recorder opts out of dynamo's `disable` wrapper: in a fresh process,
+    recording ops must not import torch._dynamo (~0.5 s on the first recording)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from fp8serve.engine.op_recorder import record\n"
+            "x = torch.randn(4)\n"
+            "out, rec = record(lambda: (x * 2).relu(), [x])\n"
+            "assert len(rec.calls) == 2, rec.calls\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", "recording imported torch._dynamo"

@@ -41,7 +41,6 @@ def make_engine(model_dir: str, *, dtype: str, enforce_eager: bool = False, kv_c
                                  enforce_eager=enforce_eager)
     captures = engine.model_runner.prefill_captures
     captures.record_after = record_after
-    captures.first_record_after_tokens = 0
     return engine
 
 
@@ -164,7 +163,7 @@ def test_context_prefills_and_enforce_eager_are_not_recorded(ops, llama_dir, see
     engine = LLMEngine.from_args(llama_dir, dtype="bfloat16", device="cpu", block_size=16, kv_cache_memory=16 << 20,
                                  max_model_len=1024, enable_prefix_caching=True)
     captures = engine.model_runner.prefill_captures
-    captures.record_after, captures.first_record_after_tokens = 0, 0
+    captures.record_after = 0
     shared = prompts_of(rng, [256])[0]
     for _ in range(4):  # the first prefills fresh; the rest continue a cached 256-token prefix
         prefill(engine, [shared + prompts_of(rng, [40])[0]])
@@ -188,25 +187,3 @@ def test_a_segment_records_after_its_eager_prefills(ops, llama_dir, seed):
     with pytest.raises(ValueError, match="record_after"):
         PrefillCaptures(engine.model_runner.model, [], engine.model_runner.backend, torch.bfloat16, True,
                         record_after=-1)
-
-
-def test_nothing_is_recorded_before_first_record_after_tokens(ops, llama_dir, seed, monkeypatch):
-    """Before the process's first recording (which imports torch._dynamo), prefills
-    run eagerly until first_record_after_tokens tokens have gone through."""
-    from fp8serve.engine import prefill_capture
-
-    rng = random.Random(seed)
-    engine = make_engine(llama_dir, dtype="bfloat16")
-    captures = engine.model_runner.prefill_captures
-    captures.first_record_after_tokens = 1000
-    monkeypatch.setattr(prefill_capture, "recording_is_warm", lambda: False)
-    for _ in range(4):  # 300, 600, 900, then 1200 eager tokens
-        prefill(engine, prompts_of(rng, [300]))
-    assert captures.num_recorded == 0, f"seed={seed}"
-    prefill(engine, prompts_of(rng, [300]))
-    assert captures.num_recorded == 1, f"seed={seed}"
-    monkeypatch.setattr(prefill_capture, "recording_is_warm", lambda: True)
-    fresh = make_engine(llama_dir, dtype="bfloat16")
-    fresh.model_runner.prefill_captures.first_record_after_tokens = 1000
-    prefill(fresh, prompts_of(rng, [300]))  # a process that recorded before does not wait
-    assert fresh.model_runner.prefill_captures.num_recorded == 1, f"seed={seed}"
