@@ -95,13 +95,18 @@ class DecodeCaptures:
     1.16-1.25x, and a second pass over shapes met once 0.73-1.00x
     (benchmarks/results/decode_capture_record_after_2026-12-01_zen4.md).
 
-    The same rule for the engine's first recording, which always compiles
-    (~0.5 s on the default model, TorchScript's start-up included, against
-    ~4 ms that an eager step costs more than a replay): nothing is recorded
-    before the engine has run `first_record_after` eager decode steps
-    (default 64, what `fp8serve generate` asks for by default), so a short
-    run never pays for a compile it cannot win back, and a long one pays at
-    most ~0.25 s more."""
+    The same rule for the engine's first compile (TorchScript's start-up
+    included, ~0.2 s more than an eager step on the default model, against
+    ~4 ms that an eager step costs more than a replay): no recording that
+    compiles is made before the engine has run `first_record_after` eager
+    decode steps (default 64, what `fp8serve generate` asks for by default),
+    so a short run never pays for a compile it cannot win back, and a long
+    one pays at most ~0.25 s more. A static plan compiles nothing (~30 ms
+    more than an eager step, won back in ~5 replays): batches up to
+    STATIC_PLAN_MAX_BATCH follow `record_after` alone, until a recording of
+    the model makes no static plan (then they wait like the rest). Until
+    stop 47 every first recording also imported torch._dynamo (~0.5 s: see
+    op_recorder.py), and every recording waited."""
 
     def __init__(self, model: torch.nn.Module, attn_layers: Sequence[torch.nn.Module], enabled: bool,
                  record_after: int = 4, first_record_after: int = 64) -> None:
@@ -119,6 +124,7 @@ class DecodeCaptures:
         self._templates: list[CapturedForward] = []  # compiled forwards a new batch size may share
         self.share_compiled = True  # False: every batch size compiles its own (benchmarks' A/B)
         self._logged = False
+        self._static_ok = True  # False once a recording of this model made no static plan
         self.num_replays = 0  # decode forwards served by a replay
         self.num_compiled = 0  # recordings compiled (the rest shared a compiled forward)
         # Batch sizes up to static_plan_max_batch replay as static plans where
@@ -144,19 +150,27 @@ class DecodeCaptures:
             self.num_replays += 1
             return recorded.replay(*inputs)
         steps = self._eager_steps.get(key, 0)
-        if steps < self.record_after or (not self._templates and self._eager_total < self.first_record_after):
+        static = self.static_plans and md.num_seqs <= self.static_plan_max_batch and self._static_ok
+        if steps < self.record_after or (not static and self._compile_waits()):
             self._eager_steps[key] = steps + 1
             self._eager_total += 1
             return self._eager(input_ids, positions, md)
-        self._eager_steps.pop(key, None)
         start = time.perf_counter()
         output, recorder = record(lambda: self._eager(input_ids, positions, md), inputs)
-        if self.static_plans and md.num_seqs <= self.static_plan_max_batch:
+        if static:
             plan = self._static_plan(recorder, inputs, output)
             if plan is not None:
+                self._eager_steps.pop(key, None)
                 self._captures[key] = plan
                 self.num_static += 1
                 return output
+            # This model's recordings do not make static plans: the next ones wait like any compile.
+            self._static_ok = False
+            if self._compile_waits():
+                self._eager_steps[key] = steps + 1
+                self._eager_total += 1
+                return output
+        self._eager_steps.pop(key, None)
         recorded, template, compiled = self._compile(recorder, output, len(inputs), md.num_seqs)
         problem = recorded if isinstance(recorded, str) else self._problem(recorded, output, inputs)
         if logger.isEnabledFor(logging.DEBUG):
@@ -169,7 +183,8 @@ class DecodeCaptures:
             self._captures[key] = None
             return output
         if not self._logged:
-            wait = f", and none in the engine's first {self.first_record_after}" if self.first_record_after else ""
+            wait = (f", and none that compiles in the engine's first {self.first_record_after}"
+                    if self.first_record_after else "")
             logger.info("decode forwards are recorded once per batch size (after %d eager steps of it%s) and "
                         "replayed (--enforce-eager: off)", self.record_after, wait)
             self._logged = True
@@ -182,6 +197,10 @@ class DecodeCaptures:
             else:
                 self._templates.append(recorded)
         return output
+
+    def _compile_waits(self) -> bool:
+        """Whether a recording that needs a compile waits (first_record_after)."""
+        return not self._templates and self._eager_total < self.first_record_after
 
     def _static_plan(self, recorder: OpRecorder, inputs: Sequence[torch.Tensor],
                      output: torch.Tensor) -> StaticPlan | None:
@@ -235,6 +254,7 @@ class DecodeCaptures:
         self._templates.clear()
         self._eager_steps.clear()
         self._eager_total = 0
+        self._static_ok = True
         self.num_compiled = 0
         self.num_static = 0
 

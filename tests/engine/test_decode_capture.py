@@ -410,7 +410,8 @@ def test_nothing_is_recorded_before_first_record_after_eager_steps(seed, caplog)
     with caplog.at_level("INFO", logger="fp8serve.engine.decode_capture"):
         step(3)  # the sixth step: recorded
     assert captures.recorded_batch_sizes == [3] and captures.num_compiled == 1, f"seed={seed}"
-    assert "recorded once per batch size (after 0 eager steps of it, and none in the engine's first 5)" in caplog.text
+    assert ("recorded once per batch size (after 0 eager steps of it, and none that compiles in the engine's "
+            "first 5)") in caplog.text
     step(5)  # a compiled forward exists: a new size is recorded at once
     assert captures.recorded_batch_sizes == [3, 5], f"seed={seed}"
     captures.reset()
@@ -434,3 +435,20 @@ def test_the_log_line_leaves_out_an_engine_wide_wait_of_zero(seed, caplog):
 def test_recording_thresholds_must_not_be_negative(name):
     with pytest.raises(ValueError, match=f"{name} is a number of eager steps >= 0, got -1"):
         DecodeCaptures(_ReadsAGlobal(), [], enabled=True, **{name: -1})
+
+
+def test_static_plans_do_not_wait_for_first_record_after(ops, llama_dir, seed):
+    """A static plan compiles nothing: a batch size up to STATIC_PLAN_MAX_BATCH is recorded after its
+    record_after eager steps even in a fresh engine's first 64 steps, where a recording that would compile
+    TorchScript still waits; outputs equal --enforce-eager's either way."""
+    requests = [(r[0], 16) for r in random_requests(seed, 1)]
+    eager = run(make_engine(llama_dir, enforce_eager=True), requests)
+    for static_plans in (True, False):
+        engine = make_engine(llama_dir, enforce_eager=False, record_after=2, first_record_after=64,
+                             static_plans=static_plans)
+        assert run(engine, requests) == eager, f"seed={seed}"
+        captures = engine.model_runner.decode_captures
+        if static_plans:
+            assert captures.static_batch_sizes == [1] and captures.num_replays >= 10, f"seed={seed}"
+        else:
+            assert captures.recorded_batch_sizes == [] and captures.num_replays == 0, f"seed={seed}"
