@@ -14,6 +14,7 @@ import random
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -69,6 +70,17 @@ def require_positive(parser, args, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def model_and_vocab(model: str | None) -> tuple[Path, int]:
+    """The checkpoint directory of a --model option (None: the built-in default model) and its
+    config.json's vocab_size."""
+    import json
+
+    from fp8serve.default_model import ensure_default_model
+
+    path = Path(model) if model else Path(ensure_default_model())
+    return path, int(json.loads((path / "config.json").read_text())["vocab_size"])
 
 
 def print_header(title: str, argv: list[str] | None) -> None:
@@ -152,7 +164,6 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
     import shutil
     import subprocess
     import tempfile
-    from pathlib import Path
 
     from torch.utils.cpp_extension import load
 
@@ -233,7 +244,7 @@ def add_decode_sample_args(parser, what: str) -> None:
     """The options of the scripts that time something on a greedy generation's
     rows and then in engine decode steps (lm_head.py, sampler.py); parse with
     `parse_decode_sample_args`. `what`: what one timed call is, for --calls."""
-    from pathlib import Path
+
 
     parser.add_argument("--decode-context", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=12)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bench_common import command_line, cpu_ops_served_by, describe_machine, emit_table, machine_info
+from bench_common import command_line, cpu_ops_served_by, describe_machine, emit_table, machine_info, model_and_vocab
 
 FIRST_ORDINARY_TOKEN_ID = 17  # SmolLM2's special tokens are 0-16
 
@@ -228,13 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is not None and not args.output.parent.is_dir():
         p.error(f"--output: directory {args.output.parent} does not exist")
 
-    import json
-
     from fp8serve import LLM
-    from fp8serve.default_model import ensure_default_model
 
-    model = Path(args.model) if args.model else Path(ensure_default_model())
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    model, vocab = model_and_vocab(args.model)
     longest = max(c.prompt_len for c in cells)
     budget = max(c.tokens for c in cells)
     llm = LLM(model=str(model), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=longest + 1,

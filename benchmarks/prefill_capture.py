@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import command_line, describe_machine, emit_table, machine_info, parse_sizes  # noqa: E402
+from bench_common import (command_line, describe_machine, emit_table, machine_info, model_and_vocab,  # noqa: E402
+                          parse_sizes, require_positive)
 
 FIRST_ORDINARY_TOKEN_ID = 17  # SmolLM2's special tokens are 0-16
 
@@ -74,18 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--random must be >= 0, got {args.random}")
     if not 1 <= args.random_min <= args.random_max:
         p.error(f"--random-min/--random-max: need 1 <= min <= max, got {args.random_min} and {args.random_max}")
-    if args.rounds < 1:
-        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    require_positive(p, args, "rounds")
     if args.output is not None and not args.output.parent.is_dir():
         p.error(f"--output: directory {args.output.parent} does not exist")
 
-    import json
-
     from fp8serve import LLM
-    from fp8serve.default_model import ensure_default_model
 
-    model = Path(args.model) if args.model else Path(ensure_default_model())
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    model, vocab = model_and_vocab(args.model)
     rng = random.Random(args.seed)
     randoms = [rng.randint(args.random_min, args.random_max) for _ in range(args.random)]
     counts = lengths + [n for n in randoms if n not in lengths]
