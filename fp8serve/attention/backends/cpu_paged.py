@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend, _StepData
+from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.kernels import prefill_attention_ops
 from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, KV_FORMATS, load_cpu_ops, reshape_and_cache
@@ -53,8 +53,9 @@ class CpuPagedBackend(TorchSDPABackend):
             super().build_metadata(md)
 
     def runs_fresh_prefill_kernel(self, md: AttentionMetadata) -> bool:
-        return (not md.is_decode_only and isinstance(md.backend_data, _StepData)
-                and md.backend_data.gather_slots is None
+        data = md.backend_data  # a prefill's: _ContextStep, or the reference path's step data
+        return (not md.is_decode_only and data is not None and not isinstance(data, _ContextStep)
+                and data.gather_slots is None
                 and prefill_attention_ops.applies(self.compute_dtype, md.num_tokens, md.num_seqs, self.spec.head_size))
 
     def _context_step(self, md: AttentionMetadata) -> _ContextStep:
