@@ -96,7 +96,7 @@ class PrefillCaptures:
         breakpoints again (benchmarks that switch a kernel path mid-process)."""
         self._segments.clear()
         self.num_recorded = 0
-        if self.enabled or self._breakpoints is not None:
+        if self.enabled:
             self._breakpoints = self._row_breakpoints()
             self.enabled = self._breakpoints is not None
 
