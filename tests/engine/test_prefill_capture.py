@@ -187,3 +187,20 @@ def test_a_segment_records_after_its_eager_prefills(ops, llama_dir, seed):
     with pytest.raises(ValueError, match="record_after"):
         PrefillCaptures(engine.model_runner.model, [], engine.model_runner.backend, torch.bfloat16, True,
                         record_after=-1)
+
+
+def test_reset_forgets_recordings_and_keeps_a_disabled_capture_off(ops, llama_dir, seed):
+    rng = random.Random(seed)
+    engine = make_engine(llama_dir, dtype="bfloat16")
+    captures = engine.model_runner.prefill_captures
+    prefill(engine, prompts_of(rng, [300]))
+    assert captures.num_recorded == 1
+    prefill(engine, prompts_of(rng, [300]))
+    assert captures.num_replays == 1, f"seed={seed}"
+    captures.reset()
+    assert captures.num_recorded == 0 and captures.enabled
+    prefill(engine, prompts_of(rng, [300]))  # recorded again, not replayed
+    assert captures.num_recorded == 1 and captures.num_replays == 1, f"seed={seed}"
+    captures.enabled = False
+    captures.reset()
+    assert not captures.enabled
