@@ -12,13 +12,15 @@ engine 1.01-1.11x as fast at 128-1024 tokens, counts never recorded included
 (benchmarks/results/prefill_capture_2026-12-04_zen4.md).
 
 How: as for decode (decode_capture.py), one forward runs under the op
-recorder and becomes straight-line Python (compiled_replay.CapturedForward,
-no TorchScript: it saved 0-1.5 ms a forward at 128-1024 tokens, and
-costs ~0.2 s a compile). A recording at one token count replays that count; a second
-recording at another count in the same segment (below) is unified with the
-first (`unify`: the same ops, every int that differs is k times the token
-count in both), and the compiled forward then takes the token count as `n`
-and serves every count in the segment without recording again.
+recorder and becomes straight-line Python (compiled_replay.CapturedForward).
+A recording at one token count replays that count; a second recording at
+another count in the same segment (below) is unified with the first
+(`unify`: the same ops, every int that differs is k times the token count
+in both), and the forward compiled from it takes the token count as `n`
+and serves every count in the segment without recording again. That one
+is compiled with TorchScript too (Python where it cannot be scripted): in
+engine steps on the same Zen 4, 1.02-1.13x the Python replay at 128-1024
+tokens, for ~0.2 s a compile, which only a segment's lasting forward pays.
 
 What makes that safe: the forward's ops depend on the token count only
 through Python that picks a kernel by row count (each linear layer's
@@ -31,10 +33,10 @@ positions, slots and query_start_loc are the replay's inputs; nothing else
 of the step may be baked in (`foreign_constants`, checked at recording).
 
 What it costs: a recording runs the forward under the recorder (~20-60 ms
-more than an eager forward at 512 tokens) and compiles it (~20 ms), about
-one or two replays' savings, so a segment runs `record_after` eager
-prefills before it is recorded: a range of prompt lengths met once or
-twice never pays for it.
+more than an eager forward at 512 tokens) and compiles it (~20 ms in
+Python; TorchScript adds ~0.2 s at the second), so a segment runs
+`record_after` eager prefills before it is recorded: a range of prompt
+lengths met once or twice never pays for it.
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ class PrefillCaptures:
                             "tokens replay in that range", fwd.batch_size, n, fwd.batch_size)
                 seg.exact_only = True
                 return output
-            seg.forward = CapturedForward(recorder, len(inputs), output, n, scaled, script=False)
+            seg.forward = CapturedForward(recorder, len(inputs), output, n, scaled)
             seg.general = True
         if not self._logged:
             logger.info("prefill forwards are recorded and replayed at any token count between the kernels' "

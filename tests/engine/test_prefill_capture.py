@@ -93,6 +93,9 @@ def test_prefill_replays_equal_eager_at_other_token_counts(ops, llama_dir, seed,
     captures = engine.model_runner.prefill_captures
     assert results and all(same for _, same in results), f"seed={seed}: {results}"
     assert any(s.general for s in captures._segments.values()), f"seed={seed}"
+    # A segment's lasting forward replays from TorchScript: those are the replays checked above.
+    assert all(s.forward.replay is not s.forward.python_replay for s in captures._segments.values() if s.general), \
+        f"seed={seed}"
     replayed_counts = {n for n, _ in results}
     assert replayed_counts - set(lengths[:2]), f"seed={seed}: no replay at a count that was not recorded"
 
