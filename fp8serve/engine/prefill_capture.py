@@ -7,9 +7,9 @@ tree, the layers' checks, ~630 op dispatches from Python), and after each
 kernel that streamed megabytes that Python runs out of cache. Measured on
 the default model, bf16, AMD EPYC Zen 4 (one process, bit-identical
 outputs): the forward alone 84.3 -> 74.7 ms at 128 tokens, 335 -> 322 ms at
-512, 684 -> 670 ms at 1024; whole engine steps alternated with an eager
-engine 1.01-1.11x as fast at 128-1024 tokens, counts never recorded included
-(benchmarks/results/prefill_capture_2026-12-04_zen4.md).
+512, 684 -> 670 ms at 1024 (Python replay); whole engine steps alternated
+with an eager engine 1.04-1.10x as fast at 128-1024 tokens, counts never
+recorded included (benchmarks/results/prefill_capture_2026-12-04_zen4.md).
 
 How: as for decode (decode_capture.py), one forward runs under the op
 recorder and becomes straight-line Python (compiled_replay.CapturedForward).
