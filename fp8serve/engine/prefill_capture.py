@@ -31,6 +31,10 @@ segments lie between them, so within one every choice is the same one. A
 method that cannot list them (None) keeps prefills eager. Token ids,
 positions, slots and query_start_loc are the replay's inputs; nothing else
 of the step may be baked in (`foreign_constants`, checked at recording).
+Unlike decode, a replay is not run once more against the recorded output
+at run time (that would cost a whole prefill forward per recording);
+tests/engine/test_prefill_capture.py compares every replay, TorchScript
+included, with the eager forward of the same step bit for bit.
 
 What it costs: a recording runs the forward under the recorder (~20-60 ms
 more than an eager forward at 512 tokens) and compiles it (~20 ms in
