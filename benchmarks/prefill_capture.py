@@ -16,8 +16,16 @@ engines produced the same first token in every round; the script stops with
 an error if a timed step of the replayed engine recorded instead of
 replaying (the count of replays is checked).
 
+--context N: prefix caching on in both engines, and every prompt is one
+shared N-token prefix (cached by both engines before anything is timed)
+followed by --lengths / --random new tokens drawn afresh for every round,
+so each step computes only those and runs the backend's context kernel over
+the cached prefix (a follow-up turn of a chat, or a chunk of a chunked
+prefill). The script checks that every timed replay was of such a step.
+
     .venv/bin/python benchmarks/prefill_capture.py
     .venv/bin/python benchmarks/prefill_capture.py --dtype float32 --lengths 128,512 --random 2
+    .venv/bin/python benchmarks/prefill_capture.py --context 512 --lengths 16,64,256 --random-min 8 --random-max 300
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                    "recordings, never recorded (default: %(default)s)")
     p.add_argument("--random-min", type=int, default=300)
     p.add_argument("--random-max", type=int, default=1000)
+    p.add_argument("--context", type=int, default=0, help="tokens of a cached prefix every prompt continues "
+                   "(prefix caching on; a multiple of the block size, 16); 0: fresh prompts (default)")
     p.add_argument("--rounds", type=int, default=6, help="ABBA rounds (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="also write the table to this file")
@@ -76,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.random_min <= args.random_max:
         p.error(f"--random-min/--random-max: need 1 <= min <= max, got {args.random_min} and {args.random_max}")
     require_positive(p, args, "rounds")
+    if args.context < 0 or args.context % 16:
+        p.error(f"--context must be a multiple of the block size (16) >= 0, so the whole prefix is cached; "
+                f"got {args.context}")
     if args.output is not None and not args.output.parent.is_dir():
         p.error(f"--output: directory {args.output.parent} does not exist")
 
@@ -86,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     randoms = [rng.randint(args.random_min, args.random_max) for _ in range(args.random)]
     counts = lengths + [n for n in randoms if n not in lengths]
     kwargs = dict(model=str(model), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device="cpu", seed=0,
-                  max_model_len=max(counts) + 1, max_num_batched_tokens=max(2048, max(counts)),
-                  kv_cache_memory="512MiB")
+                  max_model_len=args.context + max(counts) + 1,
+                  max_num_batched_tokens=max(2048, args.context + max(counts)), kv_cache_memory="512MiB",
+                  enable_prefix_caching=args.context > 0)
     engines = {"eager": LLM(**kwargs).llm_engine, "replayed": LLM(**kwargs).llm_engine}
     engines["eager"].model_runner.prefill_captures.enabled = False
     captures = engines["replayed"].model_runner.prefill_captures
@@ -95,18 +109,29 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("prefill captures are off for this model or machine (no C++ kernels, or a linear method "
                          "without row breakpoints): nothing to compare")
     captures.record_after = 0
-    prompts = {n: [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab) for _ in range(n)] for n in counts}
+    prefix = [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab) for _ in range(args.context)]
+
+    def draw() -> dict[int, list[int]]:
+        """A prompt per count: the prefix and that many new tokens (new ones each call under --context)."""
+        return {n: prefix + [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab) for _ in range(n)] for n in counts}
+
+    if prefix:
+        for engine in engines.values():
+            prefill_step(engine, prefix)  # fresh: cached from here on
     for n in lengths:  # record each segment twice: the count, then the count one below
         for engine in engines.values():
-            prefill_step(engine, prompts[n])
-            prefill_step(engine, prompts[n][:-1])
+            prefill_step(engine, draw()[n])
+            prefill_step(engine, draw()[n][:-1])  # new tokens: the first's would hit the prefix cache
     recorded = captures.num_recorded
     general = sum(1 for s in captures._segments.values() if s.general)
 
     times = {name: {n: [] for n in counts} for name in engines}
     same = {n: True for n in counts}
-    replays_before = captures.num_replays
+    replays_before, context_replays_before = captures.num_replays, captures.num_context_replays
+    prompts = draw()
     for r in range(args.rounds):
+        if prefix:
+            prompts = draw()  # the same for both engines, never cached
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
         tokens: dict[str, dict[int, int]] = {name: {} for name in engines}
         for name in order:
@@ -121,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     if replayed != args.rounds * len(counts) or captures.num_recorded != recorded:
         raise SystemExit(f"the replayed engine replayed {replayed} of {args.rounds * len(counts)} timed prefills "
                          f"and recorded {captures.num_recorded - recorded} more: the comparison is not what it claims")
+    context_replayed = captures.num_context_replays - context_replays_before
+    if context_replayed != (replayed if prefix else 0):
+        raise SystemExit(f"{context_replayed} of {replayed} timed replays continued a cached context, expected "
+                         f"{'all' if prefix else 'none'}: the comparison is not what it claims")
 
     lines = [f"# fp8serve recorded prefill forwards vs the module tree — "
              f"{_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",
@@ -128,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     lines += describe_machine(machine_info())
     lines += [f"model: {model}, --dtype {args.dtype}, --kv-cache-dtype {args.kv_cache_dtype}; {args.rounds} ABBA "
               f"rounds, one prefill step per count per engine per round; {recorded} recordings before timing "
-              f"({general} segments generalized); every timed step of the replayed engine replayed",
+              f"({general} segments generalized); every timed step of the replayed engine replayed"
+              + (f"; every prompt continues a cached {args.context}-token prefix (prefix caching on in both "
+                 f"engines): the counts below are the new tokens a step computes" if prefix else ""),
               "",
-              "| prompt tokens | recorded at this count | eager ms | replayed ms | speedup (median) | by round min / max "
+              f"| {'new' if prefix else 'prompt'} tokens | recorded at this count | eager ms | replayed ms | speedup (median) | by round min / max "
               "| same first token |",
               "|---|---|---|---|---|---|---|"]
     for n in counts:

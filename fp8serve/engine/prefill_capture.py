@@ -1,6 +1,8 @@
-"""Fresh-prefill forwards recorded once and replayed at any token count
-between two row thresholds of the model's kernels: the CPU counterpart of
-vLLM's prefill forwards compiled with the token count as a symbolic size.
+"""Prefill forwards recorded once and replayed at any token count between
+two row thresholds of the model's kernels: the CPU counterpart of vLLM's
+prefill forwards compiled with the token count as a symbolic size. Fresh
+prefills, and prefills that continue cached contexts (prefix-cache hits,
+later chunks of a chunked prefill), each with their own recordings.
 
 Why: a prefill's forward spends time outside its kernels too (the module
 tree, the layers' checks, ~630 op dispatches from Python), and after each
@@ -25,12 +27,20 @@ tokens, for ~0.2 s a compile, which only a segment's lasting forward pays.
 What makes that safe: the forward's ops depend on the token count only
 through Python that picks a kernel by row count (each linear layer's
 `LinearMethod.apply`) or the attention route (the backend's
-`runs_fresh_prefill_kernel`, asked every step). Every linear method lists
+`prefill_capture_inputs`, asked every step). Every linear method lists
 the row counts where its choice may change (`row_breakpoints`); the
 segments lie between them, so within one every choice is the same one. A
 method that cannot list them (None) keeps prefills eager. Token ids,
-positions, slots and query_start_loc are the replay's inputs; nothing else
-of the step may be baked in (`foreign_constants`, checked at recording).
+positions, slots and query_start_loc are the replay's inputs, plus, for a
+prefill over cached contexts, what the backend's context kernel reads (the
+contexts' slots, cu_seqlens_k, and the K/V buffers it gathers the cache
+into, allocated with the step's metadata): no size that depends on the
+contexts' lengths or the number of prompts is left in the recording, so
+those need no symbol. Nothing else of the step may be baked in
+(`foreign_constants`, checked at recording). Measured, default model on
+the same Zen 4, 24-512 new tokens over a cached 512-token prefix: 1.03-1.16x
+as fast as eager (bf16), 1.05-1.21x with an FP8 cache
+(benchmarks/results/prefill_capture_context_2026-12-04_zen4.md).
 Unlike decode, a replay is not run once more against the recorded output
 at run time (that would cost a whole prefill forward per recording);
 tests/engine/test_prefill_capture.py compares every replay, TorchScript
@@ -95,6 +105,7 @@ class PrefillCaptures:
         self._segments: dict[tuple, _Segment] = {}
         self._logged = False
         self.num_replays = 0  # prefill forwards served by a replay
+        self.num_context_replays = 0  # those of prefills continuing cached contexts
         self.num_recorded = 0  # recordings made
 
     def reset(self) -> None:
@@ -129,18 +140,20 @@ class PrefillCaptures:
             return self.model(input_ids, positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        if (not self.enabled or not self.backend.runs_fresh_prefill_kernel(md)
-                or any(a.kv_observer is not None or a.calculate_kv_scales for a in self.attn_layers)):
+        extra = self.backend.prefill_capture_inputs(md) if self.enabled else None
+        if extra is None or any(a.kv_observer is not None or a.calculate_kv_scales for a in self.attn_layers):
             return self._eager(input_ids, positions, md)
         n = md.num_tokens
-        key = (self.segment_of(n),) + tuple((a._k_scale, a._v_scale) for a in self.attn_layers)
+        # Fresh prefills and those continuing cached contexts (extra inputs) run different ops.
+        key = (len(extra), self.segment_of(n)) + tuple((a._k_scale, a._v_scale) for a in self.attn_layers)
         seg = self._segments.get(key)
         if seg is None:
             seg = self._segments[key] = _Segment()
-        inputs = (input_ids, positions, md.slot_mapping, md.query_start_loc)
+        inputs = (input_ids, positions, md.slot_mapping, md.query_start_loc) + tuple(extra)
         fwd = seg.forward
         if fwd is not None and (seg.general or fwd.batch_size == n):
             self.num_replays += 1
+            self.num_context_replays += bool(extra)
             return (fwd if fwd.batch_size == n else fwd.bind(n)).replay(*inputs)
         if seg.disabled or (fwd is not None and seg.exact_only):
             return self._eager(input_ids, positions, md)

@@ -40,6 +40,7 @@ from fp8serve.kernels.cpu_ops import load_cpu_ops
 
 # Paths of the float32/16-bit vector kernel ("amx" is the separate bf16 AMX kernel).
 _PATHS = {"best": 0, "avx2": 1, "avx512": 2, "scalar": 3, "bf16dot": 4}
+BEST_PATH = _PATHS["best"]  # for callers of the C++ ops themselves (the engine's backend)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Below these mean prompt lengths per sequence SDPA is as fast or faster.
 MIN_MEAN_PROMPT_TOKENS = 64  # float32, the vector kernel

@@ -214,6 +214,7 @@ def test_prefill_over_a_cached_context(cpu_paged_backend, seed, kv_cache_dtype, 
     context form applies it runs (the context read back from the cache as stored, packed, no
     padding) and matches the reference backend's padded SDPA over the same cache; the new tokens'
     cache writes are the same bytes."""
+    import fp8serve.attention.backends.cpu_paged as cpu_paged_module
     from fp8serve.kernels import prefill_attention_ops
 
     kv = compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
@@ -257,6 +258,13 @@ def test_prefill_over_a_cached_context(cpu_paged_backend, seed, kv_cache_dtype, 
     real = prefill_attention_ops.prefill_attention
     monkeypatch.setattr(prefill_attention_ops, "prefill_attention",
                         lambda *a, **k: calls.append(k.get("cu_seqlens_k") is not None) or real(*a, **k))
+
+    class CountingOps:  # the backend calls the context kernel's op itself, not the checking wrapper
+        def __getattr__(self, name):
+            op = getattr(load_cpu_ops(), name)
+            return (lambda *a: calls.append(True) or op(*a)) if name == "prefill_attention_with_context" else op
+
+    monkeypatch.setattr(cpu_paged_module, "load_cpu_ops", CountingOps)
     out = paged.forward(query, key, value, cache, md, **kwargs)
     expect_kernel = prefill_attention_ops.applies_with_context(compute_dtype, sum(seq_lens), len(new), head_size)
     assert calls == ([True] if expect_kernel else []), calls

@@ -37,7 +37,21 @@ def test_tiny_run(ops, tiny, tmp_path, capsys):
     assert "4 recordings before timing (2 segments generalized)" in out
 
 
+def test_tiny_run_over_a_cached_prefix(ops, tiny, capsys):
+    """--context: every timed replay continues the cached prefix (the script
+    stops otherwise), and the tokens are the eager engine's."""
+    with loaded_script("prefill_capture.py") as script:
+        assert script.main(["--model", str(tiny), "--dtype", "bfloat16", "--context", "160", "--lengths", "40,100",
+                            "--random", "1", "--random-min", "70", "--random-max", "200", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "continues a cached 160-token prefix" in out and "| new tokens |" in out
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in out.splitlines()
+            if ln.startswith("| ") and ln.split("|")[1].strip().isdigit()]
+    assert {40, 100} <= {int(r[0]) for r in rows} and all(r[6] == "True" for r in rows)
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--context", "100"], "--context"),
     (["--lengths", "2"], "--lengths"),
     (["--random", "-1"], "--random"),
     (["--random-min", "10", "--random-max", "5"], "--random-min"),

@@ -161,19 +161,54 @@ def test_linear_ops_change_only_at_declared_row_breakpoints(ops, llama_dir, fp8_
             seen[segment] = names
 
 
-def test_context_prefills_and_enforce_eager_are_not_recorded(ops, llama_dir, seed):
+def _prefix_caching_engine(model_dir: str, **kwargs) -> LLMEngine:
+    engine = LLMEngine.from_args(model_dir, dtype=kwargs.pop("dtype", "bfloat16"), device="cpu", block_size=16,
+                                 kv_cache_memory=16 << 20, max_model_len=1024, enable_prefix_caching=True, **kwargs)
+    engine.model_runner.prefill_captures.record_after = 0
+    return engine
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("bfloat16", "auto"), ("bfloat16", "fp8"), ("float32", "auto")])
+def test_context_prefill_replays_equal_eager(ops, llama_dir, seed, dtype, kv_cache_dtype):
+    """Prefills that continue a cached prefix (the backend's context kernel,
+    its K/V read back from the cache) are recorded apart from fresh ones and
+    replayed at other token counts, other context lengths and other numbers
+    of prompts: every replay equals the eager forward of its step, and the
+    tokens equal an --enforce-eager engine's."""
     rng = random.Random(seed)
-    engine = LLMEngine.from_args(llama_dir, dtype="bfloat16", device="cpu", block_size=16, kv_cache_memory=16 << 20,
-                                 max_model_len=1024, enable_prefix_caching=True)
+    shared = prompts_of(rng, [rng.randint(40, 400) for _ in range(3)])  # cached prefixes, not whole blocks
+    steps = [[shared[rng.randrange(3)] + prompts_of(rng, [rng.randint(5, 150)])[0]
+              for _ in range(rng.randint(1, 3))] for _ in range(14)]
+    engine = _prefix_caching_engine(llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    results = checked(engine)
+    tokens = [prefill(engine, prompts) for prompts in steps]
     captures = engine.model_runner.prefill_captures
-    captures.record_after = 0
-    shared = prompts_of(rng, [256])[0]
-    for _ in range(4):  # the first prefills fresh; the rest continue a cached 256-token prefix
-        prefill(engine, [shared + prompts_of(rng, [40])[0]])
-    assert captures.num_recorded == 1 and captures.num_replays == 0, "a context prefill was recorded or replayed"
-    eager = make_engine(llama_dir, dtype="bfloat16", enforce_eager=True)
-    prefill(eager, prompts_of(rng, [300, 200]))
+    context_segments = [s for k, s in captures._segments.items() if k[0] > 0]
+    assert any(s.general for s in context_segments), f"seed={seed}: no context forward took other token counts"
+    assert results and all(same for _, same in results), f"seed={seed}: {results}"
+    eager = _prefix_caching_engine(llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
+    assert [prefill(eager, prompts) for prompts in steps] == tokens, f"seed={seed}"
     assert eager.model_runner.prefill_captures.num_recorded == 0
+
+
+def test_chunked_prefill_replays_equal_eager(ops, llama_dir, seed):
+    """A long prompt prefilled in chunks: the first chunk is fresh, the rest
+    continue the context the earlier chunks cached."""
+    rng = random.Random(seed)
+    prompts = prompts_of(rng, [rng.randint(200, 900) for _ in range(6)])
+
+    def run(enforce_eager: bool) -> tuple[list, LLMEngine, list]:
+        engine = LLMEngine.from_args(llama_dir, dtype="bfloat16", device="cpu", block_size=16,
+                                     kv_cache_memory=16 << 20, max_model_len=1024, enable_chunked_prefill=True,
+                                     max_num_batched_tokens=96, max_num_seqs=8, enforce_eager=enforce_eager)
+        engine.model_runner.prefill_captures.record_after = 0
+        results = checked(engine)
+        return [prefill(engine, [p]) for p in prompts], engine, results
+
+    tokens, engine, results = run(False)
+    assert engine.model_runner.prefill_captures.num_replays > 0, f"seed={seed}"
+    assert results and all(same for _, same in results), f"seed={seed}: {results}"
+    assert run(True)[0] == tokens, f"seed={seed}"
 
 
 def test_a_segment_records_after_its_eager_prefills(ops, llama_dir, seed):

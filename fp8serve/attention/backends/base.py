@@ -42,6 +42,15 @@ class AttentionBackend(ABC):
         recorded prefill forward may be replayed over (engine/prefill_capture.py)."""
         return False
 
+    def prefill_capture_inputs(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
+        """The tensors of this prefill step's metadata, besides slot_mapping and
+        query_start_loc, that `forward` reads when every layer runs the same
+        ops whatever the token count and the cached contexts' lengths: the
+        extra inputs of a recorded prefill forward (engine/prefill_capture.py).
+        None where the step's ops are not of that kind (it stays eager); ()
+        for a fresh prefill run by `runs_fresh_prefill_kernel`."""
+        return () if self.runs_fresh_prefill_kernel(metadata) else None
+
     @abstractmethod
     def forward(
         self,

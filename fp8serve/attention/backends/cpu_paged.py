@@ -38,6 +38,12 @@ class _ContextStep:
 
     slots: torch.Tensor  # [sum(seq_lens)] int64: the slot of every position of every sequence, packed
     cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int64: where each sequence's positions start in `slots`
+    # [sum(seq_lens), num_kv_heads, head_size] in the compute dtype: every layer reads its K and V back
+    # from the cache into these. Allocated here, once a step, rather than by each layer: a recorded
+    # forward (engine/prefill_capture.py) then takes them as inputs, and no size that depends on the
+    # contexts' lengths is baked into it.
+    key_buf: torch.Tensor
+    value_buf: torch.Tensor
 
 
 class CpuPagedBackend(TorchSDPABackend):
@@ -58,6 +64,12 @@ class CpuPagedBackend(TorchSDPABackend):
                 and data.gather_slots is None
                 and prefill_attention_ops.applies(self.compute_dtype, md.num_tokens, md.num_seqs, self.spec.head_size))
 
+    def prefill_capture_inputs(self, md: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
+        data = md.backend_data
+        if not md.is_decode_only and isinstance(data, _ContextStep):
+            return data.slots, data.cu_seqlens_k, data.key_buf, data.value_buf
+        return super().prefill_capture_inputs(md)
+
     def _context_step(self, md: AttentionMetadata) -> _ContextStep:
         bs = self.spec.block_size
         seq_lens = md.seq_lens
@@ -66,7 +78,8 @@ class CpuPagedBackend(TorchSDPABackend):
         seq_of_key = torch.repeat_interleave(torch.arange(md.num_seqs), seq_lens)
         pos = torch.arange(int(cu_k[-1])) - cu_k[seq_of_key]
         slots = md.block_tables[seq_of_key, pos // bs] * bs + pos % bs
-        return _ContextStep(slots, cu_k)
+        key_buf = torch.empty(slots.shape[0], self.spec.num_kv_heads, self.spec.head_size, dtype=self.compute_dtype)
+        return _ContextStep(slots, cu_k, key_buf, torch.empty_like(key_buf))
 
     def write_kv_cache(self, key, value, kv_cache, slot_mapping, k_scale, v_scale, return_decoded=False):
         """One C++ pass: quantize/convert, scatter, and (for a fresh prefill
@@ -121,9 +134,11 @@ class CpuPagedBackend(TorchSDPABackend):
         # prefill over 512 cached tokens.
         ops, fmt = load_cpu_ops(), KV_FORMATS[self.spec.kv_cache_dtype]
         k_cache, v_cache = kv_cache.unbind(0)
-        k = torch.empty(step.slots.shape[0], key.shape[1], key.shape[2], dtype=self.compute_dtype)
-        v = torch.empty_like(k)
+        k, v = step.key_buf, step.value_buf  # each layer overwrites the previous one's
         ops.gather_cache(k_cache, step.slots, fmt, k)
         ops.gather_cache(v_cache, step.slots, fmt, v)
-        return prefill_attention_ops.prefill_attention(query, k, v, md.query_start_loc, softmax_scale * k_scale,
-                                                       v_scale, cu_seqlens_k=step.cu_seqlens_k)
+        # The op itself, as decode does (see the module docstring): the wrapper's checks of cu_seqlens_k
+        # are tensor ops a recorded forward would replay every step; the op checks the same.
+        return ops.prefill_attention_with_context(query, k, v, md.query_start_loc, step.cu_seqlens_k,
+                                                  float(softmax_scale * k_scale), float(v_scale),
+                                                  prefill_attention_ops.BEST_PATH)
