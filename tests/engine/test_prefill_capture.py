@@ -185,6 +185,7 @@ def test_context_prefill_replays_equal_eager(ops, llama_dir, seed, dtype, kv_cac
     captures = engine.model_runner.prefill_captures
     context_segments = [s for k, s in captures._segments.items() if k[0] > 0]
     assert any(s.general for s in context_segments), f"seed={seed}: no context forward took other token counts"
+    assert captures.num_context_replays > 0, f"seed={seed}"
     assert results and all(same for _, same in results), f"seed={seed}: {results}"
     eager = _prefix_caching_engine(llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
     assert [prefill(eager, prompts) for prompts in steps] == tokens, f"seed={seed}"
@@ -206,7 +207,7 @@ def test_chunked_prefill_replays_equal_eager(ops, llama_dir, seed):
         return [prefill(engine, [p]) for p in prompts], engine, results
 
     tokens, engine, results = run(False)
-    assert engine.model_runner.prefill_captures.num_replays > 0, f"seed={seed}"
+    assert engine.model_runner.prefill_captures.num_context_replays > 0, f"seed={seed}"
     assert results and all(same for _, same in results), f"seed={seed}: {results}"
     assert run(True)[0] == tokens, f"seed={seed}"
 
