@@ -168,8 +168,11 @@ def _prefix_caching_engine(model_dir: str, **kwargs) -> LLMEngine:
     return engine
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype", [("bfloat16", "auto"), ("bfloat16", "fp8"), ("float32", "auto")])
-def test_context_prefill_replays_equal_eager(ops, llama_dir, seed, dtype, kv_cache_dtype):
+@pytest.mark.parametrize("checkpoint,dtype,kv_cache_dtype", [
+    ("llama", "bfloat16", "auto"), ("llama", "bfloat16", "fp8"), ("llama", "float32", "auto"),
+    ("fp8", "bfloat16", "fp8"), ("fp8", "float32", "auto"),
+])
+def test_context_prefill_replays_equal_eager(ops, llama_dir, fp8_dir, seed, checkpoint, dtype, kv_cache_dtype):
     """Prefills that continue a cached prefix (the backend's context kernel,
     its K/V read back from the cache) are recorded apart from fresh ones and
     replayed at other token counts, other context lengths and other numbers
@@ -179,7 +182,8 @@ def test_context_prefill_replays_equal_eager(ops, llama_dir, seed, dtype, kv_cac
     shared = prompts_of(rng, [rng.randint(40, 400) for _ in range(3)])  # cached prefixes, not whole blocks
     steps = [[shared[rng.randrange(3)] + prompts_of(rng, [rng.randint(5, 150)])[0]
               for _ in range(rng.randint(1, 3))] for _ in range(14)]
-    engine = _prefix_caching_engine(llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    model_dir = llama_dir if checkpoint == "llama" else fp8_dir
+    engine = _prefix_caching_engine(model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     results = checked(engine)
     tokens = [prefill(engine, prompts) for prompts in steps]
     captures = engine.model_runner.prefill_captures
@@ -187,7 +191,7 @@ def test_context_prefill_replays_equal_eager(ops, llama_dir, seed, dtype, kv_cac
     assert any(s.general for s in context_segments), f"seed={seed}: no context forward took other token counts"
     assert captures.num_context_replays > 0, f"seed={seed}"
     assert results and all(same for _, same in results), f"seed={seed}: {results}"
-    eager = _prefix_caching_engine(llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
+    eager = _prefix_caching_engine(model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
     assert [prefill(eager, prompts) for prompts in steps] == tokens, f"seed={seed}"
     assert eager.model_runner.prefill_captures.num_recorded == 0
 
