@@ -23,13 +23,17 @@ from one run. Fixed seeds.
 --baseline-rev REV builds cpu/prefill_attention.cpp as of git revision REV
 beside this tree's and times the kernel's "best" path of both on every cell
 instead, in --rounds ABBA rounds (medians), with whether the outputs are
-bit-identical.
+bit-identical. With --context N there, every sequence's new tokens continue N
+cached keys (`prefill_attention_with_context`: the keys are N + TOKENS per
+sequence, the queries its last TOKENS positions), as a prefix-cache hit or a
+later chunk of a chunked prefill runs.
 
 Examples:
   python benchmarks/prefill_attention.py                  # SmolLM2 shapes, saves results
   python benchmarks/prefill_attention.py --cells 1x512 --dtypes float32 --no-save
   python benchmarks/prefill_attention.py --num-heads 32 --num-kv-heads 8 --head-size 128
   python benchmarks/prefill_attention.py --dtypes bfloat16 --cells 16x512,4x512,1x2048,3x333 --baseline-rev HEAD~1
+  python benchmarks/prefill_attention.py --dtypes bfloat16 --cells 1x32,1x128,4x32 --context 4096 --baseline-rev HEAD
 """
 
 from __future__ import annotations
@@ -94,17 +98,29 @@ def compare_with_revision(args, ops, argv, emit, lines) -> int:
     emit()
     for line in describe_machine(machine_info()):
         emit(f"- {line}")
+    ctx = args.context
     emit(f"- shapes: {h} heads, {kvh} kv heads, head size {d}; the vector kernel's \"best\" path of both builds; "
-         f"medians of {args.rounds} ABBA rounds")
+         f"medians of {args.rounds} ABBA rounds"
+         + (f"; every sequence's new tokens continue {ctx} cached keys (the context form)" if ctx else ""))
     emit()
     emit(f"| dtype | cells | {args.baseline_rev} ms | this tree ms | speedup | bit-identical |")
     emit("|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for name in args.dtypes:
         for num_seqs, seq_len in args.cells:
-            q, k, v, cu = make_inputs(g, num_seqs, seq_len, h, kvh, d, DTYPES[name])
-            fns = {"base": lambda: base.prefill_attention(q, k, v, cu, d**-0.5, 1.0, _PATHS["best"]),
-                   "this": lambda: ops.prefill_attention(q, k, v, cu, d**-0.5, 1.0, _PATHS["best"])}
+            if ctx:
+                # Keys of whole sequences (context + new); the queries are the new tokens' rows.
+                _, k, v, cu_k = make_inputs(g, num_seqs, ctx + seq_len, h, kvh, d, DTYPES[name])
+                q = make_inputs(g, num_seqs, seq_len, h, kvh, d, DTYPES[name])[0]
+                cu = torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int64)
+                fns = {"base": lambda: base.prefill_attention_with_context(q, k, v, cu, cu_k, d**-0.5, 1.0,
+                                                                           _PATHS["best"]),
+                       "this": lambda: ops.prefill_attention_with_context(q, k, v, cu, cu_k, d**-0.5, 1.0,
+                                                                          _PATHS["best"])}
+            else:
+                q, k, v, cu = make_inputs(g, num_seqs, seq_len, h, kvh, d, DTYPES[name])
+                fns = {"base": lambda: base.prefill_attention(q, k, v, cu, d**-0.5, 1.0, _PATHS["best"]),
+                       "this": lambda: ops.prefill_attention(q, k, v, cu, d**-0.5, 1.0, _PATHS["best"])}
             same = torch.equal(fns["base"](), fns["this"]())
             t = alternate({k_: (lambda f=f: best_time(f, args.min_time, 1)) for k_, f in fns.items()}, args.rounds)
             emit(f"| {name} | {num_seqs}x{seq_len} | {t['base'] * 1e3:.2f} | {t['this'] * 1e3:.2f} | "
@@ -129,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, default=None,
                    help="markdown results file (default benchmarks/results/prefill_attention_<date>.md)")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--context", type=int, default=0,
+                   help="with --baseline-rev: cached keys before every sequence's new tokens (default: 0, fresh)")
     p.add_argument("--baseline-rev", default=None,
                    help="time cpu/prefill_attention.cpp as of this git revision beside this tree's (see above)")
     p.add_argument("--rounds", type=int, default=8, help="ABBA rounds for --baseline-rev (median)")
@@ -157,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line)
 
     h, kvh, d = args.num_heads, args.num_kv_heads, args.head_size
+    if args.context < 0 or (args.context and not args.baseline_rev):
+        p.error(f"--context takes a count of cached keys >= 0 and works with --baseline-rev; got {args.context}"
+                + ("" if args.baseline_rev else " without --baseline-rev"))
     if args.baseline_rev:
         return compare_with_revision(args, ops, argv, emit, lines)
     emit(f"# Causal prefill attention on CPU ({datetime.date.today().isoformat()})")

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = lengths + [n for n in randoms if n not in lengths]
     kwargs = dict(model=str(model), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device="cpu", seed=0,
                   max_model_len=args.context + max(counts) + 1,
-                  max_num_batched_tokens=max(2048, args.context + max(counts)), kv_cache_memory="512MiB",
+                  max_num_batched_tokens=max(2048, args.context + max(counts) + 1), kv_cache_memory="512MiB",
                   enable_prefix_caching=args.context > 0)
     engines = {"eager": LLM(**kwargs).llm_engine, "replayed": LLM(**kwargs).llm_engine}
     engines["eager"].model_runner.prefill_captures.enabled = False

@@ -173,7 +173,7 @@ def test_bf16_dot_matches_reference_as_well_as_torch_sdpa(ops, seed, head_size, 
     a bf16 output: within 2^-7 of the largest reference output, the bound
     the AMX kernel (which rounds P the same way) meets."""
     g = torch.Generator().manual_seed(seed)
-    lens = [37, 1, 0, 300, 32, 129, 16]
+    lens = [37, 1, 0, 300, 32, 129, 16, 1100]  # 1100: packed in three units of up to 512 keys
     q, k, v, cu = _inputs(g, lens, num_heads, num_kv_heads, head_size, torch.bfloat16)
     scale, out_scale = head_size**-0.5 * 0.7, 1.3
     want = prefill_attention_ref(q, k, v, cu, scale, out_scale)
@@ -245,8 +245,9 @@ def test_context_rows_equal_the_fresh_prefill_bit_for_bit(ops, seed, dtype, head
     keys, give exactly what a fresh prefill of the whole sequence gives for those rows, on every
     path (rows and key blocks sit at absolute positions); and both match the float64 reference."""
     g = torch.Generator().manual_seed(seed)
-    lens = [37, 1, 300, 16, 129, 200]  # whole sequences
-    ctxs = [20, 0, 250, 15, 128, 57]  # cached context of each: 0, mid-tile, at and past key-block edges
+    # Whole sequences; 1100 keys are packed in three units of up to 512 (the last with a partial group of 16).
+    lens = [37, 1, 300, 16, 129, 200, 1100]
+    ctxs = [20, 0, 250, 15, 128, 57, 1070]  # cached context of each: 0, mid-tile, at and past key-block edges
     q, k, v, cu = _inputs(g, lens, num_heads, num_kv_heads, head_size, dtype)
     rows = torch.cat([torch.arange(a + c, b) for a, b, c in zip(cu[:-1].tolist(), cu[1:].tolist(), ctxs)])
     cu_q = torch.tensor([0] + torch.tensor([n - c for n, c in zip(lens, ctxs)]).cumsum(0).tolist())

@@ -416,6 +416,26 @@ struct PackedKV {
   E* v(int64_t s, int64_t h) const { return v_base + (pad_off[s] * nkv + h * (pad_off[s + 1] - pad_off[s])) * width; }
 };
 
+// What one thread packs at a time: keys [k0, k1) of (sequence, kv head).
+// Sequences are cut into chunks of kPackChunk keys so that few long ones
+// still spread over every thread: a prefill of 32 new tokens over a 4096-token
+// cached context has one sequence and three kv heads, three units for two
+// threads, and the idle one spun in the OpenMP barrier.
+struct PackUnit {
+  int64_t seq, kv_head, k0, k1;
+};
+constexpr int64_t kPackChunk = 512;  // a multiple of 16: the bf16 packer's transposes stay whole
+
+std::vector<PackUnit> pack_units(const Problem& p) {
+  std::vector<PackUnit> units;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t len = p.cu_k[s + 1] - p.cu_k[s];
+    for (int64_t h = 0; h < p.num_kv_heads; ++h)
+      for (int64_t k0 = 0; k0 < len; k0 += kPackChunk) units.push_back({s, h, k0, std::min(len, k0 + kPackChunk)});
+  }
+  return units;
+}
+
 template <class E>
 PackedKV<E> packed_kv(const Problem& p, const std::vector<int64_t>& pad_off, int64_t width) {
   thread_local std::vector<E> kt_buf, v_buf;
@@ -534,24 +554,27 @@ struct Float32Tiles {
 template <class V, int DT>
 void run(const Problem& p) {
   using Tiles = Float32Tiles<V>;
-  const int64_t hs = p.head_size, nkv = p.num_kv_heads;
+  const int64_t hs = p.head_size;
   // Packed K^T / V per (sequence, kv head), lengths padded to whole key
   // tiles (the last tile of a block reads up to there, never further).
   const std::vector<int64_t> pad_off = padded_offsets(p, Tiles::kKeyTile);
   // K^T: head_size rows of float32 keys; V: float32 rows.
   const PackedKV<float> kv = packed_kv<float>(p, pad_off, hs);
 
-  at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<PackUnit> units = pack_units(p);
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / nkv, h = i % nkv, base = p.cu_k[s], len = p.cu_k[s + 1] - base;
+      const PackUnit& u = units[i];
+      const int64_t s = u.seq, h = u.kv_head, base = p.cu_k[s], len = p.cu_k[s + 1] - base;
       const int64_t lpad = pad_off[s + 1] - pad_off[s], ldk = lpad + kRowPad;
       float* kt = kv.kt(s, h);
       float* vv = kv.v(s, h);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t t = u.k0; t < u.k1; ++t) {
         const void* kr = row_ptr<DT>(p.k, (base + t) * p.k_ld + h * hs);
         for (int64_t d = 0; d < hs; ++d) kt[d * ldk + t] = fp8serve_cvt::load_as_f32<DT>(kr, d);
         row_to_f32<DT>(row_ptr<DT>(p.v, (base + t) * p.v_ld + h * hs), vv + t * hs, hs, 1.f);
       }
+      if (u.k1 < len) continue;  // the sequence's padding: its last unit's
       for (int64_t d = 0; d < hs; ++d) std::fill(kt + d * ldk + len, kt + d * ldk + lpad, 0.f);
       std::fill(vv + len * hs, vv + lpad * hs, 0.f);
     }
@@ -766,15 +789,17 @@ inline constexpr PairInterleave kPairInterleave{};
 
 // bf16 inputs only (DT 1); head_size a multiple of 64.
 void run_bf16_dot(const Problem& p) {
-  const int64_t hs = p.head_size, hp = hs / 2, nkv = p.num_kv_heads;
+  const int64_t hs = p.head_size, hp = hs / 2;
   const std::vector<int64_t> pad_off = padded_offsets(p, Bf16DotTiles::kKeyTile);
   // K: head_size / 2 rows of pairs; V: rows of head_size pairs per two keys
   // (lpad / 2 of them: a width of head_size / 2 words per key).
   const PackedKV<uint32_t> kv = packed_kv<uint32_t>(p, pad_off, hp);
 
-  at::parallel_for(0, p.num_seqs * nkv, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<PackUnit> units = pack_units(p);
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / nkv, h = i % nkv, base = p.cu_k[s], len = p.cu_k[s + 1] - base;
+      const PackUnit& u = units[i];
+      const int64_t s = u.seq, h = u.kv_head, base = p.cu_k[s], len = p.cu_k[s + 1] - base;
       const int64_t lpad = pad_off[s + 1] - pad_off[s], ldk = lpad + kRowPad;
       uint32_t* kt = kv.kt(s, h);
       uint16_t* v2 = reinterpret_cast<uint16_t*>(kv.v(s, h));  // [lpad / 2][hs][2] halves
@@ -784,7 +809,7 @@ void run_bf16_dot(const Problem& p) {
       const int64_t len16 = len / 16 * 16;
       const __m512i pair_lo = _mm512_load_si512(kPairInterleave.idx[0]);
       const __m512i pair_hi = _mm512_load_si512(kPairInterleave.idx[1]);
-      for (int64_t t0 = 0; t0 < len16; t0 += 16) {
+      for (int64_t t0 = u.k0; t0 < std::min(u.k1, len16); t0 += 16) {
         const uint32_t* krow[16];
         for (int i = 0; i < 16; ++i)
           krow[i] = static_cast<const uint32_t*>(row_ptr<1>(p.k, (base + t0 + i) * p.k_ld + h * hs));
@@ -805,13 +830,14 @@ void run_bf16_dot(const Problem& p) {
           }
         }
       }
-      for (int64_t t = len16; t < len; ++t) {
+      for (int64_t t = std::max(u.k0, len16); t < u.k1; ++t) {
         const uint32_t* kr = static_cast<const uint32_t*>(row_ptr<1>(p.k, (base + t) * p.k_ld + h * hs));
         for (int64_t d = 0; d < hp; ++d) kt[d * ldk + t] = kr[d];
         const uint16_t* vr = static_cast<const uint16_t*>(row_ptr<1>(p.v, (base + t) * p.v_ld + h * hs));
         uint16_t* dst = v2 + (t / 2) * hs * 2 + (t % 2);
         for (int64_t d = 0; d < hs; ++d) dst[2 * d] = vr[d];
       }
+      if (u.k1 < len) continue;  // the sequence's padding: its last unit's
       for (int64_t d = 0; d < hp; ++d) std::fill(kt + d * ldk + len, kt + d * ldk + lpad, 0u);
       // Padded keys: zero V (their P is 0 too; 0 * 0 keeps the sums exact).
       for (int64_t t = len; t < lpad; ++t) {
