@@ -16,6 +16,7 @@ from kv_scale_checkpoints import quantize_to_fp8_checkpoint
 from fp8serve.engine.llm_engine import LLMEngine
 from fp8serve.engine.op_recorder import OpRecorder
 from fp8serve.engine.prefill_capture import PrefillCaptures
+from fp8serve.kernels import prefill_attention_ops
 from fp8serve.layers.linear import Linear, MergedLinear
 from fp8serve.sampling_params import SamplingParams
 
@@ -188,9 +189,12 @@ def test_context_prefill_replays_equal_eager(ops, llama_dir, fp8_dir, seed, chec
     tokens = [prefill(engine, prompts) for prompts in steps]
     captures = engine.model_runner.prefill_captures
     context_segments = [s for k, s in captures._segments.items() if k[0] > 0]
-    assert any(s.general for s in context_segments), f"seed={seed}: no context forward took other token counts"
-    assert captures.num_context_replays > 0, f"seed={seed}"
-    assert results and all(same for _, same in results), f"seed={seed}: {results}"
+    if prefill_attention_ops.applies_with_context(getattr(torch, dtype), 512, 1):
+        assert any(s.general for s in context_segments), f"seed={seed}: no context forward took other token counts"
+        assert captures.num_context_replays > 0, f"seed={seed}"
+    else:  # bf16 on AMX: context prefills take SDPA, which no recording covers
+        assert captures.num_context_replays == 0 and not context_segments, f"seed={seed}"
+    assert all(same for _, same in results), f"seed={seed}: {results}"
     eager = _prefix_caching_engine(model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
     assert [prefill(eager, prompts) for prompts in steps] == tokens, f"seed={seed}"
     assert eager.model_runner.prefill_captures.num_recorded == 0
@@ -198,12 +202,13 @@ def test_context_prefill_replays_equal_eager(ops, llama_dir, fp8_dir, seed, chec
 
 def test_chunked_prefill_replays_equal_eager(ops, llama_dir, seed):
     """A long prompt prefilled in chunks: the first chunk is fresh, the rest
-    continue the context the earlier chunks cached."""
+    continue the context the earlier chunks cached. float32: the context
+    kernel takes those chunks on every CPU (bf16 on AMX takes SDPA)."""
     rng = random.Random(seed)
     prompts = prompts_of(rng, [rng.randint(200, 900) for _ in range(6)])
 
     def run(enforce_eager: bool) -> tuple[list, LLMEngine, list]:
-        engine = LLMEngine.from_args(llama_dir, dtype="bfloat16", device="cpu", block_size=16,
+        engine = LLMEngine.from_args(llama_dir, dtype="float32", device="cpu", block_size=16,
                                      kv_cache_memory=16 << 20, max_model_len=1024, enable_chunked_prefill=True,
                                      max_num_batched_tokens=96, max_num_seqs=8, enforce_eager=enforce_eager)
         engine.model_runner.prefill_captures.record_after = 0
