@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; every prompt continues a cached {args.context}-token prefix (prefix caching on in both "
                  f"engines): the counts below are the new tokens a step computes" if prefix else ""),
               "",
-              f"| {'new' if prefix else 'prompt'} tokens | recorded at this count | eager ms | replayed ms | speedup (median) | by round min / max "
-              "| same first token |",
+              f"| {'new' if prefix else 'prompt'} tokens | recorded at this count | eager ms | replayed ms "
+              "| speedup (median) | by round min / max | same first token |",
               "|---|---|---|---|---|---|---|"]
     for n in counts:
         e, rp = times["eager"][n], times["replayed"][n]
