@@ -15,7 +15,8 @@ use) is timed by a stand-in for the ops object (~1 us a call), per op; what is l
 ops") is Python, torch's own small ops (views, allocations) and the dispatch between them. A second
 table lists each cell's ops by time. The steps run the module tree (the engine's recorded prefill
 forwards are off here: they would call the ops past the timers; benchmarks/prefill_capture.py
-measures what they save).
+measures what they save), every token through the whole last layer (the engine's pruning of it to
+each prompt's last token is off: benchmarks/last_layer_pruning.py measures it).
 
 Linear GFLOP/s counts 2 x tokens x the weights of the model's linear layers (no LM head, no
 attention), as single_stream.py's "linear" FLOPs do. Cells whose prompts are too short for the GEMM
@@ -240,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     # Eager prefills: a recorded prefill forward (engine/prefill_capture.py) calls its ops
     # directly, past the timers below; prefill_capture.py's own benchmark times that.
     engine.model_runner.prefill_captures.enabled = False
+    # Every row through every layer, as the "linear" FLOPs count (with the last layer past attention
+    # on the last rows only, those rows take the decode kernels: last_layer_pruning.py times that).
+    engine.model_runner.prune_last_layer = False
     params = linear_params(engine.model_runner.model)
 
     lines = [f"# fp8serve prefill breakdown — {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",

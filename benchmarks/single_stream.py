@@ -27,7 +27,9 @@ that round.
    engine step (`LLMEngine.add_request` + `step`, max_tokens=1), --warmup untimed, median of
    --repeats. FLOPs = 2 * (matmul params of all layers) * tokens + 2 * vocab * hidden (lm_head: the
    engine computes logits for the last position only) + 4 * L^2/2 * heads * head_dim * layers
-   (causal attention: QK^T and PV over half the L x L square).
+   (causal attention: QK^T and PV over half the L x L square), less what a system skips in the last
+   layer (`prefill_flops`: fp8serve runs it past attention on the last token only, llama.cpp its
+   MLP): only the work done for the output counts.
    Paired (--pair-prefill-calls, on by default): the matmul peak moves with the machine as the
    bandwidth does (a round's best GEMM measured 749-936 GFLOP/s bf16 within minutes on a Zen 5
    guest), so "% of the best peak of the run" against a median prefill mixes two machine states.
@@ -147,16 +149,40 @@ def lm_head_params(arch: Arch) -> int:
     return arch.vocab_size * arch.hidden_size
 
 
-def prefill_flops(arch: Arch, num_tokens: int, logit_rows: int = 1) -> dict[str, int]:
-    """FLOPs of one prefill of `num_tokens` tokens (one sequence).
+# Which rows of the last decoder layer a system computes past its attention (see prefill_flops).
+LAST_LAYER_ALL, LAST_LAYER_MLP_PRUNED, LAST_LAYER_PRUNED = "all", "mlp_pruned", "pruned"
+
+
+def prefill_flops(arch: Arch, num_tokens: int, logit_rows: int = 1,
+                  last_layer: str = LAST_LAYER_ALL) -> dict[str, int]:
+    """FLOPs of one prefill of `num_tokens` tokens (one sequence), counting only the work the system
+    does for its output (no credit for rows it skips, nor for rows it computes and drops).
 
     linear: 2 * params * tokens over every layer's projections; lm_head: 2 * vocab * hidden for each
     row that gets logits (the engine computes them for the last position only); attention (causal):
     QK^T and PV, 2 FLOPs per multiply-add each, over half of the L x L square:
-    4 * L^2/2 * heads * head_dim * layers."""
+    4 * L^2/2 * heads * head_dim * layers.
+
+    `last_layer`: "all" (transformers: every row through the whole last layer); "mlp_pruned"
+    (llama.cpp: the last layer's MLP on the `logit_rows` rows only, its `inp_out_ids` rows); "pruned"
+    (fp8serve: only K and V of every token, then q, attention, o_proj and MLP of the `logit_rows` last
+    rows; the engine computes q of every row in the fused qkv GEMM, not counted here)."""
+    if last_layer not in (LAST_LAYER_ALL, LAST_LAYER_MLP_PRUNED, LAST_LAYER_PRUNED):
+        raise ValueError(f"last_layer must be one of all, mlp_pruned, pruned; got {last_layer!r}")
+    shapes = linear_shapes(arch)
+    h, qd = arch.hidden_size, arch.num_heads * arch.head_dim
+    mlp = sum(k * n for name, (k, n) in shapes.items() if name in ("gate_up_proj", "down_proj"))
+    skipped_rows = max(num_tokens - logit_rows, 0)
     linear = 2 * layer_matmul_params(arch) * arch.num_layers * num_tokens
-    lm_head = 2 * lm_head_params(arch) * logit_rows
     attention = 4 * num_tokens * num_tokens // 2 * arch.num_heads * arch.head_dim * arch.num_layers
+    if last_layer == LAST_LAYER_MLP_PRUNED:
+        linear -= 2 * mlp * skipped_rows
+    elif last_layer == LAST_LAYER_PRUNED:
+        linear -= 2 * (mlp + h * qd + qd * h) * skipped_rows  # MLP, q, o_proj
+        # The last layer's causal attention over half the square becomes the last row's over L keys.
+        attention -= 4 * num_tokens * num_tokens // 2 * arch.num_heads * arch.head_dim
+        attention += 4 * num_tokens * arch.num_heads * arch.head_dim
+    lm_head = 2 * lm_head_params(arch) * logit_rows
     return {"linear": linear, "lm_head": lm_head, "attention": attention, "total": linear + lm_head + attention}
 
 
@@ -325,6 +351,7 @@ class Result:
     dtype: str
     kv_dtype: str
     prompt_len: int
+    last_layer: str = LAST_LAYER_ALL  # which last-layer rows its prefill computes (prefill_flops)
     prefill_ms: float | None = None
     prefill_ms_all: list[float] = field(default_factory=list)
     prefill_tok_s: float | None = None
@@ -569,6 +596,7 @@ def open_fp8serve(args, model_dir: Path, weights: str, dtype: str, kv: str, prom
         system="fp8serve", config=config_name, model=str(model_dir), weights=weights_label(runner.model),
         dtype=str(runner.dtype).removeprefix("torch."), kv_dtype=runner.kv_cache_spec.kv_cache_dtype,
         prompt_len=len(prompt), weight_bytes=model_weight_bytes(runner.model),
+        last_layer=LAST_LAYER_PRUNED if runner.prune_last_layer else LAST_LAYER_ALL,
     )
     res.notes.append(f"load {load_s:.1f}s; attention backend {runner.backend.name}")
     return engine, res
@@ -623,7 +651,7 @@ def open_llama_cpp(args, gguf_path: Path, prompt: list[int]):
     load_s = time.perf_counter() - t
     nbytes, how = gguf_weight_bytes(gguf_path)
     res = Result(system="llama.cpp", config="Q4_1 GGUF", model=str(gguf_path), weights="Q4_1 GGUF",
-                 dtype="—", kv_dtype="f16", prompt_len=len(prompt),
+                 dtype="—", kv_dtype="f16", prompt_len=len(prompt), last_layer=LAST_LAYER_MLP_PRUNED,
                  weight_bytes={"total": nbytes, "how": how})
     res.notes.append(f"load {load_s:.1f}s; llama_cpp {getattr(__import__('llama_cpp'), '__version__', '?')}, "
                      f"n_threads {threads}; weight bytes: {how}")
@@ -670,7 +698,7 @@ def finish(res: Result, arch: Arch, peaks: dict[str, float], read_gb_s: float,
     """Fill the derived columns and verdicts of one result."""
     res.prefill_ms = median(res.prefill_ms_all)
     res.prefill_tok_s = res.prompt_len / (res.prefill_ms / 1e3)
-    res.prefill_flops = prefill_flops(arch, res.prompt_len)
+    res.prefill_flops = prefill_flops(arch, res.prompt_len, last_layer=res.last_layer)
     res.prefill_gflops = res.prefill_flops["total"] / (res.prefill_ms / 1e3) / 1e9
     if res.system == "fp8serve":
         res.peak_dtype = res.dtype
@@ -770,7 +798,8 @@ def per_round(results: list[Result], llama: Result | None, machine: list[dict], 
         llama_ms = llama.rounds[i]["decode_ms"] if llama is not None and i < len(llama.rounds) else None
         for r in results:
             rd = r.rounds[i]
-            gflops = prefill_flops(arch, r.prompt_len)["total"] / (rd["prefill_ms"] / 1e3) / 1e9
+            flops = prefill_flops(arch, r.prompt_len, last_layer=r.last_layer)["total"]
+            gflops = flops / (rd["prefill_ms"] / 1e3) / 1e9
             entry = {"prefill_ms": rd["prefill_ms"], "decode_ms": rd["decode_ms"],
                      "pct_peak": 100.0 * gflops / peaks[r.dtype] if peaks.get(r.dtype) else None,
                      "pct_bound": 100.0 * (r.weight_bytes["total"] / (read * 1e9) * 1e3) / rd["decode_ms"],

@@ -23,15 +23,16 @@ class CapturedForward:
     """One recorded forward, compiled to straight-line Python: each op is one
     statement on local variables, calling the op's C++ entry directly, and
     an intermediate is released after its last use. `replay(*inputs)` takes
-    the inputs in the order given at capture.
+    the inputs in the order given at capture and returns the output (a
+    tuple of tensors where the recorded forward returned one).
 
     `scaled` lists the int arguments (by `Path`) that are k times the batch
     size: they are compiled as `n * k`, so one compiled forward serves every
     batch size whose recording differs from this one only there (`bind`)."""
 
-    def __init__(self, recorder: OpRecorder, num_inputs: int, output: torch.Tensor,
+    def __init__(self, recorder: OpRecorder, num_inputs: int, output: torch.Tensor | tuple[torch.Tensor, ...],
                  batch_size: int = 0, scaled: dict[Path, int] | None = None, script: bool = True) -> None:
-        out_slot = recorder.slot_of.get(id(output))
+        out_slot = output_slots(recorder, output)
         if out_slot is None:
             raise ValueError("the forward's output was not produced by a recorded op")
         self.calls = recorder.calls
@@ -64,7 +65,8 @@ class CapturedForward:
             for spec in list(args) + list(kwargs.values()):
                 for slot in used_slots(spec):
                     last_use[slot] = i
-        last_use[out_slot] = len(self.calls)  # returned: never released
+        for slot in _as_tuple(out_slot):
+            last_use[slot] = len(self.calls)  # returned: never released
         lines = ["def replay(" + "".join(f"v{i}, " for i in range(num_inputs)) + "n):"]
         for i, (func, args, kwargs, out) in enumerate(self.calls):
             rendered = [_expr(a, (i, j), const, self.scaled, prefixes) for j, a in enumerate(args)]
@@ -82,7 +84,7 @@ class CapturedForward:
             dead = [slot for slot, last in last_use.items() if last == i and slot >= num_inputs]
             if dead:
                 lines.append("    del " + ", ".join(f"v{s}" for s in dead))
-        lines.append(f"    return v{out_slot}")
+        lines.append(f"    return {_return_expr(out_slot)}")
         self.source = "\n".join(lines)
         exec(compile(self.source, "<decode capture>", "exec"), namespace)  # noqa: S102 - generated here, from op calls
         self._python = namespace["replay"]
@@ -106,6 +108,25 @@ class CapturedForward:
 
     def use_python_replay(self) -> None:
         self.replay = self.python_replay
+
+
+def output_slots(recorder: OpRecorder, output) -> int | tuple[int, ...] | None:
+    """The slot of a recorded forward's output, or a tuple of them where the
+    forward returns a tuple of tensors; None where any is not a recorded op's."""
+    if isinstance(output, tuple):
+        slots = tuple(recorder.slot_of.get(id(o)) for o in output)
+        return None if not slots or None in slots else slots
+    return recorder.slot_of.get(id(output))
+
+
+def _as_tuple(out_slot: int | tuple[int, ...]) -> tuple[int, ...]:
+    return out_slot if isinstance(out_slot, tuple) else (out_slot,)
+
+
+def _return_expr(out_slot: int | tuple[int, ...]) -> str:
+    if isinstance(out_slot, tuple):
+        return "(" + ", ".join(f"v{s}" for s in out_slot) + ("," if len(out_slot) == 1 else "") + ")"
+    return f"v{out_slot}"
 
 
 # Where a constant sits in a recording: (call index, argument index or
@@ -154,7 +175,8 @@ def _same_constant_tensor(a, b) -> bool:
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
-def unify(ref: CapturedForward, calls: list[tuple], out_slot: int, batch_size: int) -> dict[Path, int] | None:
+def unify(ref: CapturedForward, calls: list[tuple], out_slot: int | tuple[int, ...],
+          batch_size: int) -> dict[Path, int] | None:
     """The scaled ints under which `calls` (recorded at `batch_size`) is `ref`'s
     recording with `n = batch_size`, or None. Same ops in the same order, the
     same slots, the same tensor constants (or views of the same memory), equal other
@@ -227,7 +249,7 @@ def _literal(v, tensors: list[torch.Tensor], index: dict[int, int]) -> str:
     raise TypeError(f"no TorchScript literal for {type(v).__name__}")
 
 
-def _script(calls: list[tuple], num_inputs: int, out_slot: int,
+def _script(calls: list[tuple], num_inputs: int, out_slot: int | tuple[int, ...],
             scaled: dict[Path, int]) -> Callable[..., torch.Tensor] | None:
     """The recording as a TorchScript function, or None where it cannot be
     scripted. Why: the Python replay still pays ~1.5-4 us of Python and
@@ -247,9 +269,11 @@ def _script(calls: list[tuple], num_inputs: int, out_slot: int,
     def literal(v) -> str:
         return _literal(v, tensors, index)
 
+    returns = ("Tuple[" + ", ".join(["torch.Tensor"] * len(out_slot)) + "]" if isinstance(out_slot, tuple)
+               else "torch.Tensor")
     try:
         lines = ["def replay(" + "".join(f"v{i}: torch.Tensor, " for i in range(num_inputs))
-                 + "c: List[torch.Tensor], n: int) -> torch.Tensor:"]
+                 + f"c: List[torch.Tensor], n: int) -> {returns}:"]
         for i, (func, args, kwargs, out) in enumerate(calls):
             if not isinstance(func, torch._ops.OpOverload):
                 return None
@@ -264,8 +288,8 @@ def _script(calls: list[tuple], num_inputs: int, out_slot: int,
                 lines += [f"    v{o} = t{i}[{j}]" for j, o in enumerate(out) if o is not None]
             else:
                 lines.append(f"    {call}")
-        lines.append(f"    return v{out_slot}")
-        source = "import torch\nfrom typing import List\n\n" + "\n".join(lines) + "\n"
+        lines.append(f"    return {_return_expr(out_slot)}")
+        source = "import torch\nfrom typing import List, Tuple\n\n" + "\n".join(lines) + "\n"
         namespace: dict[str, object] = {"__name__": f"{__name__}._scripted_{id(calls)}"}
         # torch.jit.script reads the function's source through inspect/linecache.
         filename = f"<decode capture script {id(calls)}>"

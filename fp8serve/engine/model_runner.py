@@ -129,6 +129,9 @@ class ModelRunner:
         # Fresh prefills replayed at any token count between the kernels' row thresholds.
         self.prefill_captures = PrefillCaptures(self.model, self.attn_layers, self.backend, self.dtype,
                                                 enabled=not mc.enforce_eager and self.device.type == "cpu")
+        # Prefills without prompt logprobs run the last layer past attention on each sequence's last
+        # token only (the model's forward_head). An attribute so that benchmarks can measure it.
+        self.prune_last_layer = hasattr(self.model, "forward_head")
 
     # ------------------------------------------------------------------ setup
     def _apply_kv_scales(self) -> None:
@@ -306,26 +309,29 @@ class ModelRunner:
             tokens += n
         return groups
 
-    def _forward(self, seqs: list[Sequence], is_prefill: bool,
-                 num_new_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, seqs: list[Sequence], is_prefill: bool, num_new_tokens: list[int],
+                 last_rows_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states of every new token ([num_tokens, hidden_size]) and
-        query_start_loc ([num_seqs + 1]) for `seqs`. On CPU a big prefill runs
+        query_start_loc ([num_seqs + 1]) for `seqs`; or, for a decode step or
+        with `last_rows_only` (a prefill), those of each sequence's last new
+        token ([num_seqs, hidden_size]) and None. On CPU a big prefill runs
         as several forward passes over groups of sequences: the result is the
         same (attention never crosses sequences), and activations of ~4k
         tokens stay in cache where 8k tokens' went to DRAM and page faults."""
         if not is_prefill:  # one forward, one token per sequence
             input_ids, positions, md = self._prepare(seqs, is_prefill)
-            return self.decode_captures.forward(input_ids, positions, md), md.query_start_loc
+            return self.decode_captures.forward(input_ids, positions, md), None
         groups = (self._prefill_groups(seqs, num_new_tokens) if self.device.type == "cpu"
                   else [(seqs, num_new_tokens)])
         hiddens, starts, offset = [], [torch.zeros(1, dtype=torch.int64, device=self.device)], 0
         for group, group_new_tokens in groups:
             input_ids, positions, md = self._prepare(group, is_prefill, group_new_tokens)
-            hiddens.append(self.prefill_captures.forward(input_ids, positions, md))
+            logits_indices = md.query_start_loc[1:] - 1 if last_rows_only else None
+            hiddens.append(self.prefill_captures.forward(input_ids, positions, md, logits_indices))
             starts.append(md.query_start_loc[1:] + offset)
             offset += md.num_tokens
         hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
-        return hidden, torch.cat(starts)
+        return hidden, None if last_rows_only else torch.cat(starts)
 
     def _sampling_metadata(self, seqs: list[Sequence], eos_token_id: int | None) -> SamplingMetadata:
         """The step's SamplingMetadata; the previous step's when the rows carry
@@ -366,24 +372,23 @@ class ModelRunner:
         else:
             sampled_rows = [r for r, (s, n) in enumerate(zip(seqs, num_new_tokens))
                             if s.num_computed_tokens + n == s.num_tokens]
-        hidden, query_start_loc = self._forward(seqs, is_prefill, num_new_tokens)  # [num_tokens, hidden_size]
+        wants_prompt_logprobs = is_prefill and any(
+            self._prompt_logprobs_count(s, n) > 0 for s, n in zip(seqs, num_new_tokens))
+        # [num_tokens, hidden_size], or one row per sequence (query_start_loc None)
+        hidden, query_start_loc = self._forward(seqs, is_prefill, num_new_tokens,
+                                                last_rows_only=self.prune_last_layer and not wants_prompt_logprobs)
         if self._scales_pending_log:
             self._scales_pending_log = False
             for i, layer in enumerate(self.attn_layers):
                 logger.info("calculated KV scales: layer %d k_scale=%.6g v_scale=%.6g", i, layer._k_scale, layer._v_scale)
 
         prompt_logprobs: dict[int, PromptLogprobs] = {}
-        if is_prefill:
+        if wants_prompt_logprobs:
             for row, (s, n) in enumerate(zip(seqs, num_new_tokens)):
-                k = s.sampling_params.prompt_logprobs
-                # A resumed sequence (preempted earlier) already has them.
-                if k is None or s.prompt_logprobs is not None or s.num_prompt_tokens < 2:
-                    continue
-                # The logits at position p score prompt token p + 1, for p < num_prompt_tokens - 1.
-                first = s.num_computed_tokens
-                count = min(first + n, s.num_prompt_tokens - 1) - first
+                count = self._prompt_logprobs_count(s, n)
                 if count <= 0:
                     continue
+                k, first = s.sampling_params.prompt_logprobs, s.num_computed_tokens
                 start = int(query_start_loc[row])
                 h = hidden[start: start + count]
                 targets = torch.tensor(s.prompt_token_ids[first + 1: first + 1 + count], device=self.device)
@@ -393,12 +398,11 @@ class ModelRunner:
         if sampled_rows is not None and len(sampled_rows) < len(seqs):
             if not sampled_rows:
                 return ModelRunnerOutput(None, prompt_logprobs, sampled_rows)
-            rows = torch.tensor(sampled_rows, dtype=torch.int64, device=query_start_loc.device)
-            last_hidden = hidden.index_select(0, query_start_loc[rows + 1] - 1)
+            rows = torch.tensor(sampled_rows, dtype=torch.int64, device=hidden.device)
+            last_hidden = hidden.index_select(0, rows if query_start_loc is None else query_start_loc[rows + 1] - 1)
             sample_seqs = [seqs[r] for r in sampled_rows]
         else:
-            # A decode step's hidden states are already one row per sequence.
-            last_hidden = hidden.index_select(0, query_start_loc[1:] - 1) if is_prefill else hidden
+            last_hidden = hidden if query_start_loc is None else hidden.index_select(0, query_start_loc[1:] - 1)
             sample_seqs = seqs
         sampling = self._sampling_metadata(sample_seqs, eos_token_id)
         tokens = self._plain_greedy_tokens(last_hidden, sampling)
@@ -408,6 +412,17 @@ class ModelRunner:
             logits = self.model.compute_logits(last_hidden)  # [num_sampled, vocab]
             out = self.sampler(logits, sampling)
         return ModelRunnerOutput(out, prompt_logprobs, sampled_rows)
+
+    @staticmethod
+    def _prompt_logprobs_count(s: Sequence, num_new_tokens: int) -> int:
+        """How many of this step's positions of `s` score a prompt token that
+        asked for prompt logprobs (0 if it did not ask, or has them already:
+        a resumed sequence, preempted earlier). The logits at position p score
+        prompt token p + 1, for p < num_prompt_tokens - 1."""
+        if s.sampling_params.prompt_logprobs is None or s.prompt_logprobs is not None or s.num_prompt_tokens < 2:
+            return 0
+        first = s.num_computed_tokens
+        return min(first + num_new_tokens, s.num_prompt_tokens - 1) - first
 
     def _plain_greedy_tokens(self, hidden: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor | None:
         """The sampled tokens of a step whose rows all want the plain argmax

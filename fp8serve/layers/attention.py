@@ -55,8 +55,10 @@ class Attention(nn.Module):
         self.set_kv_scales(k, v, "calculated")
         self.calculate_kv_scales = False
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        # query: [num_tokens, num_heads * head_size]; key/value: [num_tokens, num_kv_heads * head_size]
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        # query: [num_tokens, num_heads * head_size]; key/value: [num_tokens, num_kv_heads * head_size].
+        # logits_indices: None (every token's output), or each sequence's last token (see the backend).
         metadata = get_attn_metadata()
         n = query.shape[0]
         q = query.view(n, self.num_heads, self.head_size)
@@ -74,5 +76,6 @@ class Attention(nn.Module):
             softmax_scale=self.softmax_scale,
             k_scale=self._k_scale if is_fp8 else 1.0,
             v_scale=self._v_scale if is_fp8 else 1.0,
+            logits_indices=logits_indices,
         )
-        return out.reshape(n, self.num_heads * self.head_size)
+        return out.reshape(out.shape[0], self.num_heads * self.head_size)

@@ -38,7 +38,8 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, prefix=f"{prefix}.attn"
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         n = hidden_states.shape[0]
         q, k, v = self.qkv_proj(hidden_states).split(
             [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(
             positions, q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
         )
-        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v)
+        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, logits_indices)
         return self.o_proj(out)
 
 
@@ -79,14 +80,20 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+        logits_indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits_indices`: None, or the rows to go on with after attention
+        (every token's K/V is still written): the last layer's, when only
+        those rows reach the LM head."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(positions, hidden_states, logits_indices)
+        if logits_indices is not None:
+            residual = residual.index_select(0, logits_indices)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -104,11 +111,28 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_head(positions, *self.forward_trunk(input_ids, positions), logits_indices)
+
+    def forward_trunk(self, input_ids: torch.Tensor,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer but the last: (hidden_states, residual) of every token."""
         hidden_states = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        return hidden_states, residual
+
+    def forward_head(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                     logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer and the final norm: the final hidden states of every
+        token, or of the rows `logits_indices` only. Why those alone: past the
+        last layer's attention (which still writes every token's K/V), rows
+        are independent, and a prefill samples from each sequence's last
+        token only: a 512-token prompt then skips 511 rows of the last
+        layer's attention, o_proj and MLP (the llama.cpp trick)."""
+        hidden_states, residual = self.layers[-1](positions, hidden_states, residual, logits_indices)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -141,8 +165,24 @@ class LlamaForCausalLM(nn.Module):
         ignored = ("rotary_emb.inv_freq",) + (("lm_head",) if cfg.tie_word_embeddings else ())
         return WeightsMapper(rules, ignored=ignored)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of every token, or of the rows `logits_indices`
+        only: each sequence's last token this step, the rows a prefill
+        samples from (attention backends rely on it: see
+        AttentionBackend.forward)."""
+        return self.model(input_ids, positions, logits_indices)
+
+    # The same forward in two parts, for recorded prefill forwards
+    # (engine/prefill_capture.py): the trunk's ops depend on the token count
+    # only, the head's on the number of sequences too.
+    def forward_trunk(self, input_ids: torch.Tensor,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.model.forward_trunk(input_ids, positions)
+
+    def forward_head(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                     logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.forward_head(positions, hidden_states, residual, logits_indices)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)

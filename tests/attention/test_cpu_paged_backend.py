@@ -277,3 +277,83 @@ def test_prefill_over_a_cached_context(cpu_paged_backend, seed, kv_cache_dtype, 
     err = ((out.double() - want.double()).abs().max() / want.double().abs().max()).item()
     # float32: rounding only; bf16: each side rounds its output (and the kernel P) to bf16.
     assert err < (1e-5 if compute_dtype == torch.float32 else 2**-6), f"seed={seed}: {err:.2e} relative"
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("cached", [False, True])
+def test_logits_indices_return_the_last_rows_of_the_full_output(cpu_paged_backend, seed, kv_cache_dtype,
+                                                                compute_dtype, cached):
+    """The last layer of a pruned prefill (`logits_indices`: each sequence's last new token) writes
+    every token's K/V as the full forward does, and returns the full output's rows at those indices:
+    bit for bit where the full forward ran the vector kernel (its context form with one query per
+    sequence takes the same keys in the same order), to bf16 rounding where it ran the AMX kernel;
+    the reference backend's rows bit for bit. Fresh prompts and prompts continuing cached contexts."""
+    from fp8serve.kernels import prefill_attention_ops
+
+    kv = compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv_name = str(kv).removeprefix("torch.") if isinstance(kv, torch.dtype) else kv
+    g = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_size, group = 3, 64, 3
+    num_heads = num_kv_heads * group
+    spec = KVCacheSpec(kv_name, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
+    contexts = [64, 16, 130, 48, 0] if cached else [0] * 5
+    new = [9, 1, 77, 16, 40] if cached else [33, 1, 150, 16, 200]
+    seq_lens = [c + n for c, n in zip(contexts, new)]
+    block_tables = scattered_block_tables(g, seq_lens)
+    width = max(len(bt) for bt in block_tables) + 1
+    slots = [bt[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for bt, c, n in zip(block_tables, contexts, new)
+             for p in range(c, c + n)]
+    query_start_loc = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist())
+
+    def metadata() -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots), block_tables=torch.tensor([bt + [NUM_BLOCKS] * (width - len(bt))
+                                                                         for bt in block_tables]),
+            seq_lens=torch.tensor(seq_lens), query_start_loc=query_start_loc, max_query_len=max(new),
+            max_seq_len=max(seq_lens), num_seqs=len(new), num_tokens=sum(new), null_block_id=NUM_BLOCKS,
+        )
+
+    n = sum(new)
+    query = torch.randn(n, num_heads, head_size, generator=g).to(compute_dtype)
+    key = (torch.randn(n, num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+    value = (torch.randn(n, num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+    scales = (K_SCALE, V_SCALE) if spec.fp8 is not None else (1.0, 1.0)
+    kwargs = dict(softmax_scale=head_size**-0.5, k_scale=scales[0], v_scale=scales[1])
+    logits_indices = query_start_loc[1:] - 1
+
+    for backend in (cpu_paged_backend(spec, compute_dtype), TorchSDPABackend(spec, compute_dtype)):
+        cache = backend.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
+        ctx_slots = torch.tensor([bt[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                                  for bt, c in zip(block_tables, contexts) for p in range(c)], dtype=torch.int64)
+        ck = (torch.randn(len(ctx_slots), num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+        cv = (torch.randn(len(ctx_slots), num_kv_heads, head_size, generator=g) * 2).to(compute_dtype)
+        backend.write_kv_cache(ck, cv, cache, ctx_slots, *scales)
+        cache_last = cache.clone()
+        md = metadata()
+        backend.build_metadata(md)
+        full = backend.forward(query, key, value, cache, md, **kwargs)
+        md = metadata()
+        backend.build_metadata(md)
+        last = backend.forward(query, key, value, cache_last, md, logits_indices=logits_indices, **kwargs)
+        where = f"seed={seed} {backend.name} {compute_dtype} {kv_name} cached={cached}"
+        assert torch.equal(cache.view(torch.uint8), cache_last.view(torch.uint8)), f"{where}: caches differ"
+        assert last.shape == (len(new), num_heads, head_size) and last.dtype == compute_dtype, where
+        want = full.index_select(0, logits_indices)
+        amx_full = (backend.name == "cpu_paged" and not cached and compute_dtype == torch.bfloat16
+                    and prefill_attention_ops.amx_available())
+        if amx_full:
+            err = ((last.double() - want.double()).abs().max() / want.double().abs().max()).item()
+            assert err < 2**-6, f"{where}: {err:.2e} relative"
+        else:
+            assert torch.equal(last, want), f"{where}: max diff {(last.float() - want.float()).abs().max():.3e}"
+        if backend.name == "cpu_paged":
+            md = metadata()
+            backend.build_metadata(md)
+            if backend.prefill_capture_inputs(md) is None:  # the reference path: it takes any rows
+                assert cached and compute_dtype == torch.bfloat16 and prefill_attention_ops.amx_available(), \
+                    f"{where}: the C++ kernels did not run"
+                continue
+            with pytest.raises(ValueError, match="each sequence's last token"):
+                backend.forward(query, key, value, cache_last.clone(), md, logits_indices=logits_indices[:-1],
+                                **kwargs)

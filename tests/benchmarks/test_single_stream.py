@@ -59,6 +59,16 @@ def test_smollm2_arithmetic(ss):
     # 512 tokens: 2 * 106168320 * 512; 2 * 28311552; 4 * 512^2/2 * 9 * 64 * 30.
     assert ss.prefill_flops(arch, 512) == {"linear": 108716359680, "lm_head": 56623104,
                                            "attention": 9059696640, "total": 117832679424}
+    # fp8serve's prefill: the last layer's MLP (576 x 3072 + 1536 x 576 = 2654208), q and o_proj (2 x 331776) on
+    # the last row only: 2 * 3317760 * 511 less; its attention: the last row over 512 keys (4 * 512 * 576)
+    # in place of half the square (4 * 512^2/2 * 576 = 301989888).
+    assert ss.prefill_flops(arch, 512, last_layer="pruned") == {
+        "linear": 108716359680 - 3390750720, "lm_head": 56623104, "attention": 9059696640 - 301989888 + 1179648,
+        "total": 114141118464}
+    # llama.cpp's: the last layer's MLP on the last row only.
+    assert ss.prefill_flops(arch, 512, last_layer="mlp_pruned")["linear"] == 108716359680 - 2 * 2654208 * 511
+    with pytest.raises(ValueError, match="last_layer must be one of"):
+        ss.prefill_flops(arch, 512, last_layer="some")
     # Tied embeddings: the lm_head matrix is read once.
     assert ss.config_weight_bytes(arch, 4, 4) == 537919488
     assert ss.config_weight_bytes(arch, 2, 2) == 268959744

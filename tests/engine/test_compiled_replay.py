@@ -33,6 +33,34 @@ def test_capture_replays_on_new_inputs(seed):
     assert recorded.tensor_constants[0].stride() == w.t().stride(), "the transpose was replayed, not folded"
 
 
+def test_a_tuple_output_replays_as_a_tuple(seed):
+    """A forward returning several tensors (a model's trunk: hidden states and
+    residual), one of them an input changed in place by a later op: both the
+    Python and the TorchScript replay return the tuple, and an output that no
+    recorded op produced is refused."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 8, generator=g)
+    x = torch.randn(3, 8, generator=g)
+
+    def f(inp):
+        residual = inp * 1.5
+        h = torch.nn.functional.linear(residual, w)
+        residual.add_(h)  # in place, as the fused add + RMSNorm does
+        return h.relu(), residual
+
+    out, recorded = capture(lambda: f(x), [x])
+    assert not isinstance(recorded, str), recorded
+    x2 = torch.randn(3, 8, generator=g)
+    want = f(x2)
+    assert recorded.script_replay is not None
+    for replay in (recorded.script_replay, recorded.python_replay):
+        got = replay(x2)
+        assert isinstance(got, tuple) and len(got) == 2, type(got)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed}"
+    _, refused = capture(lambda: (f(x)[0], w), [x])
+    assert isinstance(refused, str) and "not produced by a recorded op" in refused
+
+
 def test_views_of_constants_are_folded_and_stay_live(seed):
     """A view of constants only (the KV cache's unbind into K and V) is not
     replayed: its output is a constant that aliases the live tensor, so an

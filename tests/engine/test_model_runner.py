@@ -135,3 +135,57 @@ def test_sampling_metadata_that_depends_on_the_step_is_rebuilt(runner, seed, kin
                                torch.rand(4, generator=second.generators[0])), seed
     else:  # the penalty sees the new token
         assert second.output_token_ids.shape[1] == first.output_token_ids.shape[1] + 1, seed
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("bfloat16", "fp8_e4m3")])
+def test_pruned_prefills_generate_what_full_ones_do(tmp_path, seed, dtype, kv_cache_dtype):
+    """Prefills run the last layer past attention on each sequence's last token only
+    (`prune_last_layer`, the model's forward_head with logits_indices): greedy tokens, their
+    logprobs and prompt logprobs agree with an engine that runs every token through it, with
+    several prompts per step, chunks of a chunked prefill (rows sampled or not), prefix-cache
+    hits, and steps with prompt logprobs (which need every row: those run in full)."""
+    from engine_runs import run_requests
+
+    model_dir = write_tiny_llama(tmp_path / "llama", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=192)
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 512) for _ in range(12)]
+    requests = []
+    for i in range(12):
+        prompt = (shared if i % 4 == 0 else []) + [rng.randrange(3, 512) for _ in range(rng.randint(1, 40))]
+        requests.append((f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.0, logprobs=2,
+                                                         ignore_eos=True, prompt_logprobs=2 if i % 3 == 1 else None)))
+    heads: dict[str, dict[str, int]] = {}
+    outs = {}
+    for name in ("full", "pruned"):
+        engine = LLMEngine.from_args(str(model_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype, device="cpu",
+                                     block_size=BLOCK_SIZE, kv_cache_memory=1 << 20, max_model_len=64,
+                                     max_num_seqs=6, enable_chunked_prefill=True, max_num_batched_tokens=24,
+                                     enable_prefix_caching=True)
+        runner = engine.model_runner
+        assert runner.prune_last_layer, "pruning is on by default"
+        runner.prune_last_layer = name == "pruned"
+        calls = heads[name] = {"pruned": 0, "full": 0}
+        inner = runner.model.model
+
+        def counting(*a, _head=inner.forward_head, _calls=calls, **kw):
+            indices = a[3] if len(a) > 3 else kw.get("logits_indices")
+            _calls["full" if indices is None else "pruned"] += 1
+            return _head(*a, **kw)
+
+        inner.forward_head = counting
+        outs[name] = run_requests(engine, requests)
+    assert heads["full"]["pruned"] == 0 and heads["pruned"]["pruned"] > 0, heads
+    assert heads["pruned"]["full"] > 0, f"{heads}: no step with prompt logprobs ran in full"
+    # float32: a row through the head alone takes other kernels than in a GEMM of many rows (rounding).
+    # bf16 + FP8 KV: the same kernels on the vector path, but tolerance for bf16 rounding on AMX.
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for rid, _, _ in requests:
+        a, b = outs["pruned"][rid], outs["full"][rid]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"seed={seed} {rid}"
+        for t, la, lb in zip(b.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(la[t].logprob - lb[t].logprob) < tol, f"seed={seed} {rid}"
+        if b.prompt_logprobs is not None:
+            assert len(a.prompt_logprobs) == len(b.prompt_logprobs)
+            for t, la, lb in zip(b.prompt_token_ids[1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                assert abs(la[t].logprob - lb[t].logprob) < tol, f"seed={seed} {rid}"

@@ -52,12 +52,13 @@ def checked(engine: LLMEngine) -> list[tuple[int, bool]]:
     captures = engine.model_runner.prefill_captures
     forward, results = captures.forward, []
 
-    def checking(input_ids, positions, md):
+    def checking(input_ids, positions, md, logits_indices=None):
         before = captures.num_replays
-        out = forward(input_ids, positions, md)
+        out = forward(input_ids, positions, md, logits_indices)
         if captures.num_replays > before:
             out = out.clone()
-            results.append((md.num_tokens, torch.equal(out, captures._eager(input_ids, positions, md))))
+            results.append((md.num_tokens, torch.equal(out, captures._eager(input_ids, positions, md,
+                                                                            logits_indices))))
         return out
 
     captures.forward = checking

@@ -97,8 +97,8 @@ def test_a_batch_mixing_fresh_and_cached_prompts(model_dir, seed, monkeypatch):
     computed_at_call = []
     real_forward = model_runner.ModelRunner._forward
 
-    def forward(self, seqs, is_prefill, *args):
-        out = real_forward(self, seqs, is_prefill, *args)
+    def forward(self, seqs, is_prefill, *args, **kwargs):
+        out = real_forward(self, seqs, is_prefill, *args, **kwargs)
         if is_prefill:
             computed_at_call.append([[s.num_computed_tokens for s in g] for g, _ in groups[-1]])
         return out

@@ -63,7 +63,13 @@ class AttentionBackend(ABC):
         softmax_scale: float,
         k_scale: float,
         v_scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        logits_indices: torch.Tensor | None = None,  # [num_seqs] int64
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size], or [num_seqs, ...] with logits_indices
         """Write this step's K/V into the cache at `slot_mapping`, then attend
         causally over each sequence's cached context (the just-written tokens
-        included, so prefill sees exactly what decode will see)."""
+        included, so prefill sees exactly what decode will see).
+
+        `logits_indices`, when given, is the row of each sequence's last new
+        token, in order (query_start_loc[1:] - 1): only those rows' outputs
+        are returned (every token's K/V is still written), and a backend may
+        compute only those. Any other set of rows is a caller's error."""

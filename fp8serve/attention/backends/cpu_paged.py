@@ -89,15 +89,19 @@ class CpuPagedBackend(TorchSDPABackend):
         return reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping, self.spec.kv_cache_dtype,
                                  k_scale, v_scale, return_decoded=return_decoded)
 
-    def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale):
+    def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale,
+                logits_indices=None):
         md = metadata
         if not md.is_decode_only:
             if isinstance(md.backend_data, _ContextStep):
-                return self._context_prefill_kernel(query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale)
+                return self._context_prefill_kernel(query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale,
+                                                    logits_indices)
             if self.runs_fresh_prefill_kernel(md):
-                return self._fresh_prefill_kernel(query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale)
-            return super().forward(query, key, value, kv_cache, metadata,
-                                   softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+                return self._fresh_prefill_kernel(query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale,
+                                                  logits_indices)
+            return super().forward(query, key, value, kv_cache, metadata, softmax_scale=softmax_scale,
+                                   k_scale=k_scale, v_scale=v_scale, logits_indices=logits_indices)
+        # A decode step's rows are each sequence's last token already: logits_indices changes nothing.
         ops = load_cpu_ops()
         kv_format = KV_FORMATS[self.spec.kv_cache_dtype]
         # A 16/32-bit cache stores values as they are (as _store does); the
@@ -112,17 +116,38 @@ class CpuPagedBackend(TorchSDPABackend):
                                                 kv_format, float(softmax_scale * k_scale * decode_mult),
                                                 float(v_scale * decode_mult))
 
-    def _fresh_prefill_kernel(self, query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale):
+    def _fresh_prefill_kernel(self, query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale,
+                              logits_indices=None):
         """Write the cache, then attend to the K/V as stored (the decoded codes
         where the cache is lossy, so prefill sees what decode will read), with
         k_scale folded into the softmax scale and v_scale into the output."""
         lossy = self.spec.storage_dtype != self.compute_dtype
         decoded = self.write_kv_cache(key, value, kv_cache, md.slot_mapping, k_scale, v_scale, return_decoded=lossy)
         k, v = decoded if lossy else (key, value)
+        if logits_indices is not None:
+            # Each sequence's last token attends to all its keys: the context form with one query per sequence.
+            return self._last_rows(query, k, v, md, md.query_start_loc, softmax_scale * k_scale, v_scale,
+                                   logits_indices)
         return prefill_attention_ops.prefill_attention(query, k, v, md.query_start_loc,
                                                        softmax_scale * k_scale, v_scale)
 
-    def _context_prefill_kernel(self, query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale):
+    @staticmethod
+    def _last_rows(query, k, v, md, cu_seqlens_k, scale, out_scale, logits_indices):
+        """The attention output of each sequence's last token only
+        ([num_seqs, num_heads, head_size]): the context form of the prefill
+        kernel with one query per sequence, which takes the same keys in the
+        same order as the full form takes for that row (the rows come out bit
+        for bit as the full kernel's, tests/attention/backends)."""
+        if logits_indices.shape[0] != md.num_seqs:
+            raise ValueError(f"logits_indices must hold each sequence's last token: {md.num_seqs} rows, "
+                             f"got {logits_indices.shape[0]}")
+        cu_seqlens_q = torch.arange(md.num_seqs + 1, dtype=torch.int64, device=query.device)
+        return load_cpu_ops().prefill_attention_with_context(
+            query.index_select(0, logits_indices), k, v, cu_seqlens_q, cu_seqlens_k, float(scale), float(out_scale),
+            prefill_attention_ops.BEST_PATH)
+
+    def _context_prefill_kernel(self, query, key, value, kv_cache, md, softmax_scale, k_scale, v_scale,
+                                logits_indices=None):
         """Write the new K/V, then attend each sequence's new tokens to every
         position it has, read back from the cache as stored (decoded at scale
         1): the values a fresh prefill of the whole sequence attends to, in
@@ -137,6 +162,9 @@ class CpuPagedBackend(TorchSDPABackend):
         k, v = step.key_buf, step.value_buf  # each layer overwrites the previous one's
         ops.gather_cache(k_cache, step.slots, fmt, k)
         ops.gather_cache(v_cache, step.slots, fmt, v)
+        if logits_indices is not None:
+            return self._last_rows(query, k, v, md, step.cu_seqlens_k, softmax_scale * k_scale, v_scale,
+                                   logits_indices)
         # The op itself, as decode does (see the module docstring): the wrapper's checks of cu_seqlens_k
         # are tensor ops a recorded forward would replay every step; the op checks the same.
         return ops.prefill_attention_with_context(query, k, v, md.query_start_loc, step.cu_seqlens_k,

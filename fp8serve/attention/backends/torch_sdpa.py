@@ -121,7 +121,8 @@ class TorchSDPABackend(AttentionBackend):
         kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v_codes)
         return (self._load(k_codes), self._load(v_codes)) if return_decoded else None
 
-    def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale):
+    def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale,
+                logits_indices=None):
         md = metadata
         step: _StepData = md.backend_data
         num_kv_heads, head_size = key.shape[1], key.shape[2]
@@ -152,8 +153,12 @@ class TorchSDPABackend(AttentionBackend):
             is_causal=step.attn_mask is None,
         )  # [num_seqs, num_heads, max_query_len, head_size]
         out = out.transpose(1, 2).reshape(-1, num_heads, head_size)
+        # The reference computes every row and keeps the ones asked for (any rows).
         if step.pad_index is not None and not step.uniform:
-            out = out.index_select(0, step.pad_index)
+            rows = step.pad_index if logits_indices is None else step.pad_index.index_select(0, logits_indices)
+            out = out.index_select(0, rows)
+        elif logits_indices is not None:
+            out = out.index_select(0, logits_indices)
         if v_scale != 1.0:
             out = out * v_scale
         return out
