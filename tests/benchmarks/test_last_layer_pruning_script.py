@@ -49,9 +49,15 @@ def test_tiny_run(ops, tiny, tmp_path, capsys):
     assert set(rows) == {20, 90}
     for n, r in rows.items():
         assert r[1] == "3" and float(r[2]) > 0 and float(r[3]) > 0
-        assert 0 < float(r[6].rstrip("%")) < 100
+        full_best, pruned_best = (float(x) for x in r[6].split("/"))
+        # the best steps: no slower than the median rounds (printed to 0.1 ms)
+        assert 0 < full_best <= float(r[2]) + 0.05 and 0 < pruned_best <= float(r[3]) + 0.05
+        # the ratio of the unrounded times, within the rounding of the two printed ones
+        lo, hi = (full_best - 0.05) / (pruned_best + 0.05), (full_best + 0.05) / max(pruned_best - 0.05, 1e-9)
+        assert lo - 0.0005 <= float(r[7].rstrip("x")) <= hi + 0.0005
+        assert 0 < float(r[8].rstrip("%")) < 100
         # float32: rows through the head alone round differently (~1e-6), no near-tie at random weights.
-        assert r[7] == "True"
+        assert r[9] == "True"
     assert "recorded prefill forwards replayed in" in out
 
 
@@ -61,7 +67,7 @@ def test_tiny_run_over_a_cached_prefix(ops, tiny, capsys):
                             "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     assert "continues a cached 64-token prefix" in out and "| new tokens |" in out
-    assert _rows(out)[10][7] == "True"
+    assert _rows(out)[10][9] == "True"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -70,6 +76,7 @@ def test_tiny_run_over_a_cached_prefix(ops, tiny, capsys):
     (["--lengths", "a"], "--lengths"),
     (["--batch", "0"], "--batch"),
     (["--rounds", "0"], "--rounds"),
+    (["--repeats", "0"], "--repeats"),
     (["--output", "/nonexistent/dir/t.md"], "--output"),
 ])
 def test_bad_arguments(argv, message, capsys):
