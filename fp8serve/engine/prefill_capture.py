@@ -15,14 +15,16 @@ recorded included (benchmarks/results/prefill_capture_2026-12-04_zen4.md).
 
 How: as for decode (decode_capture.py), one forward runs under the op
 recorder and becomes straight-line Python (compiled_replay.CapturedForward).
-What is recorded is the model's trunk, every layer but the last (its
-outputs: hidden states and residual); the head (the last layer and the
-final norm) runs eagerly after each replay, since a prefill runs it past
-attention on each sequence's last token only (the model's forward_head
-with `logits_indices`): its row counts follow the number of prompts,
-which no recording could replay at every count. One layer's module tree
-costs ~0.3-0.4 ms of Python (default model, Zen 4): less than the head
-saves from 32 tokens on (1.17 ms for 32 rows through it, 0.81 ms for one).
+The model's trunk (every layer but the last; outputs: hidden states and
+residual) and its head (the last layer and the final norm) are recorded
+apart: a prefill runs the head past attention on each sequence's last
+token only (the model's forward_head with `logits_indices`), so the
+head's row counts follow the number of prompts as well as the token
+count, and its recordings are keyed by that number (a step with prompt
+logprobs, every row through the head, under a key of its own). A trunk
+replay whose head has no recording yet runs the head eagerly: one
+layer's module tree, ~0.3-0.4 ms of Python on the default model (Zen 4),
+which a single-prompt chat then pays only until its head is recorded.
 A recording at one token count replays that count; a second recording at
 another count in the same segment (below) is unified with the first
 (`unify`: the same ops, every int that differs is k times the token count
@@ -115,7 +117,8 @@ class PrefillCaptures:
         self._logged = False
         self.num_replays = 0  # prefill forwards served by a replay
         self.num_context_replays = 0  # those of prefills continuing cached contexts
-        self.num_recorded = 0  # recordings made
+        self.num_head_replays = 0  # prefill heads (last layer, final norm) served by a replay
+        self.num_recorded = 0  # recordings made (trunks and heads)
 
     def reset(self) -> None:
         """Forget every recording and ask the linear methods for their row
@@ -163,62 +166,83 @@ class PrefillCaptures:
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """The step's final hidden states: of every token, or of the rows
         `logits_indices` (each sequence's last token, see the model's
-        `forward`). What is recorded is the model's trunk (every layer but
-        the last); the head runs eagerly after it, since its row counts
-        depend on the number of sequences, not the token count alone."""
+        `forward`). The model's trunk (every layer but the last) and its head
+        (the last layer, the final norm) are recorded apart: the head's ops
+        depend on the number of sequences too (its rows past attention), so
+        its recordings are keyed by it as well, and a head whose key has no
+        recording yet runs eagerly after a replayed trunk."""
         extra = self.backend.prefill_capture_inputs(md) if self.enabled else None
         if extra is None or any(a.kv_observer is not None or a.calculate_kv_scales for a in self.attn_layers):
             return self._eager(input_ids, positions, md, logits_indices)
         n = md.num_tokens
         # Fresh prefills and those continuing cached contexts (extra inputs) run different ops.
         key = (len(extra), self.segment_of(n)) + tuple((a._k_scale, a._v_scale) for a in self.attn_layers)
+        inputs = (input_ids, positions, md.slot_mapping, md.query_start_loc) + tuple(extra)
+        trunk, how = self._serve(("trunk",) + key, n, inputs, lambda: self._trunk(input_ids, positions, md))
+        if how == "eager":
+            return self._eager(input_ids, positions, md, logits_indices)
+        if how == "replayed":
+            self.num_replays += 1
+            self.num_context_replays += bool(extra)
+        if trunk[1] is None:  # a one-layer model: no residual yet
+            return self._head(positions, trunk, md, logits_indices)
+        pruned = logits_indices is not None
+        head_inputs = (positions, trunk[0], trunk[1], md.slot_mapping, md.query_start_loc) + (
+            (logits_indices,) if pruned else ()) + tuple(extra)
+        head_key = ("head", md.num_seqs if pruned else None) + key
+        out, how = self._serve(head_key, n, head_inputs, lambda: self._head(positions, trunk, md, logits_indices))
+        if how == "eager":
+            return self._head(positions, trunk, md, logits_indices)
+        self.num_head_replays += how == "replayed"
+        return out
+
+    def _serve(self, key: tuple, n: int, inputs: tuple[torch.Tensor, ...], run) -> tuple[object, str]:
+        """`run()`'s output for this step from the recording under `key`:
+        (output, "replayed"), or (output, "recorded") where this step was
+        recorded, or (None, "eager") where the caller runs it eagerly."""
         seg = self._segments.get(key)
         if seg is None:
             seg = self._segments[key] = _Segment()
-        inputs = (input_ids, positions, md.slot_mapping, md.query_start_loc) + tuple(extra)
         fwd = seg.forward
         if fwd is not None and (seg.general or fwd.batch_size == n):
-            self.num_replays += 1
-            self.num_context_replays += bool(extra)
-            trunk = (fwd if fwd.batch_size == n else fwd.bind(n)).replay(*inputs)
-            return self._head(positions, trunk, md, logits_indices)
+            return (fwd if fwd.batch_size == n else fwd.bind(n)).replay(*inputs), "replayed"
         if seg.disabled or (fwd is not None and seg.exact_only):
-            return self._eager(input_ids, positions, md, logits_indices)
+            return None, "eager"
         if seg.eager_steps < self.record_after:
             seg.eager_steps += 1
-            return self._eager(input_ids, positions, md, logits_indices)
+            return None, "eager"
         seg.eager_steps = 0
-        trunk, recorder = record(lambda: self._trunk(input_ids, positions, md), inputs)
+        output, recorder = record(run, inputs)
         self.num_recorded += 1
-        output = self._head(positions, trunk, md, logits_indices)
-        out_slot = output_slots(recorder, trunk)
+        out_slot = output_slots(recorder, output)
+        what = f"prefill {key[0]}s"
         if out_slot is None:
-            seg.disabled = "the trunk's outputs were not produced by recorded ops"
-            return output
+            seg.disabled = "the outputs were not produced by recorded ops"
+            return output, "recorded"
         if fwd is None:
             try:
-                fwd = CapturedForward(recorder, len(inputs), trunk, n, script=False)
+                fwd = CapturedForward(recorder, len(inputs), output, n, script=False)
             except ValueError as e:
                 seg.disabled = str(e)
             else:
                 seg.disabled = foreign_constants(self.model, self.attn_layers, fwd)
             if seg.disabled:
-                logger.warning("prefill forwards of %d tokens run eagerly: %s", n, seg.disabled)
-                return output
+                logger.warning("%s of %d tokens run eagerly: %s", what, n, seg.disabled)
+                return output, "recorded"
             seg.forward = fwd
         else:
             scaled = unify(fwd, recorder.calls, out_slot, n)
             if scaled is None:
                 # A row threshold no `row_breakpoints` lists, or a size not proportional to the
                 # token count: keep replaying the first count only.
-                logger.info("prefill forwards of %d and %d tokens differ beyond their token count: only %d "
-                            "tokens replay in that range", fwd.batch_size, n, fwd.batch_size)
+                logger.info("%s of %d and %d tokens differ beyond their token count: only %d tokens replay in "
+                            "that range", what, fwd.batch_size, n, fwd.batch_size)
                 seg.exact_only = True
-                return output
-            seg.forward = CapturedForward(recorder, len(inputs), trunk, n, scaled)
+                return output, "recorded"
+            seg.forward = CapturedForward(recorder, len(inputs), output, n, scaled)
             seg.general = True
         if not self._logged:
             logger.info("prefill forwards are recorded and replayed at any token count between the kernels' "
                         "row thresholds (--enforce-eager: off)")
             self._logged = True
-        return output
+        return output, "recorded"

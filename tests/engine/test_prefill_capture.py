@@ -189,7 +189,7 @@ def test_context_prefill_replays_equal_eager(ops, llama_dir, fp8_dir, seed, chec
     results = checked(engine)
     tokens = [prefill(engine, prompts) for prompts in steps]
     captures = engine.model_runner.prefill_captures
-    context_segments = [s for k, s in captures._segments.items() if k[0] > 0]
+    context_segments = [s for k, s in captures._segments.items() if k[0] == "trunk" and k[1] > 0]
     if prefill_attention_ops.applies_with_context(getattr(torch, dtype), 512, 1):
         assert any(s.general for s in context_segments), f"seed={seed}: no context forward took other token counts"
         assert captures.num_context_replays > 0, f"seed={seed}"
@@ -229,10 +229,12 @@ def test_a_segment_records_after_its_eager_prefills(ops, llama_dir, seed):
     counts = [300, 301, 302, 303, 304, 305]
     for n in counts:
         prefill(engine, prompts_of(rng, [n]))
-    # 300, 301 eager; 302 recorded; 303, 304 eager (another count); 305 recorded and unified.
+    # 300, 301 eager; 302 recorded; 303, 304 eager (another count); 305 recorded and unified. The head
+    # counts its own eager steps from the first replayed or recorded trunk: 302 and 305 eager.
     assert captures.num_recorded == 2 and captures.num_replays == 0, f"seed={seed}"
     prefill(engine, prompts_of(rng, [310]))
-    assert captures.num_replays == 1, f"seed={seed}"
+    assert captures.num_replays == 1 and captures.num_recorded == 3, f"seed={seed}"  # the head recorded at 310
+    assert captures.num_head_replays == 0, f"seed={seed}"
     with pytest.raises(ValueError, match="record_after"):
         PrefillCaptures(engine.model_runner.model, [], engine.model_runner.backend, torch.bfloat16, True,
                         record_after=-1)
@@ -243,13 +245,43 @@ def test_reset_forgets_recordings_and_keeps_a_disabled_capture_off(ops, llama_di
     engine = make_engine(llama_dir, dtype="bfloat16")
     captures = engine.model_runner.prefill_captures
     prefill(engine, prompts_of(rng, [300]))
-    assert captures.num_recorded == 1
+    assert captures.num_recorded == 2  # the trunk and the head
     prefill(engine, prompts_of(rng, [300]))
-    assert captures.num_replays == 1, f"seed={seed}"
+    assert captures.num_replays == 1 and captures.num_head_replays == 1, f"seed={seed}"
     captures.reset()
     assert captures.num_recorded == 0 and captures.enabled
     prefill(engine, prompts_of(rng, [300]))  # recorded again, not replayed
-    assert captures.num_recorded == 1 and captures.num_replays == 1, f"seed={seed}"
+    assert captures.num_recorded == 2 and captures.num_replays == 1, f"seed={seed}"
     captures.enabled = False
     captures.reset()
     assert not captures.enabled
+
+
+def test_heads_are_recorded_per_number_of_prompts(ops, llama_dir, seed):
+    """The head (last layer, final norm) runs past attention on each prompt's last token: its
+    recordings are keyed by the number of prompts too, unified across token counts like the trunk's;
+    steps with prompt logprobs run it on every row, under a key of their own. Every replay, heads
+    included, equals the eager forward of its step."""
+    rng = random.Random(seed)
+    engine = make_engine(llama_dir, dtype="bfloat16")
+    captures = engine.model_runner.prefill_captures
+    results = checked(engine)
+    for n in (300, 301):  # trunk and head recorded at 300, again at 301 and unified
+        prefill(engine, prompts_of(rng, [n]))
+    assert captures.num_recorded == 4 and captures.num_head_replays == 0, f"seed={seed}"
+    prefill(engine, prompts_of(rng, [310]))
+    assert captures.num_replays == 1 and captures.num_head_replays == 1, f"seed={seed}"
+    prefill(engine, prompts_of(rng, [150, 160]))  # two prompts, 310 tokens: the trunk replays, a new head
+    assert captures.num_replays == 2 and captures.num_head_replays == 1 and captures.num_recorded == 5
+    prefill(engine, prompts_of(rng, [100, 212]))  # recorded again at 312 and unified
+    assert captures.num_head_replays == 1 and captures.num_recorded == 6, f"seed={seed}"
+    prefill(engine, prompts_of(rng, [50, 270]))
+    assert captures.num_head_replays == 2, f"seed={seed}"
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    engine.add_request("logprobs", {"prompt_token_ids": prompts_of(rng, [305])[0]}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert captures.num_replays == 5 and captures.num_recorded == 7, f"seed={seed}: every row's head recorded"
+    heads = {k[1] for k in captures._segments if k[0] == "head"}
+    assert heads == {1, 2, None}, heads
+    assert len(results) == 5 and all(same for _, same in results), f"seed={seed}: {results}"
