@@ -6,8 +6,8 @@ same engine running it on every token, inside whole engine prefill steps.
 
 Two engines on one checkpoint live in one process, identical but for
 `prune_last_layer`; both record and replay their prefill forwards
-(engine/prefill_capture.py: the trunk is recorded, the head runs eagerly in
-both). Before timing each engine prefills every --lengths count and the
+(engine/prefill_capture.py: the trunk, and the head under a key that
+includes the number of prompts). Before timing each engine prefills every --lengths count and the
 count one below it, so every segment is recorded twice and generalized.
 Then --rounds rounds alternate the engines (ABBA), each running, for every
 count, --repeats engine steps that prefill --batch prompts of that many
@@ -19,9 +19,9 @@ by the host now and then: a best step is the least disturbed), the
 share of the prefill's FLOPs the pruned engine skips (from config.json:
 q, attention, o_proj and MLP of every row but the last in the last layer),
 and whether both engines sampled the same first tokens in every round. The
-script stops with an error if the pruned engine ran the head of a timed
-step in full, or the full engine pruned one (calls of forward_head are
-counted; a step of many prompts may run several forwards).
+script stops with an error if the pruned engine ran a forward of a timed
+step in full, or the full engine pruned one (the prefill forwards are
+counted; a step of many prompts may run several).
 
 --context N: prefix caching on in both engines, and every prompt is one
 shared N-token prefix (cached by both engines before anything is timed)
@@ -111,15 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(runner.model, "forward_head"):
             raise SystemExit(f"{type(runner.model).__name__} has no forward_head: nothing to compare")
         runner.prune_last_layer = name == "pruned"
-        runner.prefill_captures.record_after = 0
-        inner = runner.model.model  # LlamaModel: its forward and the captures' head both call forward_head
+        captures = runner.prefill_captures
+        captures.record_after = 0
 
-        def counting(*a, _head=inner.forward_head, _calls=heads[name], **kw):
-            indices = a[3] if len(a) > 3 else kw.get("logits_indices")
-            _calls["full" if indices is None else "pruned"] += 1
-            return _head(*a, **kw)
+        # Every prefill forward goes through here, replayed or eager: count those asked for the last rows only.
+        def counting(input_ids, positions, md, logits_indices=None, _forward=captures.forward, _calls=heads[name]):
+            _calls["full" if logits_indices is None else "pruned"] += 1
+            return _forward(input_ids, positions, md, logits_indices)
 
-        inner.forward_head = counting
+        captures.forward = counting
     prefix = [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab) for _ in range(args.context)]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     same = {n: True for n in counts}
     before = {name: dict(c) for name, c in heads.items()}
     replays_before = {name: e.model_runner.prefill_captures.num_replays for name, e in engines.items()}
+    head_replays_before = {name: e.model_runner.prefill_captures.num_head_replays for name, e in engines.items()}
     for r in range(args.rounds):
         # Each repeat its own prompts (with --context the second of the same ones would hit the cache).
         prompts = {n: [draw(n) for _ in range(args.repeats)] for n in counts}
@@ -170,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     timed = args.rounds * len(counts) * args.repeats
     if heads["pruned"]["pruned"] - before["pruned"]["pruned"] < timed or heads["pruned"]["full"] != before[
             "pruned"]["full"] or heads["full"]["pruned"] != 0:
-        raise SystemExit(f"forward_head calls {heads} (before timing {before}): the pruned engine ran a head of its "
+        raise SystemExit(f"prefill forwards {heads} (before timing {before}): the pruned engine ran one of its "
                          f"{timed} timed steps in full, or the full engine pruned one: not what the table claims")
     replays = {name: e.model_runner.prefill_captures.num_replays - replays_before[name] for name, e in engines.items()}
+    head_replays = {name: e.model_runner.prefill_captures.num_head_replays - head_replays_before[name]
+                    for name, e in engines.items()}
 
     lines = [f"# fp8serve last-layer pruning in prefills — "
              f"{_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
               f"rounds, {args.repeats} steps of {args.batch} prompt(s) per count per engine per round (a round's "
               f"time: their median); recorded prefill "
               f"forwards replayed in {replays['full']} (full) and {replays['pruned']} (pruned) of {timed} timed "
-              "steps each" + (f"; every prompt continues a cached {args.context}-token prefix (prefix caching on): "
+              f"steps each, their heads in {head_replays['full']} and {head_replays['pruned']}" + (f"; every prompt continues a cached {args.context}-token prefix (prefix caching on): "
                               "the counts are the new tokens a step computes" if prefix else ""),
               "",
               f"| {'new' if prefix else 'prompt'} tokens | prompts/step | full ms | pruned ms | speedup (median) "

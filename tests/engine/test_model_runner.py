@@ -140,7 +140,7 @@ def test_sampling_metadata_that_depends_on_the_step_is_rebuilt(runner, seed, kin
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("bfloat16", "fp8_e4m3")])
 def test_pruned_prefills_generate_what_full_ones_do(tmp_path, seed, dtype, kv_cache_dtype):
     """Prefills run the last layer past attention on each sequence's last token only
-    (`prune_last_layer`, the model's forward_head with logits_indices): greedy tokens, their
+    (`prune_last_layer`, the model's head with logits_indices): greedy tokens, their
     logprobs and prompt logprobs agree with an engine that runs every token through it, with
     several prompts per step, chunks of a chunked prefill (rows sampled or not), prefix-cache
     hits, and steps with prompt logprobs (which need every row: those run in full)."""
@@ -166,14 +166,14 @@ def test_pruned_prefills_generate_what_full_ones_do(tmp_path, seed, dtype, kv_ca
         assert runner.prune_last_layer, "pruning is on by default"
         runner.prune_last_layer = name == "pruned"
         calls = heads[name] = {"pruned": 0, "full": 0}
-        inner = runner.model.model
+        captures = runner.prefill_captures
 
-        def counting(*a, _head=inner.forward_head, _calls=calls, **kw):
-            indices = a[3] if len(a) > 3 else kw.get("logits_indices")
-            _calls["full" if indices is None else "pruned"] += 1
-            return _head(*a, **kw)
+        # Every prefill forward, replayed or eager.
+        def counting(input_ids, positions, md, logits_indices=None, _forward=captures.forward, _calls=calls):
+            _calls["full" if logits_indices is None else "pruned"] += 1
+            return _forward(input_ids, positions, md, logits_indices)
 
-        inner.forward_head = counting
+        captures.forward = counting
         outs[name] = run_requests(engine, requests)
     assert heads["full"]["pruned"] == 0 and heads["pruned"]["pruned"] > 0, heads
     assert heads["pruned"]["full"] > 0, f"{heads}: no step with prompt logprobs ran in full"
