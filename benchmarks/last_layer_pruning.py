@@ -5,7 +5,8 @@ sequence's last token only (the model's `forward_head` with
 same engine running it on every token, inside whole engine prefill steps.
 
 Two engines on one checkpoint live in one process, identical but for
-`prune_last_layer`; both record and replay their prefill forwards
+`prune_last_layer` (the pruned engine prunes at every count, below the
+engine's MIN_MEAN_TOKENS_TO_PRUNE too: these runs chose it); both record and replay their prefill forwards
 (engine/prefill_capture.py: the trunk, and the head under a key that
 includes the number of prompts). Before timing each engine prefills every --lengths count and the
 count one below it, so every segment is recorded twice and generalized.
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(runner.model, "forward_head"):
             raise SystemExit(f"{type(runner.model).__name__} has no forward_head: nothing to compare")
         runner.prune_last_layer = name == "pruned"
+        runner.min_mean_tokens_to_prune = 1  # at every count: what set the engine's threshold
         captures = runner.prefill_captures
         captures.record_after = 0
 

@@ -45,6 +45,15 @@ logger = logging.getLogger(__name__)
 # per token at 2048-4096 tokens per pass, 0.34-0.35 at 8192, 0.31-0.34 at
 # 512-1024 (too little work per matmul).
 PREFILL_TOKENS_PER_FORWARD = 4096
+# A prefill forward runs its last layer past attention on each prompt's last
+# token only where its prompts average this many new tokens: below it the
+# full rows take the decode kernels, which read each weight once whatever
+# the row count, so the few rows saved cost little and the pruned layer's
+# extra ops (row selections, the context form of the attention) cost as
+# much. Default model, bf16, one Zen 4 process: 16 tokens 0.97-0.99x,
+# 24 (after a cached prefix) 1.02-1.09x, 32 1.02-1.03x
+# (benchmarks/results/last_layer_pruning_2026-12-04_zen4*.md).
+MIN_MEAN_TOKENS_TO_PRUNE = 24
 
 
 @dataclass
@@ -132,6 +141,7 @@ class ModelRunner:
         # Prefills without prompt logprobs run the last layer past attention on each sequence's last
         # token only (the model's forward_head). An attribute so that benchmarks can measure it.
         self.prune_last_layer = hasattr(self.model, "forward_head")
+        self.min_mean_tokens_to_prune = MIN_MEAN_TOKENS_TO_PRUNE
 
     # ------------------------------------------------------------------ setup
     def _apply_kv_scales(self) -> None:
@@ -314,7 +324,9 @@ class ModelRunner:
         """Hidden states of every new token ([num_tokens, hidden_size]) and
         query_start_loc ([num_seqs + 1]) for `seqs`; or, for a decode step or
         with `last_rows_only` (a prefill), those of each sequence's last new
-        token ([num_seqs, hidden_size]) and None. On CPU a big prefill runs
+        token ([num_seqs, hidden_size]) and None (a forward whose prompts
+        average MIN_MEAN_TOKENS_TO_PRUNE new tokens runs its last layer on
+        those rows only, a shorter one on every row). On CPU a big prefill runs
         as several forward passes over groups of sequences: the result is the
         same (attention never crosses sequences), and activations of ~4k
         tokens stay in cache where 8k tokens' went to DRAM and page faults."""
@@ -326,8 +338,11 @@ class ModelRunner:
         hiddens, starts, offset = [], [torch.zeros(1, dtype=torch.int64, device=self.device)], 0
         for group, group_new_tokens in groups:
             input_ids, positions, md = self._prepare(group, is_prefill, group_new_tokens)
-            logits_indices = md.query_start_loc[1:] - 1 if last_rows_only else None
+            prune = last_rows_only and md.num_tokens >= self.min_mean_tokens_to_prune * md.num_seqs
+            logits_indices = md.query_start_loc[1:] - 1 if prune else None
             hiddens.append(self.prefill_captures.forward(input_ids, positions, md, logits_indices))
+            if last_rows_only and not prune:  # every row computed, the last ones asked for
+                hiddens[-1] = hiddens[-1].index_select(0, md.query_start_loc[1:] - 1)
             starts.append(md.query_start_loc[1:] + offset)
             offset += md.num_tokens
         hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
