@@ -207,6 +207,14 @@ def test_bf16_fresh_prefill_runs_the_amx_kernel(cpu_paged_backend, seed, kv_cach
     assert err < 2**-6, f"seed={seed}: AMX prefill differs from TorchSDPABackend by {err:.2e} (relative)"
 
 
+def context_spec(kv_cache_dtype: str, compute_dtype: torch.dtype) -> tuple[str, KVCacheSpec]:
+    """The cache of the cached-context tests: 3 KV heads of 64 (9 query heads), "auto" storing the
+    compute dtype."""
+    kv = compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv_name = str(kv).removeprefix("torch.") if isinstance(kv, torch.dtype) else kv
+    return kv_name, KVCacheSpec(kv_name, BLOCK_SIZE, 3, 64, num_layers=1)
+
+
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
 def test_prefill_over_a_cached_context(cpu_paged_backend, seed, kv_cache_dtype, compute_dtype, monkeypatch):
@@ -217,12 +225,10 @@ def test_prefill_over_a_cached_context(cpu_paged_backend, seed, kv_cache_dtype, 
     import fp8serve.attention.backends.cpu_paged as cpu_paged_module
     from fp8serve.kernels import prefill_attention_ops
 
-    kv = compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    kv_name = str(kv).removeprefix("torch.") if isinstance(kv, torch.dtype) else kv
+    kv_name, spec = context_spec(kv_cache_dtype, compute_dtype)
     g = torch.Generator().manual_seed(seed)
-    num_kv_heads, head_size, group = 3, 64, 3
-    num_heads = num_kv_heads * group
-    spec = KVCacheSpec(kv_name, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
+    num_kv_heads, head_size = spec.num_kv_heads, spec.head_size
+    num_heads = num_kv_heads * 3
     paged = cpu_paged_backend(spec, compute_dtype)
     reference = TorchSDPABackend(spec, compute_dtype)
     cache = paged.allocate_kv_cache(NUM_BLOCKS, torch.device("cpu"))
@@ -291,12 +297,10 @@ def test_logits_indices_return_the_last_rows_of_the_full_output(cpu_paged_backen
     the reference backend's rows bit for bit. Fresh prompts and prompts continuing cached contexts."""
     from fp8serve.kernels import prefill_attention_ops
 
-    kv = compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    kv_name = str(kv).removeprefix("torch.") if isinstance(kv, torch.dtype) else kv
+    kv_name, spec = context_spec(kv_cache_dtype, compute_dtype)
     g = torch.Generator().manual_seed(seed)
-    num_kv_heads, head_size, group = 3, 64, 3
-    num_heads = num_kv_heads * group
-    spec = KVCacheSpec(kv_name, BLOCK_SIZE, num_kv_heads, head_size, num_layers=1)
+    num_kv_heads, head_size = spec.num_kv_heads, spec.head_size
+    num_heads = num_kv_heads * 3
     contexts = [64, 16, 130, 48, 0] if cached else [0] * 5
     new = [9, 1, 77, 16, 40] if cached else [33, 1, 150, 16, 200]
     seq_lens = [c + n for c, n in zip(contexts, new)]
