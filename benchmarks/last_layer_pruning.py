@@ -187,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
               f"rounds, {args.repeats} steps of {args.batch} prompt(s) per count per engine per round (a round's "
               f"time: their median); recorded prefill "
               f"forwards replayed in {replays['full']} (full) and {replays['pruned']} (pruned) of {timed} timed "
-              f"steps each, their heads in {head_replays['full']} and {head_replays['pruned']}" + (f"; every prompt continues a cached {args.context}-token prefix (prefix caching on): "
-                              "the counts are the new tokens a step computes" if prefix else ""),
+              f"steps each, their heads in {head_replays['full']} and {head_replays['pruned']}"
+              + (f"; every prompt continues a cached {args.context}-token prefix (prefix caching on): "
+                 "the counts are the new tokens a step computes" if prefix else ""),
               "",
               f"| {'new' if prefix else 'prompt'} tokens | prompts/step | full ms | pruned ms | speedup (median) "
               "| by round min / max | best steps ms (full / pruned) | speedup (best) | FLOPs skipped "

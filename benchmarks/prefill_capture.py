@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             prefill_step(engine, draw()[n])
             prefill_step(engine, draw()[n][:-1])  # new tokens: the first's would hit the prefix cache
     recorded = captures.num_recorded
-    general = sum(1 for s in captures._segments.values() if s.general)
+    general = {part: sum(1 for k, s in captures._segments.items() if s.general and k[0] == part)
+               for part in ("trunk", "head")}
 
     times = {name: {n: [] for n in counts} for name in engines}
     same = {n: True for n in counts}
@@ -156,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
              f"command: {command_line(argv)}"]
     lines += describe_machine(machine_info())
     lines += [f"model: {model}, --dtype {args.dtype}, --kv-cache-dtype {args.kv_cache_dtype}; {args.rounds} ABBA "
-              f"rounds, one prefill step per count per engine per round; {recorded} recordings before timing "
-              f"({general} segments generalized); every timed step of the replayed engine replayed"
+              f"rounds, one prefill step per count per engine per round; {recorded} recordings before timing, "
+              f"trunks and heads ({general['trunk']} trunk and {general['head']} head segments generalized); "
+              "every timed step of the replayed engine replayed"
               + (f"; every prompt continues a cached {args.context}-token prefix (prefix caching on in both "
                  f"engines): the counts below are the new tokens a step computes" if prefix else ""),
               "",

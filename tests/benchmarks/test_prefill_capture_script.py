@@ -34,7 +34,8 @@ def test_tiny_run(ops, tiny, tmp_path, capsys):
         assert r[1] == ("yes" if n in (100, 300) else "no")
         assert float(r[2]) > 0 and float(r[3]) > 0
         assert r[6] == "True"
-    assert "4 recordings before timing (2 segments generalized)" in out
+    # Each count and the one below it, trunk and head (engine/prefill_capture.py).
+    assert "8 recordings before timing, trunks and heads (2 trunk and 2 head segments generalized)" in out
 
 
 def test_tiny_run_over_a_cached_prefix(ops, tiny, capsys):
