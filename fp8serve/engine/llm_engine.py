@@ -20,7 +20,7 @@ from fp8serve.engine.detokenizer import IncrementalDetokenizer
 from fp8serve.engine.model_runner import ModelRunner, ModelRunnerOutput, PromptLogprobs
 from fp8serve.engine.scheduler import Scheduler
 from fp8serve.engine.sequence import ParentRequest, Sequence
-from fp8serve.engine.tokenizer import eos_token_ids, load_tokenizer
+from fp8serve.engine.tokenizer import check_text, eos_token_ids, load_tokenizer
 from fp8serve.errors import InvalidParameterError, UserError
 from fp8serve.outputs import CompletionOutput, Logprob, RequestOutput
 from fp8serve.sampling_params import SamplingParams
@@ -97,6 +97,7 @@ class LLMEngine:
         elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise UserError(f"{self.config.model_config.model} has no tokenizer: pass prompt_token_ids instead of text")
+            check_text(prompt, "prompt")
             text = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:

@@ -7,6 +7,8 @@ import logging
 import os
 from pathlib import Path
 
+from fp8serve.errors import InvalidParameterError
+
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -22,6 +24,37 @@ def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+
+
+def first_invalid_text(value, path: str) -> tuple[str, int] | None:
+    """(path, character index) of the first string inside `value` (a string,
+    or nested lists and dicts of them) that UTF-8 cannot encode, or None. Why: JSON may carry a lone UTF-16
+    surrogate (`"\\ud83d"`), which Python decodes into a str that no
+    tokenizer accepts; the request should fail as the client's error, naming
+    the field, not as an internal one deep in tokenization."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, e.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = first_invalid_text(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+        if found is not None:
+            return found
+    return None
+
+
+def check_text(value, path: str, parameter: str | None = None) -> None:
+    """Raise InvalidParameterError (a ValueError and a UserError) when a string
+    inside `value` is not valid Unicode (see first_invalid_text)."""
+    found = first_invalid_text(value, path)
+    if found is not None:
+        where, index = found
+        raise InvalidParameterError(
+            f"{where} is not valid Unicode text: a lone UTF-16 surrogate at character {index} (surrogates "
+            f"\\ud800-\\udfff must come in pairs); send UTF-8 text", parameter or path)
 
 
 def _as_list(value) -> list[int]:

@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from fp8serve.engine.llm_engine import LLMEngine, PromptInput
+from fp8serve.engine.tokenizer import check_text
 from fp8serve.errors import UserError
 from fp8serve.outputs import RequestOutput
 from fp8serve.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class LLM:
         tok = self.llm_engine.tokenizer
         if tok is None or (tok.chat_template is None and chat_template is None):
             raise UserError(f"{self.llm_engine.config.model_config.model} has no chat template")
+        check_text(messages, "messages")
         ids = tok.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
         )

@@ -259,6 +259,19 @@ def test_prompt_longer_than_max_model_len(llm):
     assert len(llm.generate(ok, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
+def test_text_that_is_not_unicode_is_the_callers_error(llm):
+    """A lone UTF-16 surrogate (what JSON's "\\ud83d" decodes to) cannot be
+    encoded: the prompt or message naming it, before anything is queued."""
+    ok = {"prompt_token_ids": _ids(4, seed=10)}
+    with pytest.raises(UserError, match=r"prompt is not valid Unicode text: a lone UTF-16 surrogate at character 3"):
+        llm.generate([ok, "abc\ud83d"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(UserError, match=r"messages\[1\]\.content is not valid Unicode"):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\udfff"}], use_tqdm=False)
+    # Characters past the BMP are fine (in JSON, the surrogate pair "\\ud83d\\ude00" decodes to this one).
+    assert llm.generate("\U0001f600", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1), "temperature must be non-negative, got -1"),
     (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),

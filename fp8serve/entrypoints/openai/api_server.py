@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fp8serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineDrainingError
 from fp8serve.entrypoints.openai.metrics import ServerMetrics
 from fp8serve.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_request_text, error_body,
 )
 from fp8serve.entrypoints.openai.serving_chat import ChatServer
 from fp8serve.entrypoints.openai.serving_common import RequestError, run_unless_disconnected, sse
@@ -134,6 +134,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def respond(request: Request, body, server) -> Response:
         try:
             check_model(body.model)
+            check_request_text(body)
             prepared = server.prepare(body)
             if body.stream:
                 return StreamingResponse(_guard_stream(server.stream(body, prepared)),
@@ -174,6 +175,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def tokenize(body: TokenizeRequest):
         try:
             check_model(body.model)
+            check_request_text(body)
             tok = engine.tokenizer
             if tok is None:
                 raise RequestError("this model has no tokenizer")

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fp8serve.engine.tokenizer import check_text
 from fp8serve.errors import InvalidParameterError
 from fp8serve.sampling_params import SamplingParams
 
@@ -28,9 +29,22 @@ class OpenAIBaseModel(BaseModel):
         return self
 
 
+def check_request_text(body: BaseModel) -> None:
+    """Every string of a request (prompt, messages, stop strings, unknown
+    fields) must be valid Unicode: InvalidParameterError naming the field
+    otherwise (tokenizer.check_text)."""
+    for name, value in body.model_dump().items():
+        check_text(value, name, parameter=name)
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+# vLLM's guided-decoding fields. fp8serve has no guided decoding, and a request
+# that asks for it must fail rather than get unconstrained text as if it had.
+GUIDED_DECODING_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -57,6 +71,19 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: dict[str, Any] | None = None
+
+    def _check_supported(self) -> None:
+        """Refuse what would change the output's meaning and is not built:
+        structured output (response_format other than text, vLLM's guided_*)."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise InvalidParameterError(
+                f"response_format type {kind!r} is not supported: fp8serve has no structured output (guided "
+                f"decoding); leave response_format out or send {{\"type\": \"text\"}}", "response_format")
+        for name in GUIDED_DECODING_FIELDS:
+            if (self.model_extra or {}).get(name) is not None:
+                raise InvalidParameterError(f"{name} is not supported: fp8serve has no guided decoding", name)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys, i.e. strings."""
@@ -71,6 +98,7 @@ class _SamplingFields(OpenAIBaseModel):
         return bias
 
     def _sampling_kwargs(self) -> dict[str, Any]:
+        self._check_supported()
         return dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -129,11 +157,20 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # As vLLM without a tool-call parser: tools go to the chat template (the
+    # model sees them in its prompt), tool_choice "none" (the default) only.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        if self.tool_choice not in (None, "none"):
+            raise InvalidParameterError(
+                f"tool_choice {self.tool_choice!r} is not supported: fp8serve parses no tool calls; send "
+                f"tool_choice \"none\" (the default), which gives the model the tools in its prompt only",
+                "tool_choice")
         k = None
         if self.logprobs:
             k = self.top_logprobs or 0

@@ -23,7 +23,8 @@ class ChatServer:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                          tokenize=True, chat_template=request.chat_template)
+                                          tokenize=True, chat_template=request.chat_template,
+                                          tools=getattr(request, "tools", None))
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"chat template failed: {e}", param="messages") from None
         # transformers 5 returns a BatchEncoding-like mapping; older versions a list.

@@ -310,6 +310,38 @@ def test_validation_errors(server, client):
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=1).usage.completion_tokens == 1
 
 
+def test_text_that_is_not_unicode_and_structured_output_are_refused(server, client):
+    # JSON's "\ud83d" alone decodes to a lone surrogate, which no tokenizer encodes: the client's error, named.
+    lone = json.dumps({"model": MODEL, "prompt": "ab\ud83d", "max_tokens": 1})
+    assert "\\ud83d" in lone
+    _assert_error(_post(server, "/v1/completions", lone), 400, "prompt is not valid unicode text", param="prompt")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "\udc00"}]}
+    _assert_error(_post(server, "/v1/chat/completions", json.dumps(chat)), 400,
+                  "messages[1].content is not valid unicode", param="messages")
+    _assert_error(_post(server, "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stop": ["\ud800"]})),
+                  400, "stop[0] is not valid unicode", param="stop")
+    _assert_error(_post(server, "/tokenize", json.dumps({"model": MODEL, "prompt": "\udfff"})), 400, "not valid unicode",
+                  param="prompt")
+    # A surrogate pair is one character: fine.
+    pair = json.dumps({"model": MODEL, "prompt": "\U0001f600", "max_tokens": 1})
+    assert "\\ud83d\\ude00" in pair
+    assert _post(server, "/v1/completions", pair).status_code == 200
+    # Asking for structured output, which is not built, fails instead of returning free text.
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "messages": chat["messages"][:1],
+                                                         "response_format": {"type": "json_object"}}),
+                  400, "response_format type 'json_object' is not supported", param="response_format")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}),
+                  400, "guided_choice is not supported", param="guided_choice")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "messages": chat["messages"][:1], "tools": tools,
+                                                         "tool_choice": "auto"}),
+                  400, "tool_choice 'auto' is not supported", param="tool_choice")
+    # What is supported still works: text format, tools in the prompt with tool_choice "none" (vLLM's default).
+    for extra in ({"response_format": {"type": "text"}}, {"tools": tools}, {"tools": tools, "tool_choice": "none"}):
+        r = client.chat.completions.create(model=MODEL, messages=chat["messages"][:1], max_tokens=1, **extra)
+        assert r.usage.completion_tokens == 1
+
+
 def test_auth_model_and_size_errors(server):
     _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"}, key=None), 401)
     _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"}, key="wrong"), 401)
