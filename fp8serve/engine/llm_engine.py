@@ -177,6 +177,10 @@ class LLMEngine:
             seq.arrival_time = arrival_time
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.prompt_logprobs is not None and len(ids) == 1:
+            # One entry per prompt token, as for longer prompts: the first has
+            # no logprob, and there is nothing else to compute.
+            seq.prompt_logprobs = [None]
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, ids, params)
         self.seqs[request_id] = seq

@@ -136,6 +136,18 @@ def test_prompt_logprobs_match_transformers(llm, hf_model):
         assert entry[prompt[i]].rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
 
 
+def test_prompt_logprobs_of_a_one_token_prompt(llm):
+    """One entry per prompt token for every prompt length: [None] for a
+    one-token prompt (its only token has no context), also per sample of n > 1
+    (the fuzzing of stop 50 found None there)."""
+    for n in (1, 2):
+        out = llm.generate({"prompt_token_ids": [7]}, SamplingParams(max_tokens=2, prompt_logprobs=2, n=n, **GREEDY),
+                           use_tqdm=False)[0]
+        assert out.prompt_logprobs == [None] and len(out.outputs) == n
+    out = llm.generate({"prompt_token_ids": [7]}, SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]
+    assert out.prompt_logprobs is None  # not asked for
+
+
 def test_logprobs_per_generated_token(llm, hf_model):
     prompt = _ids(6, seed=5)
     n = 4
