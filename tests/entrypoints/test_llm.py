@@ -139,7 +139,7 @@ def test_prompt_logprobs_match_transformers(llm, hf_model):
 def test_prompt_logprobs_of_a_one_token_prompt(llm):
     """One entry per prompt token for every prompt length: [None] for a
     one-token prompt (its only token has no context), also per sample of n > 1
-    (the fuzzing of stop 50 found None there)."""
+    (a randomized run of engine features at stop 50 got None)."""
     for n in (1, 2):
         out = llm.generate({"prompt_token_ids": [7]}, SamplingParams(max_tokens=2, prompt_logprobs=2, n=n, **GREEDY),
                            use_tqdm=False)[0]
