@@ -28,10 +28,11 @@ def load_tokenizer(model_dir: str):
 
 def first_invalid_text(value, path: str) -> tuple[str, int] | None:
     """(path, character index) of the first string inside `value` (a string,
-    or nested lists and dicts of them) that UTF-8 cannot encode, or None. Why: JSON may carry a lone UTF-16
-    surrogate (`"\\ud83d"`), which Python decodes into a str that no
-    tokenizer accepts; the request should fail as the client's error, naming
-    the field, not as an internal one deep in tokenization."""
+    or nested lists and dicts of them) that UTF-8 cannot encode, or None.
+    Why: JSON may carry a lone UTF-16 surrogate (`"\\ud83d"`), which Python
+    decodes into a str that no tokenizer accepts; the request should fail as
+    the client's error, naming the field, not as an internal one deep in
+    tokenization."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")

@@ -320,8 +320,8 @@ def test_text_that_is_not_unicode_and_structured_output_are_refused(server, clie
                   "messages[1].content is not valid unicode", param="messages")
     _assert_error(_post(server, "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stop": ["\ud800"]})),
                   400, "stop[0] is not valid unicode", param="stop")
-    _assert_error(_post(server, "/tokenize", json.dumps({"model": MODEL, "prompt": "\udfff"})), 400, "not valid unicode",
-                  param="prompt")
+    _assert_error(_post(server, "/tokenize", json.dumps({"model": MODEL, "prompt": "\udfff"})), 400,
+                  "not valid unicode", param="prompt")
     # A surrogate pair is one character: fine.
     pair = json.dumps({"model": MODEL, "prompt": "\U0001f600", "max_tokens": 1})
     assert "\\ud83d\\ude00" in pair
