@@ -136,11 +136,18 @@ def paged_attention_decode(
     out_scale: float,
     *,
     path: str = "best",  # "avx512", "avx2", "scalar" or "bf16dot": force one set of tiles (tests, benchmarks)
+    cascade: str = "off",  # "auto" (the engine's rule) or "always": cascade attention over shared blocks
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_size] float32
     """softmax(q k^T) v * out_scale for one query token per sequence, reading
     K/V from the paged cache in its storage format. The query must already
     carry softmax_scale * k_scale (and 2^8 for e4m3, E4M3_DECODE_MULTIPLIER);
-    out_scale carries v_scale (and 2^8 for e4m3)."""
+    out_scale carries v_scale (and 2^8 for e4m3).
+
+    `cascade`: sequences whose block tables start with the same blocks have
+    that shared prefix attended once for all of them (paged_attention.cpp,
+    "cascade attention"); "always" does it for any two or more, "auto" where
+    it measured faster (what the engine's entry does unless
+    FP8SERVE_CASCADE_ATTENTION=0)."""
     ops = load_cpu_ops()
     if ops is None:
         raise RuntimeError("C++ CPU kernels are not available")
@@ -171,12 +178,28 @@ def paged_attention_decode(
                    "bf16dot": ops.paged_attention_decode_bf16dot}
     if path not in ops_by_path:
         raise ValueError(f"unknown path {path!r}; expected one of {list(ops_by_path)}")
+    if cascade not in CASCADE_MODES:
+        raise ValueError(f"unknown cascade mode {cascade!r}; expected one of {list(CASCADE_MODES)}")
     op = ops_by_path[path]
     q = query.contiguous().float()
     out = torch.empty_like(q)
-    op(out, q, key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(),
-       KV_FORMATS[kv_format], float(out_scale))
+    if cascade == "off":
+        op(out, q, key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(),
+           KV_FORMATS[kv_format], float(out_scale))
+        return out
+    if path == "avx512" and not ops.has_avx512():
+        raise RuntimeError("this build of the kernels has no AVX-512 tiles")
+    if path == "bf16dot" and not decode_bf16_dot_available():
+        raise RuntimeError("this build of the kernels has no bf16 dot-product tiles (AVX512-BF16 and AVX512-VBMI)")
+    ops.paged_attention_decode_cascade(out, q, key_cache, value_cache, block_tables.contiguous(),
+                                       seq_lens.contiguous(), KV_FORMATS[kv_format], float(out_scale),
+                                       _DECODE_PATHS[path], CASCADE_MODES[cascade])
     return out
+
+
+# paged_attention.cpp's Path and CascadeMode numbers.
+_DECODE_PATHS = {"scalar": 0, "avx2": 1, "best": 2, "avx512": 3, "bf16dot": 4}
+CASCADE_MODES = {"off": 0, "auto": 1, "always": 2}
 
 
 def decode_bf16_dot_available() -> bool:

@@ -246,3 +246,36 @@ def test_mixtral_shares_prefixes_too(tmp_path, kv_cache_dtype, seed):
                                   params)
     assert engine.block_manager.prefix_cache_hits == 2 * 12
     assert_same_generation(cached, reference, 2e-5, seed)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_decode_steps_attend_the_shared_blocks_once(model_dir, kv_cache_dtype, seed):
+    """Cascade attention in the engine's decode steps, forced on ("always": the engine's own rule
+    wants 16+ sequences over thousands of shared tokens): the batch's shared cached blocks reach
+    the kernel's prefix phase in every layer of every decode step, and every request generates
+    what the engine without it does (float32: the sums' order is all that differs)."""
+    import json
+    from pathlib import Path
+
+    from fp8serve.kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    num_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    prompts = shared_prefix_prompts(seed, prefix_len=21, n=5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    requests = [(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    results, prefix_phases = {}, {}
+    for mode in (0, 2):
+        previous = ops.set_cascade_attention(mode)
+        try:
+            calls = ops.cascade_attention_stats()[0]
+            results[mode] = run(make_engine(model_dir, prefix_caching=True, kv_cache_dtype=kv_cache_dtype), requests)
+            prefix_phases[mode] = ops.cascade_attention_stats()[0] - calls
+        finally:
+            ops.set_cascade_attention(previous)
+    # One prefill step, then 5 decode steps of all five requests over their 20 shared tokens (a
+    # step that records the decode forward runs the layers' ops once more).
+    assert prefix_phases[0] == 0 and prefix_phases[2] >= 5 * num_layers, (prefix_phases, seed)
+    assert_same_generation(results[2], results[0], 1e-4, seed)

@@ -445,3 +445,145 @@ def test_bf16_dot_availability_follows_the_cpu(ops):
     if os.environ.get("FP8SERVE_CPU_MARCH") or not ops.has_avx512():
         pytest.skip("not a native AVX-512 build")
     assert decode_bf16_dot_available() == ({"avx512_bf16", "avx512vbmi"} <= cpu_flags())
+
+
+# ------------------------------------------------------------ cascade attention
+
+CASCADE_PATHS = ["best", "avx512", "avx2", "scalar", "bf16dot"]
+
+
+def share_blocks(case: Case, members: list[int], num_blocks: int) -> None:
+    """Point the first `num_blocks` blocks of every member's table at the first
+    member's (as prefix caching and n > 1 samples do); the references follow."""
+    for b in members[1:]:
+        case.block_tables[b, :num_blocks] = case.block_tables[members[0], :num_blocks]
+
+
+def shared_case(seed: int, kv_format: str, head_size: int, group: int, num_kv_heads: int = 2) -> Case:
+    """Three groups and two loners: 6 sequences sharing 5 blocks (one ends at
+    the last shared token: nothing of its own), 3 sharing 2 blocks of which
+    the shortest holds 20 tokens (the group shares 20), 2 sharing 1 block
+    (a group of two), and sequences 11 and 12 alone."""
+    lens = [80 + n for n in (1, 37, 0, 16, 5, 50)] + [20, 45, 33] + [17, 30] + [7, 90]
+    case = Case(seed, kv_format, head_size, num_kv_heads=num_kv_heads, group=group, seq_lens=lens)
+    share_blocks(case, [0, 1, 2, 3, 4, 5], 5)
+    share_blocks(case, [6, 7, 8], 2)
+    share_blocks(case, [9, 10], 1)
+    return case
+
+
+def test_shared_prefix_groups_follow_the_block_tables(ops, seed):
+    case = shared_case(seed, "bfloat16", 64, 3)
+    lengths = ops.shared_prefix_lengths(case.block_tables, case.seq_lens, 16, 2, 1)
+    assert lengths.tolist() == [80] * 6 + [20] * 3 + [16] * 2 + [0, 0]
+    # The engine's thresholds: members, and members x shared tokens.
+    assert ops.shared_prefix_lengths(case.block_tables, case.seq_lens, 16, 3, 1).tolist() == \
+        [80] * 6 + [20] * 3 + [0] * 4
+    assert ops.shared_prefix_lengths(case.block_tables, case.seq_lens, 16, 2, 61).tolist() == [80] * 6 + [0] * 7
+    # Blocks equal past a different first block are not a shared prefix: sequence 1,
+    # given loner 11's first block, leaves the first group and shares 11's 7 tokens.
+    case.block_tables[1, 0] = case.block_tables[11, 0]
+    lengths = ops.shared_prefix_lengths(case.block_tables, case.seq_lens, 16, 2, 1)
+    assert lengths.tolist() == [80, 7] + [80] * 4 + [20] * 3 + [16] * 2 + [7, 0]
+    with pytest.raises(RuntimeError, match="seq_lens\\[0\\] = 1000 is outside"):
+        ops.shared_prefix_lengths(case.block_tables, torch.full_like(case.seq_lens, 1000), 16, 2, 1)
+
+
+@pytest.mark.parametrize("path", CASCADE_PATHS)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("kv_format", list(KV_FORMATS))
+def test_cascade_matches_references(ops, seed, kv_format, head_size, group, path):
+    """Cascade attention (each group's shared blocks attended once, by the
+    prefill kernel's prefix form, and merged with the rest by log-sum-exp)
+    against the same references as the plain kernel, at the same tolerances;
+    on the bf16 dot-product tiles, within their rounding bound."""
+    if path == "avx512" and not ops.has_avx512():
+        pytest.skip("this build has no AVX-512 tiles")
+    if path == "bf16dot" and not decode_bf16_dot_available():
+        pytest.skip("built without AVX512-BF16/VBMI")
+    case = shared_case(seed, kv_format, head_size, group)
+    calls = ops.cascade_attention_stats()[0]
+    out = paged_attention_decode(case.kernel_query, case.key_cache, case.value_cache, case.block_tables,
+                                 case.seq_lens, kv_format, case.out_scale, path=path, cascade="always")
+    assert ops.cascade_attention_stats()[0] == calls + 1
+    assert out.shape == case.q.shape and out.dtype == torch.float32
+    ref = case.reference_same_codes()
+    if path == "bf16dot" and kv_format.startswith("fp8"):
+        bound_rounded_q, _ = bf16_dot_bounds(case)
+        ref_rounded_q = paged_attention_decode_ref(case.kernel_query.bfloat16().float(), case.key_cache,
+                                                   case.value_cache, case.block_tables, case.seq_lens,
+                                                   kv_format, case.out_scale).double()
+        slack = TOL_SAME_CODES[kv_format] * ref.abs().max().item()
+        err = (out.double() - ref_rounded_q).abs().max().item()
+        assert err <= bound_rounded_q + slack, f"seed={seed}: {err:.2e} > {bound_rounded_q:.2e}"
+        return
+    err = rel_err(out, ref)
+    assert err < TOL_SAME_CODES[kv_format], f"seed={seed}: {err:.2e} from the reference on the same codes"
+    err = rel_err(out, case.reference_unquantized())
+    assert err < TOL_UNQUANTIZED[kv_format], f"seed={seed}: {err:.2e} from the unquantized attention"
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_cascade_with_thread_counts_and_long_prefixes(ops, seed, num_threads):
+    """More threads than work, and a prefix long enough for several key blocks
+    and packing units of the prefix kernel, beside a loner split over threads."""
+    lens = [700 + n for n in (3, 40, 17, 1)] + [900]
+    case = Case(seed, "fp8_e4m3", 64, num_kv_heads=3, group=3, seq_lens=lens)
+    share_blocks(case, [0, 1, 2, 3], 43)  # 688 tokens
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = paged_attention_decode(case.kernel_query, case.key_cache, case.value_cache, case.block_tables,
+                                     case.seq_lens, "fp8_e4m3", case.out_scale, cascade="always")
+    finally:
+        torch.set_num_threads(before)
+    err = rel_err(out, case.reference_same_codes())
+    assert err < TOL_SAME_CODES["fp8_e4m3"], f"seed={seed}: {err:.2e}"
+
+
+def test_cascade_auto_follows_the_measured_rule(ops, seed):
+    """'auto' (the engine's entry) runs the prefix phase only on the bf16 dot-product
+    tiles and for 16+ sequences x 16384+ shared pairs; elsewhere it is the plain
+    kernel, bit for bit."""
+    lens = [1024 + 16 + i for i in range(16)]
+    case = Case(seed, "fp8_e4m3", 64, num_kv_heads=1, group=3, seq_lens=lens)
+    share_blocks(case, list(range(16)), 64)
+    assert ops.shared_prefix_lengths(case.block_tables, case.seq_lens, 16, 16, 16384).tolist() == [1024] * 16
+    args = (case.key_cache, case.value_cache, case.block_tables, case.seq_lens, "fp8_e4m3", case.out_scale)
+    calls = ops.cascade_attention_stats()[0]
+    # float32 tiles: never.
+    auto = paged_attention_decode(case.kernel_query, *args, cascade="auto")
+    assert ops.cascade_attention_stats()[0] == calls
+    assert torch.equal(auto, paged_attention_decode(case.kernel_query, *args))
+    if not decode_bf16_dot_available():
+        return
+    out = paged_attention_decode(case.kernel_query, *args, path="bf16dot", cascade="auto")
+    assert ops.cascade_attention_stats()[0] == calls + 1
+    bound_rounded_q, _ = bf16_dot_bounds(case)
+    ref_rounded_q = paged_attention_decode_ref(case.kernel_query.bfloat16().float(), *args).double()
+    err = (out.double() - ref_rounded_q).abs().max().item()
+    assert err <= bound_rounded_q + TOL_SAME_CODES["fp8_e4m3"] * ref_rounded_q.abs().max().item(), f"seed={seed}"
+    # One sequence fewer, or a prefix under 16384 pairs: the plain kernel.
+    shorter = case.block_tables.clone()
+    shorter[1, 63] = shorter[1, 64]  # 63 blocks shared: 16 x 1008 = 16128 pairs
+    for bt, sl in ((case.block_tables[:15], case.seq_lens[:15]), (shorter, case.seq_lens)):
+        args2 = (case.key_cache, case.value_cache, bt.contiguous(), sl.contiguous(), "fp8_e4m3", case.out_scale)
+        q = case.kernel_query[: len(sl)]
+        before = ops.cascade_attention_stats()[0]
+        auto = paged_attention_decode(q, *args2, path="bf16dot", cascade="auto")
+        assert ops.cascade_attention_stats()[0] == before
+        assert torch.equal(auto, paged_attention_decode(q, *args2, path="bf16dot"))
+
+
+def test_cascade_mode_is_checked(ops, seed):
+    case = shared_case(seed, "bfloat16", 64, 3)
+    args = (case.kernel_query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, "bfloat16",
+            case.out_scale)
+    with pytest.raises(ValueError, match="unknown cascade mode 'sometimes'"):
+        paged_attention_decode(*args, cascade="sometimes")
+    with pytest.raises(RuntimeError, match="cascade must be 0, 1 or 2, got 5"):
+        ops.paged_attention_decode_fused_cascade(case.q.float(), case.key_cache, case.value_cache,
+                                                 case.block_tables, case.seq_lens, KV_FORMATS["bfloat16"], 1.0, 1.0, 5)
+    with pytest.raises(RuntimeError, match="cascade mode must be 0, 1 or 2, got -1"):
+        ops.set_cascade_attention(-1)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fp8serve.kernels.prefill_attention_ops import (
+    _PATHS,
     amx_available,
     bf16_dot_available,
     prefill_attention,
@@ -276,3 +277,48 @@ def test_context_form_rejects_inconsistent_lengths(ops, seed):
         prefill_attention(q, k, v, cu, 0.1, cu_seqlens_k=torch.tensor([0, 8, 20]))
     with pytest.raises(ValueError, match="no cached-context form"):
         prefill_attention(q, k, v, cu, 0.1, path="amx", cu_seqlens_k=cu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+def test_prefix_form_is_unmasked_attention_with_its_log_sum_exp(ops, seed, dtype, head_size, num_heads,
+                                                                num_kv_heads):
+    """prefill_attention_over_prefix (cascade attention's prefix phase, paged_attention.cpp): each
+    sequence's query rows attend to all of its keys, however many rows (1 to 70 here: more rows
+    than keys too), the output is float32 times out_scale, and lse holds each row's log of the sum
+    of exp(scaled score): against float64."""
+    g = torch.Generator().manual_seed(seed)
+    num_q, num_k = [1, 70, 5, 19], [300, 3, 129, 16]
+    q = (torch.randn(sum(num_q), num_heads, head_size, generator=g) * 2).to(dtype)
+    k = (torch.randn(sum(num_k), num_kv_heads, head_size, generator=g) * 2).to(dtype)
+    v = (torch.randn(sum(num_k), num_kv_heads, head_size, generator=g) * 2).to(dtype)
+    cu_q = torch.tensor([0] + torch.tensor(num_q).cumsum(0).tolist(), dtype=torch.int64)
+    cu_k = torch.tensor([0] + torch.tensor(num_k).cumsum(0).tolist(), dtype=torch.int64)
+    scale, out_scale = head_size**-0.5 * 0.7, 0.25
+    group = num_heads // num_kv_heads
+    want = torch.empty(sum(num_q), num_heads, head_size, dtype=torch.float64)
+    want_lse = torch.empty(sum(num_q), num_heads, dtype=torch.float64)
+    for s in range(len(num_q)):
+        qs = q[cu_q[s]:cu_q[s + 1]].double()
+        ks = k[cu_k[s]:cu_k[s + 1]].double().repeat_interleave(group, 1)
+        vs = v[cu_k[s]:cu_k[s + 1]].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        want_lse[cu_q[s]:cu_q[s + 1]] = scores.logsumexp(-1).T
+        want[cu_q[s]:cu_q[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs) * out_scale
+    paths = _paths(ops, head_size) + (["bf16dot"] if dtype == torch.bfloat16 and bf16_dot_available() else [])
+    for path in paths:
+        lse = torch.full((sum(num_q), num_heads), float("nan"))
+        out = ops.prefill_attention_over_prefix(q, k, v, cu_q, cu_k, scale, out_scale, _PATHS[path], lse)
+        assert out.dtype == torch.float32 and out.shape == q.shape
+        # bf16 dot products round P to bf16 before P V (2^-8 relative per weight).
+        tol = 1e-2 if path in ("bf16dot", "best") and dtype == torch.bfloat16 and bf16_dot_available() else 1e-5
+        err = ((out.double() - want).abs().max() / want.abs().max()).item()
+        assert err < tol, f"seed={seed} path={path}: {err:.2e}"
+        lse_err = (lse.double() - want_lse).abs().max().item()
+        assert lse_err < 1e-4 * want_lse.abs().max().item() + 1e-5, f"seed={seed} path={path}: lse {lse_err:.2e}"
+    with pytest.raises(RuntimeError, match="a sequence has no keys"):
+        ops.prefill_attention_over_prefix(q[:1], k[:0], v[:0], torch.tensor([0, 1]), torch.tensor([0, 0]), scale,
+                                          1.0, 0, torch.empty(1, num_heads))
+    with pytest.raises(RuntimeError, match="lse must be a contiguous float32"):
+        ops.prefill_attention_over_prefix(q, k, v, cu_q, cu_k, scale, 1.0, 0, torch.empty(sum(num_q), num_heads + 1))

@@ -45,14 +45,19 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -66,6 +71,13 @@
 #include <immintrin.h>
 #define FP8SERVE_AVX2 1
 #endif
+
+// Defined in prefill_attention.cpp and cache_ops.cpp (one extension): the
+// prefix phase of cascade attention runs on them.
+at::Tensor prefill_attention_over_prefix(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens,
+                                         at::Tensor cu_seqlens_k, double scale, double out_scale, int64_t path,
+                                         at::Tensor lse);
+void gather_cache(at::Tensor cache, at::Tensor slots, int64_t kv_format, at::Tensor out);
 
 namespace {
 
@@ -1002,14 +1014,31 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
     for (int64_t i = 0; i < p.num_heads * hs; ++i) acc[i] *= kDirectAccFix;
 }
 
+// Cascade attention's results over shared prefixes (see shared_prefix_groups):
+// sequence b with row[b] >= 0 has had its tokens [0, start[b]) attended
+// already; out (in the tiles' units, unnormalized with a running sum of 1)
+// and lse (its running max) join its other pieces in the merge below.
+struct PrefixResults {
+  const int64_t* row;    // [num_seqs]: the sequence's row of out / lse, or -1
+  const int64_t* start;  // [num_seqs]
+  const float* out;      // [rows, num_heads, head_size]
+  const float* lse;      // [rows, num_heads]
+};
+
 template <int64_t F>
-void decode_impl(const Problem& p, int path) {
+void decode_impl(const Problem& p, int path, const PrefixResults* prefix) {
   const int64_t hs = p.head_size, nh = p.num_heads;
   const int64_t num_threads = at::get_num_threads();
+  const auto begin_of = [&](int64_t b) -> int64_t {
+    return prefix != nullptr && prefix->row[b] >= 0 ? prefix->start[b] : 0;
+  };
 
   // Split contexts only when there are too few sequences for the threads.
   int64_t total_tokens = 0, max_len = 0;
-  for (int64_t b = 0; b < p.num_seqs; ++b) total_tokens += p.seq_lens[b], max_len = std::max(max_len, p.seq_lens[b]);
+  for (int64_t b = 0; b < p.num_seqs; ++b) {
+    const int64_t n = p.seq_lens[b] - begin_of(b);
+    total_tokens += n, max_len = std::max(max_len, n);
+  }
   // Four items per thread. Two were 5-11% faster on hot, direct calls
   // (stop 14), but whole engine decode steps (cold K/V, alternating builds,
   // six pairs) ran slower with them: batch 1 median 16.0 vs 15.0 ms, batch 4
@@ -1024,19 +1053,33 @@ void decode_impl(const Problem& p, int path) {
   items.reserve(p.num_seqs + total_tokens / std::max<int64_t>(split_tokens, 1) + 1);
   std::vector<int64_t> first_partial(p.num_seqs + 1, 0);  // seq b's partials: [first[b], first[b+1])
   int64_t num_partials = 0;
+  std::vector<int64_t> prefix_partial;  // (seq, its slot) of each prefix result
   for (int64_t b = 0; b < p.num_seqs; ++b) {
-    const int64_t len = p.seq_lens[b];
+    const int64_t len = p.seq_lens[b], begin = begin_of(b);
     first_partial[b] = num_partials;
-    if (len <= split_tokens) {
+    if (begin > 0) {
+      // A shared prefix's result is one more piece of the sequence.
+      prefix_partial.push_back(b);
+      prefix_partial.push_back(num_partials++);
+    }
+    if (begin == 0 && len <= split_tokens) {
       items.push_back({b, 0, len, -1});
     } else {
-      for (int64_t t = 0; t < len; t += split_tokens) items.push_back({b, t, std::min(len, t + split_tokens), num_partials++});
+      for (int64_t t = begin; t < len; t += split_tokens)
+        items.push_back({b, t, std::min(len, t + split_tokens), num_partials++});
     }
   }
   first_partial[p.num_seqs] = num_partials;
   // Partial results: [num_partials, num_heads, head_size + 2] (acc, then m and l).
   const int64_t partial_stride = nh * (hs + 2);
-  std::vector<float> partials(num_partials * partial_stride);
+  std::unique_ptr<float[]> partials(new float[num_partials * partial_stride]);
+  for (size_t i = 0; i < prefix_partial.size(); i += 2) {
+    const int64_t b = prefix_partial[i], r = prefix->row[b];
+    float* part = partials.get() + prefix_partial[i + 1] * partial_stride;
+    std::memcpy(part, prefix->out + r * nh * hs, nh * hs * sizeof(float));
+    std::memcpy(part + nh * hs, prefix->lse + r * nh, nh * sizeof(float));
+    std::fill(part + nh * hs + nh, part + nh * hs + 2 * nh, 1.f);
+  }
 
   std::atomic<int64_t> next_item{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -1057,7 +1100,7 @@ void decode_impl(const Problem& p, int path) {
           for (int64_t d = 0; d < hs; ++d) o[h * hs + d] = acc[h * hs + d] * f;
         }
       } else {
-        std::memcpy(partials.data() + item.partial * partial_stride, state.data(), partial_stride * sizeof(float));
+        std::memcpy(partials.get() + item.partial * partial_stride, state.data(), partial_stride * sizeof(float));
       }
     }
   });
@@ -1075,7 +1118,7 @@ void decode_impl(const Problem& p, int path) {
         float l_sum = 0.f;
         std::fill(o + h * hs, o + (h + 1) * hs, 0.f);
         for (int64_t s = 0; s < count; ++s) {
-          const float* part = partials.data() + (first + s) * partial_stride;
+          const float* part = partials.get() + (first + s) * partial_stride;
           const float w = std::exp(part[nh * hs + h] - m_max);
           l_sum += w * part[nh * hs + nh + h];
           for (int64_t d = 0; d < hs; ++d) o[h * hs + d] += w * part[h * hs + d];
@@ -1087,9 +1130,150 @@ void decode_impl(const Problem& p, int path) {
   });
 }
 
+// Whether run_item takes the bf16 dot-product tiles for this call (FP8
+// caches, head size 64 or 128, an AVX512-BF16 build; see TileTable::pick).
+inline bool bf16_dot_tiles(int path, int64_t kv_format, int64_t head_size) {
+#ifdef FP8SERVE_BF16_DOT
+  return path == kBf16DotPath && (kv_format == kE4M3 || kv_format == kE5M2) && bf16_dot_head_size(head_size);
+#else
+  static_cast<void>(path), static_cast<void>(kv_format), static_cast<void>(head_size);
+  return false;
+#endif
+}
+
+// ------------------------------------------------------- cascade attention
+// Sequences whose block tables start with the same physical blocks (a shared
+// system prompt under prefix caching, the n samples of one prompt) read the
+// same K/V there. Cascade attention (as FlashInfer's and vLLM's) attends all
+// of their queries to that shared prefix in one call of the prefill kernel's
+// prefix form, a matrix product over keys packed once instead of one decode
+// pass per sequence, and then each sequence to the rest of its context here;
+// the two pieces merge by their log-sum-exp like the splits of a long context.
+
+enum CascadeMode : int64_t { kCascadeOff = 0, kCascadeAuto = 1, kCascadeAlways = 2 };
+
+// FP8SERVE_CASCADE_ATTENTION=0 turns it off (A/B runs, bisecting); the
+// benchmarks switch it per call through set_cascade_attention.
+std::atomic<int64_t>& cascade_mode() {
+  static std::atomic<int64_t> mode{[] {
+    const char* v = std::getenv("FP8SERVE_CASCADE_ATTENTION");
+    return v != nullptr && std::string(v) == "0" ? int64_t{kCascadeOff} : int64_t{kCascadeAuto};
+  }()};
+  return mode;
+}
+
+// Calls that ran a prefix phase, and the (sequence, shared token) pairs they
+// covered: tests check the engine's shared blocks reach it, benchmarks report it.
+std::atomic<int64_t> g_cascade_calls{0}, g_cascade_pairs{0};
+
+// Where the prefix phase paid for itself (kCascadeAuto), measured with bf16
+// queries over an e4m3 cache (the bf16 dot-product tiles), head size 64, 9
+// heads over 3 kv heads, 32 tokens of each sequence's own, on the Zen 4
+// guest (benchmarks/results/cascade_attention_2026-12-04_zen4.md): 16 or
+// more sequences and 16384 or more (sequence, shared token) pairs, 1.10-1.70x
+// there, 0.40-0.95x below; whole decode steps of the default model 1.07-1.26x.
+// With float32 tiles (float32 queries, 16/32-bit caches) the kernel alone ran
+// 0.23-1.65x, the same cells differing from one process to the next, and
+// float32 decode steps (64 sequences over 512 shared tokens) gained nothing:
+// off there.
+constexpr int64_t kCascadeMinMembers = 16;
+constexpr int64_t kCascadeMinPairs = 16384;
+
+struct PrefixGroup {
+  std::vector<int64_t> members;
+  int64_t shared;  // tokens [0, shared) of every member are in the same blocks
+};
+
+// Groups of sequences with the same first block, and the tokens all of a
+// group's members hold in the same blocks (up to the shortest context).
+// One level: a group is cut at its members' first different block.
+// Groups with fewer than min_members members, or fewer than min_pairs
+// members x shared tokens, are left out.
+std::vector<PrefixGroup> shared_prefix_groups(const int64_t* bt, const int64_t* sl, int64_t num_seqs,
+                                              int64_t max_blocks, int64_t block_size, int64_t min_members,
+                                              int64_t min_pairs) {
+  std::vector<PrefixGroup> groups;
+  if (num_seqs < min_members) return groups;
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t b = 0; b < num_seqs; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return bt[a * max_blocks] < bt[b * max_blocks]; });
+  for (int64_t i = 0, j; i < num_seqs; i = j) {
+    for (j = i + 1; j < num_seqs && bt[order[j] * max_blocks] == bt[order[i] * max_blocks];) ++j;
+    if (j - i < min_members) continue;
+    int64_t min_len = sl[order[i]];
+    for (int64_t k = i + 1; k < j; ++k) min_len = std::min(min_len, sl[order[k]]);
+    const int64_t max_common = (min_len + block_size - 1) / block_size;
+    const int64_t* first = bt + order[i] * max_blocks;
+    int64_t common = 1;
+    for (; common < max_common; ++common) {
+      bool same = true;
+      for (int64_t k = i + 1; k < j && same; ++k) same = bt[order[k] * max_blocks + common] == first[common];
+      if (!same) break;
+    }
+    const int64_t shared = std::min(common * block_size, min_len);
+    if (shared * (j - i) < min_pairs) continue;
+    groups.push_back({std::vector<int64_t>(order.begin() + i, order.begin() + j), shared});
+  }
+  return groups;
+}
+
+// The prefix phase: every group's queries over its shared tokens, gathered
+// from the cache (decoded at scale 1) in bf16 when the tiles are the bf16
+// dot-product ones (the query rounded to bf16 as they round it, P rounded
+// to bf16 as they and the prefill kernel do) and float32 otherwise. Fills `res`'s
+// row / start (sized num_seqs) and returns the out / lse tensors it points at.
+std::pair<at::Tensor, at::Tensor> attend_shared_prefixes(const std::vector<PrefixGroup>& groups, const at::Tensor& qf,
+                                                          const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                                          const int64_t* bt, int64_t max_blocks, int64_t kv_format,
+                                                          int path, std::vector<int64_t>& row,
+                                                          std::vector<int64_t>& start) {
+  const int64_t nh = qf.size(1), hs = qf.size(2), nkv = key_cache.size(2), bs = key_cache.size(1);
+  int64_t num_rows = 0, num_keys = 0;
+  for (const PrefixGroup& g : groups) num_rows += static_cast<int64_t>(g.members.size()), num_keys += g.shared;
+  const auto opts = qf.options().dtype(at::kLong);
+  at::Tensor slots = at::empty({num_keys}, opts), cu_q = at::empty({static_cast<int64_t>(groups.size()) + 1}, opts);
+  at::Tensor cu_k = at::empty({static_cast<int64_t>(groups.size()) + 1}, opts);
+  // bf16 where the decode tiles are the bf16 dot-product ones, so both pieces round alike.
+  const bool bf16 = bf16_dot_tiles(path, kv_format, hs);
+  at::Tensor members = at::empty({num_rows}, opts);
+  int64_t* sp = slots.data_ptr<int64_t>();
+  int64_t* mp = members.data_ptr<int64_t>();
+  int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>();
+  cq[0] = ck[0] = 0;
+  int64_t r = 0, k = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const PrefixGroup& g = groups[gi];
+    const int64_t* first = bt + g.members[0] * max_blocks;
+    for (int64_t t = 0; t < g.shared; ++t) sp[k++] = first[t / bs] * bs + t % bs;
+    for (int64_t b : g.members) {
+      row[b] = r;
+      start[b] = g.shared;
+      mp[r++] = b;
+    }
+    cq[gi + 1] = r;
+    ck[gi + 1] = k;
+  }
+  // ATen's gather and conversion: vectorized (a scalar loop here was 5% of a call at 64 x 512).
+  at::Tensor q = qf.index_select(0, members);
+  if (bf16) q = q.to(at::kBFloat16);
+  at::Tensor kbuf = at::empty({num_keys, nkv, hs}, q.options()), vbuf = at::empty({num_keys, nkv, hs}, q.options());
+  gather_cache(key_cache, slots, kv_format, kbuf);
+  gather_cache(value_cache, slots, kv_format, vbuf);
+  // The tiles' units: e4m3 is decoded as value * 2^-8 there and the caller
+  // folded 2^8 into q and into out_scale; the gathered keys are the values.
+  const float kv_mult = kv_format == kE4M3 ? 256.f : 1.f;
+  at::Tensor lse = at::empty({num_rows, nh}, qf.options());
+  // prefill_attention.cpp's paths: 0 best (bf16 dot products for bf16), 1 AVX2, 3 scalar.
+  const int64_t prefill_path = path == kScalarPath ? 3 : path == kAvx2Path && hs % 16 == 0 ? 1 : 0;
+  at::Tensor out = prefill_attention_over_prefix(q, kbuf, vbuf, cu_q, cu_k, 1.0 / kv_mult, 1.0 / kv_mult,
+                                                 prefill_path, lse);
+  return {out, lse};
+}
+
 void paged_attention_decode_dispatch(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                      at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale,
-                                     int path) {
+                                     int path, int64_t cascade = kCascadeOff) {
   TORCH_CHECK(out.is_contiguous() && query.is_contiguous(), "out and query must be contiguous");
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "query and out must be float32");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_seqs, num_heads, head_size]");
@@ -1126,13 +1310,40 @@ void paged_attention_decode_dispatch(at::Tensor out, at::Tensor query, at::Tenso
             static_cast<float>(out_scale)};
   if (num_seqs == 0) return;
   const auto dt = key_cache.scalar_type();
+  const bool format_ok = kv_format == kF32 ? dt == at::kFloat
+                         : kv_format == kBF16 ? dt == at::kBFloat16
+                         : kv_format == kF16 ? dt == at::kHalf
+                         : (kv_format == kE4M3 || kv_format == kE5M2) && dt == at::kByte;
+  TORCH_CHECK(kv_format >= kF32 && kv_format <= kE5M2, "unknown kv_format ", kv_format);
+  TORCH_CHECK(format_ok, "the cache's dtype ", dt, " is not kv_format ", kv_format, "'s storage dtype");
+
+  std::vector<int64_t> prefix_row, prefix_start;
+  std::pair<at::Tensor, at::Tensor> prefix_out;
+  PrefixResults prefix{};
+  if (cascade == kCascadeAlways || (cascade == kCascadeAuto && bf16_dot_tiles(path, kv_format, head_size))) {
+    const bool always = cascade == kCascadeAlways;
+    const std::vector<PrefixGroup> groups =
+        shared_prefix_groups(bt, sl, num_seqs, max_blocks, block_size, always ? 2 : kCascadeMinMembers,
+                             always ? 1 : kCascadeMinPairs);
+    if (!groups.empty()) {
+      g_cascade_calls.fetch_add(1, std::memory_order_relaxed);
+      for (const PrefixGroup& g : groups)
+        g_cascade_pairs.fetch_add(g.shared * static_cast<int64_t>(g.members.size()), std::memory_order_relaxed);
+      prefix_row.assign(num_seqs, -1);
+      prefix_start.assign(num_seqs, 0);
+      prefix_out = attend_shared_prefixes(groups, query, key_cache, value_cache, bt, max_blocks, kv_format, path,
+                                          prefix_row, prefix_start);
+      prefix = {prefix_row.data(), prefix_start.data(), prefix_out.first.data_ptr<float>(),
+                prefix_out.second.data_ptr<float>()};
+    }
+  }
+  const PrefixResults* pre = prefix.row != nullptr ? &prefix : nullptr;
   switch (kv_format) {
-    case kF32: TORCH_CHECK(dt == at::kFloat, "float32 cache expected"); decode_impl<kF32>(p, path); break;
-    case kBF16: TORCH_CHECK(dt == at::kBFloat16, "bfloat16 cache expected"); decode_impl<kBF16>(p, path); break;
-    case kF16: TORCH_CHECK(dt == at::kHalf, "float16 cache expected"); decode_impl<kF16>(p, path); break;
-    case kE4M3: TORCH_CHECK(dt == at::kByte, "uint8 cache expected"); decode_impl<kE4M3>(p, path); break;
-    case kE5M2: TORCH_CHECK(dt == at::kByte, "uint8 cache expected"); decode_impl<kE5M2>(p, path); break;
-    default: TORCH_CHECK(false, "unknown kv_format ", kv_format);
+    case kF32: decode_impl<kF32>(p, path, pre); break;
+    case kBF16: decode_impl<kBF16>(p, path, pre); break;
+    case kF16: decode_impl<kF16>(p, path, pre); break;
+    case kE4M3: decode_impl<kE4M3>(p, path, pre); break;
+    default: decode_impl<kE5M2>(p, path, pre); break;
   }
 }
 
@@ -1197,9 +1408,11 @@ void paged_attention_decode_scalar(at::Tensor out, at::Tensor query, at::Tensor 
 // batch 1.
 // out_arg: the [num_seqs, num_heads, head_size] result to write (contiguous,
 // query's dtype), or null: a new one.
+// cascade: a CascadeMode (the engine's entries pass cascade_mode()).
 at::Tensor paged_attention_decode_fused_impl(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                              at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format,
-                                             double q_scale, double out_scale, const at::Tensor* out_arg) {
+                                             double q_scale, double out_scale, const at::Tensor* out_arg,
+                                             int64_t cascade) {
   TORCH_CHECK(query.dim() == 3 && query.device().is_cpu(), "query must be a [num_seqs, num_heads, head_size] CPU tensor");
   const int64_t n = query.size(0), h = query.size(1), d = query.size(2);
   TORCH_CHECK(query.stride(2) == 1 && (h <= 1 || query.stride(1) == d), "query's heads must be contiguous");
@@ -1230,7 +1443,7 @@ at::Tensor paged_attention_decode_fused_impl(at::Tensor query, at::Tensor key_ca
   // A bf16 query loses nothing more worth speaking of when its scaled copy is
   // rounded to bf16 again: FP8 caches take the bf16 dot-product tiles then.
   paged_attention_decode_dispatch(outf, qf, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
-                                  dt == at::kBFloat16 ? kBf16DotPath : kBestPath);
+                                  dt == at::kBFloat16 ? kBf16DotPath : kBestPath, cascade);
   if (dt == at::kFloat) return outf;
   at::Tensor out = out_arg != nullptr ? *out_arg : at::empty({n, h, d}, query.options());
   const float* op = outf.data_ptr<float>();
@@ -1246,7 +1459,67 @@ at::Tensor paged_attention_decode_fused(at::Tensor query, at::Tensor key_cache, 
                                         at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format,
                                         double q_scale, double out_scale) {
   return paged_attention_decode_fused_impl(query, key_cache, value_cache, block_tables, seq_lens, kv_format, q_scale,
-                                           out_scale, nullptr);
+                                           out_scale, nullptr, cascade_mode().load(std::memory_order_relaxed));
+}
+
+// The same with cascade attention's mode given (0 off, 1 where it measured
+// faster, 2 for every group of two or more sequences sharing a block): tests
+// and benchmarks.
+at::Tensor paged_attention_decode_fused_cascade(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                                at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format,
+                                                double q_scale, double out_scale, int64_t cascade) {
+  TORCH_CHECK(cascade >= kCascadeOff && cascade <= kCascadeAlways, "cascade must be 0, 1 or 2, got ", cascade);
+  return paged_attention_decode_fused_impl(query, key_cache, value_cache, block_tables, seq_lens, kv_format, q_scale,
+                                           out_scale, nullptr, cascade);
+}
+
+// paged_attention_decode's contract on the tiles of `path` (0 scalar, 1 AVX2,
+// 2 best, 3 AVX-512, 4 bf16 dot products; see Path) with cascade attention's
+// mode given: tests keep the prefix phase right on every path.
+void paged_attention_decode_cascade(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                    at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale,
+                                    int64_t path, int64_t cascade) {
+  TORCH_CHECK(path >= kScalarPath && path <= kBf16DotPath, "path must be 0-4, got ", path);
+  TORCH_CHECK(cascade >= kCascadeOff && cascade <= kCascadeAlways, "cascade must be 0, 1 or 2, got ", cascade);
+  paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
+                                  static_cast<int>(path), cascade);
+}
+
+// For each sequence, the shared prefix (tokens) cascade attention would
+// attend to once for its group, 0 where it has none: groups of at least
+// min_members sequences and min_pairs members x shared tokens. Tests and
+// benchmarks.
+at::Tensor shared_prefix_lengths(at::Tensor block_tables, at::Tensor seq_lens, int64_t block_size, int64_t min_members,
+                                 int64_t min_pairs) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
+              "block_tables must be a contiguous int64 [num_seqs, max_blocks] tensor");
+  const int64_t n = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == n && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous int64 [num_seqs] tensor");
+  TORCH_CHECK(block_size >= 1 && min_members >= 2, "block_size must be >= 1 and min_members >= 2");
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < n; ++b)
+    TORCH_CHECK(sl[b] >= 1 && sl[b] <= max_blocks * block_size, "seq_lens[", b, "] = ", sl[b],
+                " is outside [1, max_blocks * block_size]");
+  at::Tensor out = at::zeros({n}, seq_lens.options());
+  for (const PrefixGroup& g : shared_prefix_groups(block_tables.data_ptr<int64_t>(), sl, n, max_blocks, block_size,
+                                                   min_members, min_pairs))
+    for (int64_t b : g.members) out.data_ptr<int64_t>()[b] = g.shared;
+  return out;
+}
+
+// [calls that ran cascade attention's prefix phase, (sequence, shared token)
+// pairs they covered] since the process started.
+std::vector<int64_t> cascade_attention_stats() {
+  return {g_cascade_calls.load(std::memory_order_relaxed), g_cascade_pairs.load(std::memory_order_relaxed)};
+}
+
+// Sets the mode the engine's entries use (FP8SERVE_CASCADE_ATTENTION=0 starts
+// it off); returns the previous one. For A/B benchmarks in one process.
+int64_t set_cascade_attention(int64_t mode) {
+  TORCH_CHECK(mode >= kCascadeOff && mode <= kCascadeAlways, "cascade mode must be 0, 1 or 2, got ", mode);
+  return cascade_mode().exchange(mode);
 }
 
 // The same into a given tensor (decode plans: decode_plan.cpp).
@@ -1254,7 +1527,7 @@ void paged_attention_decode_fused_out(at::Tensor out, at::Tensor query, at::Tens
                                       at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double q_scale,
                                       double out_scale) {
   paged_attention_decode_fused_impl(query, key_cache, value_cache, block_tables, seq_lens, kv_format, q_scale,
-                                    out_scale, &out);
+                                    out_scale, &out, cascade_mode().load(std::memory_order_relaxed));
 }
 
 bool has_avx2() {
@@ -1334,6 +1607,14 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
       "paged_attention_decode_fused_out(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, int kv_format, float q_scale, float out_scale) -> ()",
       &paged_attention_decode_fused_out);
+  m.def("paged_attention_decode_fused_cascade", &paged_attention_decode_fused_cascade);
+  m.def(
+      "paged_attention_decode_cascade(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, int kv_format, float out_scale, int path, int cascade) -> ()",
+      &paged_attention_decode_cascade);
+  m.def("set_cascade_attention", &set_cascade_attention);
+  m.def("shared_prefix_lengths", &shared_prefix_lengths);
+  m.def("cascade_attention_stats", &cascade_attention_stats);
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
   m.def("paged_attention_has_bf16_dot", &has_bf16_dot);

@@ -205,6 +205,15 @@ struct Problem {
   int64_t q_ld, k_ld, v_ld;
   void* out;                 // [num_tokens, num_heads, head_size], contiguous
   int dtype;                 // 0 float32, 1 bf16, 2 fp16 (q, k, v and out)
+  // Cascade attention's prefix phase (prefill_attention_over_prefix): no
+  // causal mask (every query row sees all of its sequence's keys), a float32
+  // `out`, and each row's log-sum-exp of its scaled scores in `lse`
+  // ([num_tokens, num_heads], natural log), so the caller can merge the
+  // result with attention over the rest of the keys.
+  bool causal = true;
+  float* lse = nullptr;
+  int64_t query_tokens = kQueryTokens;  // per work item
+  int64_t pack_chunk = 512;             // keys per packing unit, a multiple of 16
 };
 
 // dst[i] = src[i] * scale for a row of n elements in storage format DT (0
@@ -380,15 +389,15 @@ inline int64_t context_len(const Problem& p, int64_t s) {
   return (p.cu_k[s + 1] - p.cu_k[s]) - (p.cu[s + 1] - p.cu[s]);
 }
 
-// Every (sequence, kv head, block of kQueryTokens query rows), costliest
+// Every (sequence, kv head, block of p.query_tokens query rows), costliest
 // first (a causal block's cost grows with its position).
 std::vector<Item> work_items(const Problem& p) {
   std::vector<Item> items;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t len = p.cu[s + 1] - p.cu[s], ctx = context_len(p, s);
-    for (int64_t t0 = 0; t0 < len; t0 += kQueryTokens)
+    const int64_t len = p.cu[s + 1] - p.cu[s], ctx = context_len(p, s), qt = p.query_tokens;
+    for (int64_t t0 = 0; t0 < len; t0 += qt)
       for (int64_t h = 0; h < p.num_kv_heads; ++h)
-        items.push_back({s, h, t0, (ctx + t0 + kQueryTokens) * kQueryTokens});
+        items.push_back({s, h, t0, (p.causal ? ctx + t0 + qt : p.cu_k[s + 1] - p.cu_k[s]) * qt});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   return items;
@@ -417,21 +426,20 @@ struct PackedKV {
 };
 
 // What one thread packs at a time: keys [k0, k1) of (sequence, kv head).
-// Sequences are cut into chunks of kPackChunk keys so that few long ones
+// Sequences are cut into chunks of Problem::pack_chunk keys (512; a
+// multiple of 16, so the bf16 packer's transposes stay whole) so that few long ones
 // still spread over every thread: a prefill of 32 new tokens over a 4096-token
 // cached context has one sequence and three kv heads, three units for two
 // threads, and the idle one spun in the OpenMP barrier.
 struct PackUnit {
   int64_t seq, kv_head, k0, k1;
 };
-constexpr int64_t kPackChunk = 512;  // a multiple of 16: the bf16 packer's transposes stay whole
-
 std::vector<PackUnit> pack_units(const Problem& p) {
   std::vector<PackUnit> units;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t len = p.cu_k[s + 1] - p.cu_k[s];
     for (int64_t h = 0; h < p.num_kv_heads; ++h)
-      for (int64_t k0 = 0; k0 < len; k0 += kPackChunk) units.push_back({s, h, k0, std::min(len, k0 + kPackChunk)});
+      for (int64_t k0 = 0; k0 < len; k0 += p.pack_chunk) units.push_back({s, h, k0, std::min(len, k0 + p.pack_chunk)});
   }
   return units;
 }
@@ -458,7 +466,7 @@ void run_items(const Problem& p, const std::vector<int64_t>& pad_off, const Pack
   static_assert(kKeyBlock % Tiles::kKeyTile == 0, "key blocks must be whole key tiles");
   const int64_t hs = p.head_size, g = p.group, qw = Tiles::q_words(hs);
   const std::vector<Item> items = work_items(p);
-  const int64_t max_rows = kQueryTokens * g;
+  const int64_t max_rows = p.query_tokens * g;
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
@@ -471,7 +479,7 @@ void run_items(const Problem& p, const std::vector<int64_t>& pad_off, const Pack
       const Item& it = items[i];
       const int64_t base = p.cu[it.seq], len = p.cu[it.seq + 1] - base, ctx = context_len(p, it.seq);
       const int64_t ldk = pad_off[it.seq + 1] - pad_off[it.seq] + kRowPad;
-      const int64_t n = std::min(kQueryTokens, len - it.t0), rows = n * g;
+      const int64_t n = std::min(p.query_tokens, len - it.t0), rows = n * g;
       // Rows r = token * group + head in group.
       for (int64_t ti = 0; ti < n; ++ti)
         for (int64_t j = 0; j < g; ++j) {
@@ -488,13 +496,14 @@ void run_items(const Problem& p, const std::vector<int64_t>& pad_off, const Pack
       // whether its sequence's earlier keys came from a cached context or from
       // this call: a key block past a row's position is fully masked for it,
       // which leaves its max, sum and output exactly as they were.
-      const int64_t kend = ctx + it.t0 + n;
+      // Without the causal mask every row sees all of the sequence's keys.
+      const int64_t kend = p.causal ? ctx + it.t0 + n : p.cu_k[it.seq + 1] - p.cu_k[it.seq];
       for (int64_t k0 = 0; k0 < kend; k0 += kKeyBlock) {
         const int64_t kw = std::min(kKeyBlock, kend - k0);
         const int64_t kwp = (kw + Tiles::kKeyTile - 1) / Tiles::kKeyTile * Tiles::kKeyTile;  // within the padding
         Tiles::qk(rows, qs.data(), qw, kt + k0, ldk, hs, kwp, p.scale, sc.data());
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = ctx + it.t0 + r / g;  // the row's token position: it sees keys [0, pos]
+          const int64_t pos = p.causal ? ctx + it.t0 + r / g : kend - 1;  // the row sees keys [0, pos]
           const int64_t nvalid = std::min(pos + 1 - k0, kw);
           alpha[r] = Tiles::softmax(scratch, r, sc.data() + r * kKeyBlock, nvalid, kwp, m[r], lsum[r]);
         }
@@ -503,9 +512,15 @@ void run_items(const Problem& p, const std::vector<int64_t>& pad_off, const Pack
       for (int64_t ti = 0; ti < n; ++ti)
         for (int64_t j = 0; j < g; ++j) {
           const int64_t r = ti * g + j;
-          const float f = p.out_scale / V::hsum(lsum[r]);
-          const int64_t dst = ((base + it.t0 + ti) * p.num_heads + it.kv_head * g + j) * hs;
-          row_from_f32<DT>(o.data() + r * hs, static_cast<char*>(p.out) + dst * (DT == 0 ? 4 : 2), hs, f);
+          const float l = V::hsum(lsum[r]), f = p.out_scale / l;
+          const int64_t row = (base + it.t0 + ti) * p.num_heads + it.kv_head * g + j, dst = row * hs;
+          if (p.lse != nullptr) {
+            // m and the scores are in log2 units (see softmax_row).
+            p.lse[row] = (m[r] + std::log2(l)) * 0.693147180559945309f;
+            row_from_f32<0>(o.data() + r * hs, static_cast<float*>(p.out) + dst, hs, f);
+          } else {
+            row_from_f32<DT>(o.data() + r * hs, static_cast<char*>(p.out) + dst * (DT == 0 ? 4 : 2), hs, f);
+          }
         }
     }
   });
@@ -909,8 +924,11 @@ void run_path(const Problem& p, int64_t path) {
 // [cu_k[s], cu_k[s + 1]) and its queries are the last cu[s + 1] - cu[s] of
 // those positions (a prefill continuing a cached context: causal from the
 // bottom right, as flash_attn_varlen_func with causal=True).
+// prefix_lse (prefill_attention_over_prefix): no causal mask, a float32 out
+// and the rows' log-sum-exp written there; every sequence needs a key.
 at::Tensor prefill_attention_impl(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens,
-                                  const at::Tensor* cu_seqlens_k, double scale, double out_scale, int64_t path) {
+                                  const at::Tensor* cu_seqlens_k, double scale, double out_scale, int64_t path,
+                                  const at::Tensor* prefix_lse = nullptr) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "prefill_attention: query/key/value must be 3-D");
   TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "prefill_attention: CPU tensors only");
   const auto dt = query.scalar_type();
@@ -937,15 +955,34 @@ at::Tensor prefill_attention_impl(at::Tensor query, at::Tensor key, at::Tensor v
     TORCH_CHECK(cu_seqlens_k->size(0) == num_seqs + 1, "prefill_attention: cu_seqlens_k must have num_seqs + 1 entries");
     cu_k = cu_seqlens_k->data_ptr<int64_t>();
     TORCH_CHECK(cu_k[0] == 0 && cu_k[num_seqs] == num_keys, "prefill_attention: cu_seqlens_k must run from 0 to the number of keys");
-    for (int64_t s = 0; s < num_seqs; ++s)
-      TORCH_CHECK(cu_k[s + 1] - cu_k[s] >= cu[s + 1] - cu[s],
-                  "prefill_attention: a sequence has fewer keys than queries (its queries are its last positions)");
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      if (prefix_lse != nullptr) {
+        TORCH_CHECK(cu_k[s + 1] - cu_k[s] >= 1, "prefill_attention_over_prefix: a sequence has no keys");
+      } else {
+        TORCH_CHECK(cu_k[s + 1] - cu_k[s] >= cu[s + 1] - cu[s],
+                    "prefill_attention: a sequence has fewer keys than queries (its queries are its last positions)");
+      }
+    }
   }
 
-  at::Tensor out = at::empty({num_tokens, nh, hs}, query.options());
+  at::Tensor out = at::empty({num_tokens, nh, hs}, query.options().dtype(prefix_lse != nullptr ? at::kFloat : dt));
   Problem p{num_seqs, nh, nkv, hs, nh / nkv, cu, cu_k, static_cast<float>(scale), static_cast<float>(out_scale),
             query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0), value.stride(0),
             out.data_ptr(), dt == at::kFloat ? 0 : dt == at::kBFloat16 ? 1 : 2};
+  if (prefix_lse != nullptr) {
+    const at::Tensor& lse = *prefix_lse;
+    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == num_tokens &&
+                    lse.size(1) == nh,
+                "prefill_attention_over_prefix: lse must be a contiguous float32 [num_tokens, num_heads] tensor");
+    p.causal = false;
+    p.lse = lse.data_ptr<float>();
+    // Few query rows over many keys (a decode batch over a shared prefix):
+    // smaller items and packing units, so both threads get work.
+    const int64_t threads = at::get_num_threads();
+    while (p.query_tokens > 4 && (num_tokens + p.query_tokens - 1) / p.query_tokens * nkv < 4 * threads)
+      p.query_tokens /= 2;
+    p.pack_chunk = 128;
+  }
   if (num_tokens == 0) return out;
   const int64_t chosen = pick_path(path, hs, p.dtype);
   if (p.dtype == 0) run_path<0>(p, chosen);
@@ -964,6 +1001,17 @@ at::Tensor prefill_attention_with_context(at::Tensor query, at::Tensor key, at::
   return prefill_attention_impl(query, key, value, cu_seqlens, &cu_seqlens_k, scale, out_scale, path);
 }
 
+// Cascade attention's prefix phase (paged_attention.cpp): softmax(scale q k^T) v
+// with no causal mask, sequence s's queries [cu[s], cu[s + 1]) over its keys
+// [cu_k[s], cu_k[s + 1]) (at least one). Returns out as float32 [num_tokens,
+// num_heads, head_size]; lse [num_tokens, num_heads] float32 gets each row's
+// log of the sum of exp(scaled score), natural log; out is multiplied by out_scale.
+at::Tensor prefill_attention_over_prefix(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens,
+                                         at::Tensor cu_seqlens_k, double scale, double out_scale, int64_t path,
+                                         at::Tensor lse) {
+  return prefill_attention_impl(query, key, value, cu_seqlens, &cu_seqlens_k, scale, out_scale, path, &lse);
+}
+
 // Whether this build has the bf16 dot-product path (AVX512-BF16 at build time).
 bool prefill_attention_has_bf16_dot() {
 #ifdef FP8SERVE_BF16_DOT
@@ -976,5 +1024,8 @@ bool prefill_attention_has_bf16_dot() {
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("prefill_attention", &prefill_attention);
   m.def("prefill_attention_with_context", &prefill_attention_with_context);
+  m.def("prefill_attention_over_prefix(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, "
+        "Tensor cu_seqlens_k, float scale, float out_scale, int path, Tensor(a!) lse) -> Tensor",
+        &prefill_attention_over_prefix);
   m.def("prefill_attention_has_bf16_dot", &prefill_attention_has_bf16_dot);
 }
