@@ -44,6 +44,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/zeros.h>
@@ -72,14 +73,29 @@
 #define FP8SERVE_AVX2 1
 #endif
 
-// Defined in prefill_attention.cpp and cache_ops.cpp (one extension): the
-// prefix phase of cascade attention runs on them.
+namespace {
+
+// The prefix phase of cascade attention runs ops of prefill_attention.cpp and
+// cache_ops.cpp, called through the dispatcher rather than by symbol:
+// benchmarks/kernel_ab_engine.py builds this file alone (another commit's, in
+// another namespace) and its ops must still find these.
 at::Tensor prefill_attention_over_prefix(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens,
                                          at::Tensor cu_seqlens_k, double scale, double out_scale, int64_t path,
-                                         at::Tensor lse);
-void gather_cache(at::Tensor cache, at::Tensor slots, int64_t kv_format, at::Tensor out);
+                                         at::Tensor lse) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fp8serve::prefill_attention_over_prefix", "")
+          .typed<at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, int64_t,
+                            at::Tensor)>();
+  return op.call(query, key, value, cu_seqlens, cu_seqlens_k, scale, out_scale, path, lse);
+}
 
-namespace {
+void gather_cache(at::Tensor cache, at::Tensor slots, int64_t kv_format, at::Tensor out) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fp8serve::gather_cache", "")
+                             .typed<void(at::Tensor, at::Tensor, int64_t, at::Tensor)>();
+  op.call(cache, slots, kv_format, out);
+}
 
 enum KVFormat : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
