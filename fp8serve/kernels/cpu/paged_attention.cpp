@@ -1237,8 +1237,8 @@ std::vector<PrefixGroup> shared_prefix_groups(const int64_t* bt, const int64_t* 
 // The prefix phase: every group's queries over its shared tokens, gathered
 // from the cache (decoded at scale 1) in bf16 when the tiles are the bf16
 // dot-product ones (the query rounded to bf16 as they round it, P rounded
-// to bf16 as they and the prefill kernel do) and float32 otherwise. Fills `res`'s
-// row / start (sized num_seqs) and returns the out / lse tensors it points at.
+// to bf16 as they and the prefill kernel do) and float32 otherwise. Fills
+// `row` / `start` (sized num_seqs) and returns the rows' out and lse.
 std::pair<at::Tensor, at::Tensor> attend_shared_prefixes(const std::vector<PrefixGroup>& groups, const at::Tensor& qf,
                                                           const at::Tensor& key_cache, const at::Tensor& value_cache,
                                                           const int64_t* bt, int64_t max_blocks, int64_t kv_format,
@@ -1277,11 +1277,18 @@ std::pair<at::Tensor, at::Tensor> attend_shared_prefixes(const std::vector<Prefi
   gather_cache(key_cache, slots, kv_format, kbuf);
   gather_cache(value_cache, slots, kv_format, vbuf);
   // The tiles' units: e4m3 is decoded as value * 2^-8 there and the caller
-  // folded 2^8 into q and into out_scale; the gathered keys are the values.
+  // folded 2^8 into q and into out_scale; the gathered keys and values are
+  // the values, so both scales take 2^-8 here (the output in the tiles' units,
+  // which the merge's out_scale turns back).
   const float kv_mult = kv_format == kE4M3 ? 256.f : 1.f;
   at::Tensor lse = at::empty({num_rows, nh}, qf.options());
   // prefill_attention.cpp's paths: 0 best (bf16 dot products for bf16), 1 AVX2, 3 scalar.
-  const int64_t prefill_path = path == kScalarPath ? 3 : path == kAvx2Path && hs % 16 == 0 ? 1 : 0;
+#ifdef FP8SERVE_AVX2
+  const bool avx2 = path == kAvx2Path && hs % 16 == 0;
+#else
+  const bool avx2 = false;
+#endif
+  const int64_t prefill_path = path == kScalarPath ? 3 : avx2 ? 1 : 0;
   at::Tensor out = prefill_attention_over_prefix(q, kbuf, vbuf, cu_q, cu_k, 1.0 / kv_mult, 1.0 / kv_mult,
                                                  prefill_path, lse);
   return {out, lse};
