@@ -90,18 +90,6 @@ at::Tensor prefill_attention_over_prefix(at::Tensor query, at::Tensor key, at::T
   return op.call(query, key, value, cu_seqlens, cu_seqlens_k, scale, out_scale, path, lse);
 }
 
-at::Tensor prefill_attention_over_paged_prefix(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                               at::Tensor slots, int64_t kv_format, at::Tensor cu_seqlens,
-                                               at::Tensor cu_seqlens_k, double scale, double out_scale,
-                                               at::Tensor lse) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fp8serve::prefill_attention_over_paged_prefix", "")
-          .typed<at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor, at::Tensor, double,
-                            double, at::Tensor)>();
-  return op.call(query, key_cache, value_cache, slots, kv_format, cu_seqlens, cu_seqlens_k, scale, out_scale, lse);
-}
-
 void gather_cache(at::Tensor cache, at::Tensor slots, int64_t kv_format, at::Tensor out) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fp8serve::gather_cache", "")
@@ -1285,22 +1273,15 @@ std::pair<at::Tensor, at::Tensor> attend_shared_prefixes(const std::vector<Prefi
   // ATen's gather and conversion: vectorized (a scalar loop here was 5% of a call at 64 x 512).
   at::Tensor q = qf.index_select(0, members);
   if (bf16) q = q.to(at::kBFloat16);
-  // The tiles' units: e4m3 is decoded as value * 2^-8 there and the caller
-  // folded 2^8 into q and into out_scale; the prefix form reads keys and
-  // values as the values, so both scales take 2^-8 here (the output in the
-  // tiles' units, which the merge's out_scale turns back).
-  const float kv_mult = kv_format == kE4M3 ? 256.f : 1.f;
-  at::Tensor lse = at::empty({num_rows, nh}, qf.options());
-  if (bf16) {
-    // Packed straight from the cache's blocks (FP8 decoded while packing): a
-    // gathered bf16 copy in between was 18% of a call at 16 x 1024.
-    at::Tensor out = prefill_attention_over_paged_prefix(q, key_cache, value_cache, slots, kv_format, cu_q, cu_k,
-                                                         1.0 / kv_mult, 1.0 / kv_mult, lse);
-    return {out, lse};
-  }
   at::Tensor kbuf = at::empty({num_keys, nkv, hs}, q.options()), vbuf = at::empty({num_keys, nkv, hs}, q.options());
   gather_cache(key_cache, slots, kv_format, kbuf);
   gather_cache(value_cache, slots, kv_format, vbuf);
+  // The tiles' units: e4m3 is decoded as value * 2^-8 there and the caller
+  // folded 2^8 into q and into out_scale; the gathered keys and values are
+  // the values, so both scales take 2^-8 here (the output in the tiles' units,
+  // which the merge's out_scale turns back).
+  const float kv_mult = kv_format == kE4M3 ? 256.f : 1.f;
+  at::Tensor lse = at::empty({num_rows, nh}, qf.options());
   // prefill_attention.cpp's paths: 0 best (bf16 dot products for bf16), 1 AVX2, 3 scalar.
 #ifdef FP8SERVE_AVX2
   const bool avx2 = path == kAvx2Path && hs % 16 == 0;

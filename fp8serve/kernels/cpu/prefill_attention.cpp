@@ -214,12 +214,6 @@ struct Problem {
   float* lse = nullptr;
   int64_t query_tokens = kQueryTokens;  // per work item
   int64_t pack_chunk = 512;             // keys per packing unit, a multiple of 16
-  // Keys and values read in place from a paged cache (the bf16 dot-product
-  // path's prefix form, prefill_attention_over_paged_prefix): key t is row
-  // slots[t] of k / v (rows of k_ld elements), stored as bf16 (kv_codes 0)
-  // or as FP8 codes (3 e4m3, 4 e5m2, decoded to bf16 exactly while packing).
-  const int64_t* slots = nullptr;
-  int kv_codes = 0;
 };
 
 // dst[i] = src[i] * scale for a row of n elements in storage format DT (0
@@ -622,7 +616,6 @@ void run(const Problem& p) {
 struct Bf16Dot {
   static constexpr int W = 16, kQkRows = 8, kQkVecs = 2, kPvRows = 6, kPvVecs = 4;
 };
-constexpr int64_t kMaxStagedHead = 256;  // head sizes the paged prefix form takes
 
 template <int RT>
 void qk_rows_bf16(const uint32_t* q, int64_t hp, const uint32_t* kt, int64_t ldk, int64_t nkeys, float scale,
@@ -809,19 +802,6 @@ struct PairInterleave {
 };
 inline constexpr PairInterleave kPairInterleave{};
 
-// Key or value row t (absolute) for kv head h as bf16 words: in place, or
-// through p.slots from a paged cache, decoded into tmp from FP8 codes.
-inline const void* bf16_row(const Problem& p, const void* base, int64_t ld, int64_t t, int64_t h, uint16_t* tmp) {
-  const int64_t row = p.slots != nullptr ? p.slots[t] : t;
-  if (p.kv_codes == 0) return row_ptr<1>(base, row * ld + h * p.head_size);
-  const uint8_t* c = static_cast<const uint8_t*>(base) + row * ld + h * p.head_size;
-  for (int64_t d = 0; d < p.head_size; d += 16) {
-    const __m512 x = p.kv_codes == 3 ? fp8serve_vec16::fp8_decode<true>(c + d) : fp8serve_vec16::fp8_decode<false>(c + d);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + d), (__m256i)_mm512_cvtneps_pbh(x));  // exact: FP8 fits bf16
-  }
-  return tmp;
-}
-
 // bf16 inputs only (DT 1); head_size a multiple of 64.
 void run_bf16_dot(const Problem& p) {
   const int64_t hs = p.head_size, hp = hs / 2;
@@ -844,12 +824,10 @@ void run_bf16_dot(const Problem& p) {
       const int64_t len16 = len / 16 * 16;
       const __m512i pair_lo = _mm512_load_si512(kPairInterleave.idx[0]);
       const __m512i pair_hi = _mm512_load_si512(kPairInterleave.idx[1]);
-      // Decoded FP8 rows (paged prefix form): 16 keys, or two values.
-      alignas(64) uint16_t staged[16][kMaxStagedHead];
       for (int64_t t0 = u.k0; t0 < std::min(u.k1, len16); t0 += 16) {
         const uint32_t* krow[16];
         for (int i = 0; i < 16; ++i)
-          krow[i] = static_cast<const uint32_t*>(bf16_row(p, p.k, p.k_ld, base + t0 + i, h, staged[i]));
+          krow[i] = static_cast<const uint32_t*>(row_ptr<1>(p.k, (base + t0 + i) * p.k_ld + h * hs));
         for (int64_t w0 = 0; w0 < hp; w0 += 16) {
           __m512i r[16];
           for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(krow[i] + w0);
@@ -857,8 +835,8 @@ void run_bf16_dot(const Problem& p) {
           for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kt + (w0 + j) * ldk + t0, r[j]);
         }
         for (int64_t t = t0; t < t0 + 16; t += 2) {
-          const uint16_t* a = static_cast<const uint16_t*>(bf16_row(p, p.v, p.v_ld, base + t, h, staged[0]));
-          const uint16_t* b = static_cast<const uint16_t*>(bf16_row(p, p.v, p.v_ld, base + t + 1, h, staged[1]));
+          const uint16_t* a = static_cast<const uint16_t*>(row_ptr<1>(p.v, (base + t) * p.v_ld + h * hs));
+          const uint16_t* b = static_cast<const uint16_t*>(row_ptr<1>(p.v, (base + t + 1) * p.v_ld + h * hs));
           uint16_t* dst = v2 + (t / 2) * hs * 2;
           for (int64_t c = 0; c < hs; c += 32) {
             const __m512i x = _mm512_loadu_si512(a + c), y = _mm512_loadu_si512(b + c);
@@ -868,9 +846,9 @@ void run_bf16_dot(const Problem& p) {
         }
       }
       for (int64_t t = std::max(u.k0, len16); t < u.k1; ++t) {
-        const uint32_t* kr = static_cast<const uint32_t*>(bf16_row(p, p.k, p.k_ld, base + t, h, staged[0]));
+        const uint32_t* kr = static_cast<const uint32_t*>(row_ptr<1>(p.k, (base + t) * p.k_ld + h * hs));
         for (int64_t d = 0; d < hp; ++d) kt[d * ldk + t] = kr[d];
-        const uint16_t* vr = static_cast<const uint16_t*>(bf16_row(p, p.v, p.v_ld, base + t, h, staged[1]));
+        const uint16_t* vr = static_cast<const uint16_t*>(row_ptr<1>(p.v, (base + t) * p.v_ld + h * hs));
         uint16_t* dst = v2 + (t / 2) * hs * 2 + (t % 2);
         for (int64_t d = 0; d < hs; ++d) dst[2 * d] = vr[d];
       }
@@ -946,18 +924,6 @@ void run_path(const Problem& p, int64_t path) {
 // [cu_k[s], cu_k[s + 1]) and its queries are the last cu[s + 1] - cu[s] of
 // those positions (a prefill continuing a cached context: causal from the
 // bottom right, as flash_attn_varlen_func with causal=True).
-// The prefix form's settings: no causal mask, lse written, and for few query
-// rows over many keys (a decode batch over a shared prefix) smaller items and
-// packing units, so every thread gets work.
-static void set_prefix_form(Problem& p, float* lse, int64_t num_tokens) {
-  p.causal = false;
-  p.lse = lse;
-  const int64_t threads = at::get_num_threads();
-  while (p.query_tokens > 4 && (num_tokens + p.query_tokens - 1) / p.query_tokens * p.num_kv_heads < 4 * threads)
-    p.query_tokens /= 2;
-  p.pack_chunk = 128;
-}
-
 // prefix_lse (prefill_attention_over_prefix): no causal mask, a float32 out
 // and the rows' log-sum-exp written there; every sequence needs a key.
 at::Tensor prefill_attention_impl(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor cu_seqlens,
@@ -1008,7 +974,14 @@ at::Tensor prefill_attention_impl(at::Tensor query, at::Tensor key, at::Tensor v
     TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == num_tokens &&
                     lse.size(1) == nh,
                 "prefill_attention_over_prefix: lse must be a contiguous float32 [num_tokens, num_heads] tensor");
-    set_prefix_form(p, lse.data_ptr<float>(), num_tokens);
+    p.causal = false;
+    p.lse = lse.data_ptr<float>();
+    // Few query rows over many keys (a decode batch over a shared prefix):
+    // smaller items and packing units, so both threads get work.
+    const int64_t threads = at::get_num_threads();
+    while (p.query_tokens > 4 && (num_tokens + p.query_tokens - 1) / p.query_tokens * nkv < 4 * threads)
+      p.query_tokens /= 2;
+    p.pack_chunk = 128;
   }
   if (num_tokens == 0) return out;
   const int64_t chosen = pick_path(path, hs, p.dtype);
@@ -1039,75 +1012,6 @@ at::Tensor prefill_attention_over_prefix(at::Tensor query, at::Tensor key, at::T
   return prefill_attention_impl(query, key, value, cu_seqlens, &cu_seqlens_k, scale, out_scale, path, &lse);
 }
 
-// The same on the bf16 dot-product path with keys and values read in place
-// from a paged cache [num_blocks, block_size, num_kv_heads, head_size]: key t
-// of the call is slot slots[t] (sequence s has keys [cu_k[s], cu_k[s + 1])),
-// bf16 (kv_format 1) or FP8 codes (3 e4m3, 4 e5m2: values at scale 1). No
-// gathered copy of the keys in between: cascade attention's prefix phase
-// under bf16 queries. query: bf16; head_size a multiple of 64, at most 256.
-at::Tensor prefill_attention_over_paged_prefix(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                               at::Tensor slots, int64_t kv_format, at::Tensor cu_seqlens,
-                                               at::Tensor cu_seqlens_k, double scale, double out_scale,
-                                               at::Tensor lse) {
-#ifdef FP8SERVE_BF16_DOT
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
-                  (query.size(1) <= 1 || query.stride(1) == query.size(2)),
-              "prefill_attention_over_paged_prefix: query must be bf16 [num_tokens, num_heads, head_size], heads "
-              "contiguous");
-  const int64_t num_tokens = query.size(0), nh = query.size(1), hs = query.size(2);
-  TORCH_CHECK(hs % 64 == 0 && hs <= kMaxStagedHead, "prefill_attention_over_paged_prefix: head_size must be a "
-              "multiple of 64 up to ", kMaxStagedHead, ", got ", hs);
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous() && key_cache.size(3) == hs,
-              "prefill_attention_over_paged_prefix: caches must be contiguous [num_blocks, block_size, "
-              "num_kv_heads, head_size], K and V alike");
-  const auto storage = kv_format == 1 ? at::kBFloat16 : at::kByte;
-  TORCH_CHECK((kv_format == 1 || kv_format == 3 || kv_format == 4) && key_cache.scalar_type() == storage &&
-                  value_cache.scalar_type() == storage,
-              "prefill_attention_over_paged_prefix: kv_format must be 1 (bf16), 3 (e4m3) or 4 (e5m2) with caches "
-              "stored as bf16 / uint8 codes");
-  const int64_t nkv = key_cache.size(2), num_slots = key_cache.size(0) * key_cache.size(1);
-  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "prefill_attention_over_paged_prefix: num_heads must be a multiple of "
-              "num_kv_heads");
-  for (const at::Tensor* c : {&cu_seqlens, &cu_seqlens_k, &slots})
-    TORCH_CHECK(c->dim() == 1 && c->scalar_type() == at::kLong && c->is_contiguous(),
-                "prefill_attention_over_paged_prefix: cu_seqlens, cu_seqlens_k and slots must be contiguous int64 "
-                "vectors");
-  const int64_t num_seqs = cu_seqlens.size(0) - 1;
-  TORCH_CHECK(num_seqs >= 0 && cu_seqlens_k.size(0) == num_seqs + 1,
-              "prefill_attention_over_paged_prefix: cu_seqlens and cu_seqlens_k must have num_seqs + 1 entries");
-  const int64_t *cu = cu_seqlens.data_ptr<int64_t>(), *cu_k = cu_seqlens_k.data_ptr<int64_t>();
-  TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == num_tokens && cu_k[0] == 0 && cu_k[num_seqs] == slots.size(0),
-              "prefill_attention_over_paged_prefix: cu_seqlens must run from 0 to num_tokens, cu_seqlens_k from 0 "
-              "to the number of slots");
-  for (int64_t s = 0; s < num_seqs; ++s)
-    TORCH_CHECK(cu[s + 1] >= cu[s] && cu_k[s + 1] - cu_k[s] >= 1,
-                "prefill_attention_over_paged_prefix: cu_seqlens must not decrease and every sequence needs a key");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.size(0); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "prefill_attention_over_paged_prefix: slots[", t, "] = ", sp[t],
-                " is outside the cache's ", num_slots, " slots");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == num_tokens &&
-                  lse.size(1) == nh,
-              "prefill_attention_over_paged_prefix: lse must be a contiguous float32 [num_tokens, num_heads] tensor");
-  at::Tensor out = at::empty({num_tokens, nh, hs}, query.options().dtype(at::kFloat));
-  Problem p{num_seqs, nh, nkv, hs, nh / nkv, cu, cu_k, static_cast<float>(scale), static_cast<float>(out_scale),
-            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), query.stride(0), nkv * hs, nkv * hs,
-            out.data_ptr(), 1};
-  set_prefix_form(p, lse.data_ptr<float>(), num_tokens);
-  p.slots = sp;
-  p.kv_codes = kv_format == 1 ? 0 : static_cast<int>(kv_format);
-  if (num_tokens > 0) run_bf16_dot(p);
-  return out;
-#else
-  static_cast<void>(query), static_cast<void>(key_cache), static_cast<void>(value_cache), static_cast<void>(slots);
-  static_cast<void>(kv_format), static_cast<void>(cu_seqlens), static_cast<void>(cu_seqlens_k);
-  static_cast<void>(scale), static_cast<void>(out_scale), static_cast<void>(lse);
-  TORCH_CHECK(false, "prefill_attention_over_paged_prefix needs an AVX512-BF16 build");
-  return at::Tensor();
-#endif
-}
-
 // Whether this build has the bf16 dot-product path (AVX512-BF16 at build time).
 bool prefill_attention_has_bf16_dot() {
 #ifdef FP8SERVE_BF16_DOT
@@ -1123,8 +1027,5 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("prefill_attention_over_prefix(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens, "
         "Tensor cu_seqlens_k, float scale, float out_scale, int path, Tensor(a!) lse) -> Tensor",
         &prefill_attention_over_prefix);
-  m.def("prefill_attention_over_paged_prefix(Tensor query, Tensor key_cache, Tensor value_cache, Tensor slots, "
-        "int kv_format, Tensor cu_seqlens, Tensor cu_seqlens_k, float scale, float out_scale, Tensor(a!) lse) -> Tensor",
-        &prefill_attention_over_paged_prefix);
   m.def("prefill_attention_has_bf16_dot", &prefill_attention_has_bf16_dot);
 }
