@@ -27,7 +27,7 @@ import sys
 import time
 
 import torch
-from bench_common import add_model_args, median_time, parse_sizes, print_header, record_as_a_warm_engine
+from bench_common import add_model_args, alternate, median_time, parse_sizes, print_header, record_as_a_warm_engine
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16  # the default model's attention
 
@@ -63,11 +63,9 @@ def kernel_part(ops, args) -> None:
                 def call(mode):
                     return lambda: ops.paged_attention_decode_fused_cascade(q, kc, vc, bt, sl, fmt, q_scale, 0.02 * 256,
                                                                             mode)
-                times = {0: [], 2: []}
-                for r in range(args.rounds):
-                    for mode in ((0, 2) if r % 2 == 0 else (2, 0)):
-                        times[mode].append(median_time(call(mode), args.calls))
-                off, on = statistics.median(times[0]), statistics.median(times[2])
+                times = alternate({"off": lambda: median_time(call(0), args.calls),
+                                   "always": lambda: median_time(call(2), args.calls)}, args.rounds)
+                off, on = times["off"], times["always"]
                 before = ops.cascade_attention_stats()[0]
                 call(1)()
                 runs = ops.cascade_attention_stats()[0] > before
