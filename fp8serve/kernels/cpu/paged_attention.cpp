@@ -1187,7 +1187,7 @@ std::atomic<int64_t> g_cascade_calls{0}, g_cascade_pairs{0};
 // heads over 3 kv heads, 32 tokens of each sequence's own, on the Zen 4
 // guest (benchmarks/results/cascade_attention_2026-12-04_zen4.md): 16 or
 // more sequences and 16384 or more (sequence, shared token) pairs, 1.06-1.70x
-// there, 0.40-0.95x below; whole decode steps of the default model 1.07-1.26x.
+// there, 0.40-0.95x below; whole decode steps of the default model 1.05-1.26x.
 // With float32 tiles (float32 queries, 16/32-bit caches) the kernel alone ran
 // 0.23-1.65x, the same cells differing from one process to the next, and
 // float32 decode steps (64 sequences over 512 shared tokens) gained nothing:
