@@ -62,7 +62,7 @@ from bench_common import alternate, best_time, build_kernel_at_rev, describe_mac
 
 from fp8serve.attention.backends.cpu_paged import CpuPagedBackend
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
-from fp8serve.attention.kv_cache_spec import KVCacheSpec
+from fp8serve.attention.kv_cache_spec import KVCacheSpec, storage_rows
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, KV_FORMATS, decode_bf16_dot_available, load_cpu_ops
 
@@ -96,9 +96,9 @@ class DecodeCase:
         self.kv_cache = self.paged.allocate_kv_cache(num_blocks, torch.device("cpu"))
         # Fill every usable block the way the engine does (quantize-on-write), in slices
         # to bound the float32 temporaries.
-        rows = self.kv_cache[0].view(-1, hkv, hs).shape[0] - bs  # all but the null block
+        rows = storage_rows(self.kv_cache[0]).shape[0] // hkv - bs  # all but the null block
         for kv, scale in ((0, K_SCALE), (1, V_SCALE)):
-            flat = self.kv_cache[kv].view(-1, hkv, hs)
+            flat = storage_rows(self.kv_cache[kv]).view(-1, hkv, hs)  # memory order: every row gets random codes
             for start in range(0, rows, 1 << 15):
                 n = min(1 << 15, rows - start)
                 x = torch.randn(n, hkv, hs, generator=g) * (scale * 8)

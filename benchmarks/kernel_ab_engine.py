@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import random
 import statistics
 import sys
@@ -109,6 +110,18 @@ def time_prefill(engine, prompts: list[list[int]], steps: int) -> tuple[float, l
     return statistics.median(times), tokens
 
 
+@contextlib.contextmanager
+def _layout_hint(args):
+    """A baseline build from before the ops took HND caches fails on the engine's default layout: say what to do."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "caches must be contiguous" not in str(e):
+            raise
+        raise SystemExit(f"{args.source} at {args.baseline_rev} reads only NHD (token-major) KV caches, older than "
+                         "the engine's HND default: run with --kv-cache-layout NHD") from e
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the built-in default model)")
@@ -129,8 +142,13 @@ def main() -> None:
                    help="time decode steps (default) or steps that prefill the whole batch")
     p.add_argument("--prefills", type=int, default=3,
                    help="--phase prefill: timed prefill steps per engine per round (median)")
+    p.add_argument("--kv-cache-layout", choices=("HND", "NHD"), default=None,
+                   help="KV cache memory order of both engines (FP8SERVE_KV_CACHE_LAYOUT; default: the engine's, "
+                        "HND); NHD for a baseline revision from before the ops took HND caches")
     p.add_argument("--output", type=Path, default=None, help="also write the table (markdown) here")
     args = p.parse_args()
+    if args.kv_cache_layout:
+        os.environ["FP8SERVE_KV_CACHE_LAYOUT"] = args.kv_cache_layout  # read as each engine allocates its cache
     for name in ("batch", "tokens", "rounds", "prefills"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -183,7 +201,7 @@ def main() -> None:
             # Recorded prefill forwards call the ops they recorded, past the lookups counted below.
             llm.llm_engine.model_runner.prefill_captures.enabled = False
         for llm, ctx in engines.values():
-            with ctx():
+            with ctx(), _layout_hint(args):
                 time_prefill(llm.llm_engine, prompts, 2)
         swapped.lookups = 0
     else:
@@ -195,7 +213,8 @@ def main() -> None:
         warm = SamplingParams(max_tokens=max(args.tokens, 80), temperature=0, ignore_eos=True)
         for llm, ctx in engines.values():
             with ctx():
-                llm.generate([{"prompt_token_ids": t} for t in prompts], warm, use_tqdm=False)
+                with _layout_hint(args):
+                    llm.generate([{"prompt_token_ids": t} for t in prompts], warm, use_tqdm=False)
         swaps = recorded_ops(BASELINE_NAMESPACE)
         if swaps == 0:
             raise SystemExit(f"the baseline engine's recorded decode forward has no {BASELINE_NAMESPACE} op: "

@@ -16,7 +16,7 @@ import torch
 
 from fp8serve.attention.backends.selector import select_backend
 from fp8serve.attention.forward_context import set_forward_context
-from fp8serve.attention.kv_cache_spec import KVCacheSpec
+from fp8serve.attention.kv_cache_spec import KVCacheSpec, kv_cache_layout_from_env
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.config import EngineConfig
 from fp8serve.engine.decode_capture import DecodeCaptures
@@ -121,6 +121,7 @@ class ModelRunner:
             num_kv_heads=arch.num_key_value_heads,
             head_size=arch.head_dim,
             num_layers=len(self.attn_layers),
+            kv_layout=kv_cache_layout_from_env(),
         )
         self._apply_kv_scales()
         self.backend = select_backend(self.kv_cache_spec, self.dtype, self.device)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from fp8serve.attention.kv_cache_spec import layout_of, read_slots
 from fp8serve.utils.platform import is_amd_cpu
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def load_cpu_ops():
 
 def paged_attention_decode(
     query: torch.Tensor,  # [num_seqs, num_heads, head_size] float32, already scaled
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]: HND or NHD, kv_cache_spec
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
     seq_lens: torch.Tensor,  # [num_seqs] int64, each in [1, max_blocks * block_size]
@@ -169,8 +170,8 @@ def paged_attention_decode(
         raise TypeError(f"a {kv_format} cache is stored as {storage}, got {key_cache.dtype}/{value_cache.dtype}")
     if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
         raise TypeError(f"block_tables and seq_lens must be int64, got {block_tables.dtype}/{seq_lens.dtype}")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("key_cache and value_cache must be contiguous (the kernel walks raw block strides)")
+    if layout_of(key_cache) != layout_of(value_cache) or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have one layout (the kernel walks raw block strides)")
     if query.device.type != "cpu" or key_cache.device.type != "cpu":
         raise ValueError("paged_attention_decode is a CPU kernel")
     ops_by_path = {"best": ops.paged_attention_decode, "avx512": ops.paged_attention_decode_avx512,
@@ -231,8 +232,8 @@ def paged_attention_decode_ref(query, key_cache, value_cache, block_tables, seq_
         n = int(seq_lens[b])
         pos = torch.arange(n)
         slots = block_tables[b, pos // block_size] * block_size + pos % block_size
-        k = decode(key_cache.reshape(-1, num_kv_heads, head_size)[slots])  # [n, kvh, d]
-        v = decode(value_cache.reshape(-1, num_kv_heads, head_size)[slots])
+        k = decode(read_slots(key_cache, slots))  # [n, kvh, d]
+        v = decode(read_slots(value_cache, slots))
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", query[b].double(), k)
@@ -268,7 +269,7 @@ def gather_cache(
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], heads contiguous
     value: torch.Tensor,
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]: HND or NHD, kv_cache_spec
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 skips the token
     kv_format: str,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
-from fp8serve.attention.kv_cache_spec import KVCacheSpec
+from fp8serve.attention.kv_cache_spec import KVCacheSpec, read_slots
 from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 from fp8serve.quantization.fp8 import quantize_fp8
@@ -102,8 +102,8 @@ def test_decode_step_matches_torch_sdpa(cpu_paged_backend, seed, kv_cache_dtype,
     # patterns), holding the new tokens in the storage format.
     assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8)), \
         f"seed={seed}: the backends wrote different caches"
-    written_k = cache[0].view(-1, num_kv_heads, head_size)[md.slot_mapping]
-    written_v = cache[1].view(-1, num_kv_heads, head_size)[md.slot_mapping]
+    written_k = read_slots(cache[0], md.slot_mapping)
+    written_v = read_slots(cache[1], md.slot_mapping)
     if spec.fp8 is not None:
         assert torch.equal(written_k, quantize_fp8(key, K_SCALE, spec.fp8)), f"seed={seed}"
         assert torch.equal(written_v, quantize_fp8(value, V_SCALE, spec.fp8)), f"seed={seed}"

@@ -20,7 +20,7 @@ import torch
 
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
 from fp8serve.kernels.cpu_ops import load_cpu_ops
-from fp8serve.attention.kv_cache_spec import KVCacheSpec
+from fp8serve.attention.kv_cache_spec import KVCacheSpec, read_slots
 from fp8serve.attention.metadata import AttentionMetadata
 
 BLOCK_SIZE = 16
@@ -136,8 +136,8 @@ def run_and_compare(backend_cls, kv_cache_dtype, num_kv_heads, group, head_size,
 
         # What was written: the codes at each new slot decode to x / scale.
         dtype, _ = TORCH_FP8[kv_cache_dtype]
-        stored_k = cache[0].view(-1, num_kv_heads, head_size)[md.slot_mapping].view(dtype).cpu().double()
-        stored_v = cache[1].view(-1, num_kv_heads, head_size)[md.slot_mapping].view(dtype).cpu().double()
+        stored_k = read_slots(cache[0], md.slot_mapping).view(dtype).cpu().double()
+        stored_v = read_slots(cache[1], md.slot_mapping).view(dtype).cpu().double()
         assert torch.equal(stored_k * k_scale, reference_qdq(k, k_scale, kv_cache_dtype))
         assert torch.equal(stored_v * v_scale, reference_qdq(v, v_scale, kv_cache_dtype))
 
@@ -213,8 +213,8 @@ def test_scale_of_two_halves_stored_values(kv_cache_dtype, backend):
     v = torch.full((4, 1, 64), 6.0)
     out = backend.forward(torch.zeros(4, 1, 64), k, v, cache, md, softmax_scale=0.125, k_scale=2.0, v_scale=2.0)
     dtype, _ = TORCH_FP8[kv_cache_dtype]
-    stored_k = cache[0].view(-1, 1, 64)[md.slot_mapping].view(dtype).float()
-    stored_v = cache[1].view(-1, 1, 64)[md.slot_mapping].view(dtype).float()
+    stored_k = read_slots(cache[0], md.slot_mapping).view(dtype).float()
+    stored_v = read_slots(cache[1], md.slot_mapping).view(dtype).float()
     assert torch.equal(stored_k, k / 2)
     assert torch.equal(stored_v, v / 2)
     # ...and reading multiplies the scale back in.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp8serve.attention.kv_cache_spec import KV_CACHE_LAYOUTS, as_layer_view, read_slots
 from fp8serve.kernels import cpu_ops
 from fp8serve.kernels.cpu_ops import KV_FORMATS, KV_STORAGE_DTYPES, reshape_and_cache
 from fp8serve.quantization.fp8 import dequantize_fp8, fp8_format, quantize_fp8
@@ -81,16 +82,26 @@ def make_kv(seed, dtype, num_kv_heads, head_size, num_tokens, k_scale, v_scale):
     return wide, key, value
 
 
-def make_caches(seed, kv_format, num_kv_heads, head_size):
+def in_layout(cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """The [blocks, block_size, kv heads, head_size] cache `cache` as the same
+    view over memory in `kv_layout`'s order (a copy)."""
+    if kv_layout == "HND":
+        return as_layer_view(cache.transpose(1, 2).contiguous(), "HND")
+    return cache.contiguous()
+
+
+def make_caches(seed, kv_format, num_kv_heads, head_size, kv_layout="HND"):
     """Caches pre-filled with random content (FP8: random codes), so that
     writes to the wrong place and writes to skipped slots show."""
     g = torch.Generator().manual_seed(seed + 1)
     shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_size)
     storage = KV_STORAGE_DTYPES[kv_format]
     if storage == torch.uint8:
-        return (torch.randint(0, 256, shape, dtype=torch.uint8, generator=g),
+        k, v = (torch.randint(0, 256, shape, dtype=torch.uint8, generator=g),
                 torch.randint(0, 256, shape, dtype=torch.uint8, generator=g))
-    return torch.randn(shape, generator=g).to(storage), torch.randn(shape, generator=g).to(storage)
+    else:
+        k, v = torch.randn(shape, generator=g).to(storage), torch.randn(shape, generator=g).to(storage)
+    return in_layout(k, kv_layout), in_layout(v, kv_layout)
 
 
 def make_slots(seed, num_tokens):
@@ -133,18 +144,19 @@ def reference_decode(stored: torch.Tensor, kv_format: str, dtype: torch.dtype) -
     return stored.to(dtype)
 
 
+@pytest.mark.parametrize("kv_layout", KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("num_kv_heads,head_size", ROW_SHAPES)
 @pytest.mark.parametrize("kv_format", list(KV_FORMATS))
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
-def test_reshape_and_cache_matches_torch(seed, dtype, kv_format, num_kv_heads, head_size):
+def test_reshape_and_cache_matches_torch(seed, dtype, kv_format, num_kv_heads, head_size, kv_layout):
     is_fp8 = kv_format.startswith("fp8")
     k_scale, v_scale = (FP8_K_SCALE, FP8_V_SCALE) if is_fp8 else (1.0, 1.0)
     wide, key, value = make_kv(seed, dtype, num_kv_heads, head_size, NUM_TOKENS, k_scale, v_scale)
     wide_before = wide.clone()
-    key_cache, value_cache = make_caches(seed, kv_format, num_kv_heads, head_size)
+    key_cache, value_cache = make_caches(seed, kv_format, num_kv_heads, head_size, kv_layout)
     k_before, v_before = key_cache.clone(), value_cache.clone()
     slots = make_slots(seed, NUM_TOKENS)
-    ctx = f"seed={seed} dtype={dtype} kv_format={kv_format} rows=({num_kv_heads}, {head_size})"
+    ctx = f"seed={seed} dtype={dtype} kv_format={kv_format} rows=({num_kv_heads}, {head_size}) {kv_layout}"
 
     decoded = reshape_and_cache(key, value, key_cache, value_cache, slots, kv_format, k_scale, v_scale,
                                 return_decoded=True)
@@ -157,7 +169,7 @@ def test_reshape_and_cache_matches_torch(seed, dtype, kv_format, num_kv_heads, h
     untouched[slots[written]] = False
     for name, x, cache, before, scale, out in (("key", key, key_cache, k_before, k_scale, key_out),
                                                ("value", value, value_cache, v_before, v_scale, value_out)):
-        rows = cache.view(-1, num_kv_heads, head_size)
+        rows = cache.reshape(-1, num_kv_heads, head_size)  # slot order, whatever the layout
         ref = reference_store(x, kv_format, scale)
         if is_fp8:  # codes: bit for bit, NaN codes included
             assert torch.equal(bits(rows[slots[written]]), bits(ref[written])), (
@@ -165,7 +177,7 @@ def test_reshape_and_cache_matches_torch(seed, dtype, kv_format, num_kv_heads, h
                 f"{(bits(rows[slots[written]]) != bits(ref[written])).nonzero()[:6].tolist()}")
         else:
             assert_same_values(rows[slots[written]], ref[written], f"{ctx}: stored {name}")
-        assert torch.equal(bits(rows[untouched]), bits(before.view(-1, num_kv_heads, head_size)[untouched])), (
+        assert torch.equal(bits(rows[untouched]), bits(before.reshape(-1, num_kv_heads, head_size)[untouched])), (
             f"{ctx}: {name} slots not in slot_mapping (or skipped with -1) were modified")
         # The decoded values of the written tokens: what a read of the cache
         # returns at scale 1. (Rows of skipped tokens are left unwritten:
@@ -188,8 +200,9 @@ def test_without_return_decoded_same_cache(seed, kv_format):
     assert torch.equal(bits(kc1), bits(kc2)) and torch.equal(bits(vc1), bits(vc2)), f"seed={seed} {kv_format}"
 
 
+@pytest.mark.parametrize("kv_layout", KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("kv_format", list(KV_FORMATS))
-def test_many_tokens_across_threads(seed, kv_format):
+def test_many_tokens_across_threads(seed, kv_format, kv_layout):
     """Enough tokens that the write is split across threads (~64 KiB of input
     per task), every slot written: the whole cache equals the reference."""
     num_kv_heads, head_size, block_size = 2, 64, 16
@@ -201,7 +214,8 @@ def test_many_tokens_across_threads(seed, kv_format):
     value = torch.randn(num_tokens, num_kv_heads, head_size, generator=g) * 4 * v_scale
     storage = KV_STORAGE_DTYPES[kv_format]
     shape = (num_tokens // block_size, block_size, num_kv_heads, head_size)
-    key_cache, value_cache = torch.zeros(shape, dtype=storage), torch.zeros(shape, dtype=storage)
+    key_cache = in_layout(torch.zeros(shape, dtype=storage), kv_layout)
+    value_cache = in_layout(torch.zeros(shape, dtype=storage), kv_layout)
     perm = torch.randperm(num_tokens, generator=g)
     out = reshape_and_cache(key, value, key_cache, value_cache, perm, kv_format, k_scale, v_scale,
                             return_decoded=True)
@@ -210,7 +224,7 @@ def test_many_tokens_across_threads(seed, kv_format):
         ref = reference_store(x, kv_format, scale)
         expected = torch.empty_like(ref)
         expected[perm] = ref
-        assert torch.equal(bits(cache.view(-1, num_kv_heads, head_size)), bits(expected)), (
+        assert torch.equal(bits(cache.reshape(-1, num_kv_heads, head_size)), bits(expected)), (
             f"seed={seed} {kv_format}: {name} cache differs")
         assert_same_values(decoded, reference_decode(ref, kv_format, torch.float32), f"seed={seed} decoded {name}")
 
@@ -253,8 +267,8 @@ def test_cpu_paged_backend_write_matches_torch_sdpa(seed, kv_format):
     k_scale, v_scale = (0.25, 0.6) if kv_format.startswith("fp8") else (1.0, 1.0)
     _, key, value = make_kv(seed, torch.float16, num_kv_heads, head_size, 30, k_scale, v_scale)
     slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=torch.Generator().manual_seed(seed))[:30]
-    cache_paged = torch.zeros(spec.layer_shape(NUM_BLOCKS), dtype=spec.storage_dtype)
-    cache_ref = cache_paged.clone()
+    cache_paged = spec.empty_layer(NUM_BLOCKS).zero_()  # the engine's layout (HND)
+    cache_ref = spec.empty_layer(NUM_BLOCKS).zero_()
     got = paged.write_kv_cache(key, value, cache_paged, slots, k_scale, v_scale, return_decoded=True)
     expected = ref.write_kv_cache(key, value, cache_ref, slots, k_scale, v_scale, return_decoded=True)
     if kv_format.startswith("fp8"):
@@ -335,6 +349,14 @@ def test_bad_layouts_raise():
         reshape_and_cache(key, value, kc, vc, slots[:3], "fp8_e4m3")
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         reshape_and_cache(key.double(), value.double(), kc, vc, slots, "fp8_e4m3")
+    # Caches neither HND nor NHD in memory (rows padded), or K and V in different ones.
+    padded = torch.zeros(2, 4, 2, 16, dtype=torch.uint8)[..., :8]
+    with pytest.raises(RuntimeError, match="laid out as HND"):
+        reshape_and_cache(key, value, padded, padded, slots, "fp8_e4m3")
+    with pytest.raises(RuntimeError, match="one layout"):
+        reshape_and_cache(key, value, kc, in_layout(vc, "HND"), slots, "fp8_e4m3")
+    with pytest.raises(RuntimeError, match="laid out as HND"):
+        cpu_ops.gather_cache(padded, slots, "fp8_e4m3", torch.float32)
     assert not kc.any() and not vc.any()
 
 
@@ -348,10 +370,12 @@ def test_wrapper_without_kernels_raises(monkeypatch):
 # -------------------------------------------------------------- reading back: gather_cache
 
 
+@pytest.mark.parametrize("kv_layout", KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("num_kv_heads,head_size", ROW_SHAPES)
 @pytest.mark.parametrize("kv_format", list(KV_FORMATS))
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
-def test_gather_cache_reads_back_what_the_write_returned(seed, dtype, kv_format, num_kv_heads, head_size):
+def test_gather_cache_reads_back_what_the_write_returned(seed, dtype, kv_format, num_kv_heads, head_size,
+                                                         kv_layout):
     """Every stored bit pattern of a random cache (all 256 FP8 codes among them) read back at
     scattered slots, repeated slots included: the torch reference decode bit for bit (NaN only
     as NaN), and the values reshape_and_cache's return_decoded gave when they were written."""
@@ -363,16 +387,17 @@ def test_gather_cache_reads_back_what_the_write_returned(seed, dtype, kv_format,
         cache.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
     else:
         cache = (torch.randn(shape, generator=g) * 100).to(storage)
+    cache = in_layout(cache, kv_layout)
     slots = torch.randint(0, NUM_BLOCKS * BLOCK_SIZE, (NUM_TOKENS,), generator=g)
     slots[:3] = torch.tensor([0, 0, NUM_BLOCKS * BLOCK_SIZE - 1])
     got = cpu_ops.gather_cache(cache, slots, kv_format, dtype)
-    want = reference_decode(cache.view(-1, num_kv_heads, head_size)[slots], kv_format, dtype)
-    assert_same_values(got, want, f"seed={seed} {kv_format} -> {dtype}")
+    want = reference_decode(read_slots(cache, slots), kv_format, dtype)
+    assert_same_values(got, want, f"seed={seed} {kv_format} -> {dtype} {kv_layout}")
 
     # Round trip through the writer: what it returned is what reading back gives.
     x = torch.randn(NUM_TOKENS, num_kv_heads, head_size, generator=g).to(dtype)
-    k_cache = torch.zeros(shape, dtype=storage)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache = in_layout(torch.zeros(shape, dtype=storage), kv_layout)
+    v_cache = in_layout(torch.zeros(shape, dtype=storage), kv_layout)
     write_slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=g)[:NUM_TOKENS]
     fp8 = kv_format.startswith("fp8")
     dk, _ = reshape_and_cache(x, x, k_cache, v_cache, write_slots, kv_format, FP8_K_SCALE if fp8 else 1.0,

@@ -24,6 +24,7 @@ import os
 import pytest
 import torch
 
+from fp8serve.attention.kv_cache_spec import KV_CACHE_LAYOUTS, as_layer_view, layout_of
 from fp8serve.kernels.cpu_ops import (
     E4M3_DECODE_MULTIPLIER,
     KV_FORMATS,
@@ -33,6 +34,13 @@ from fp8serve.kernels.cpu_ops import (
     paged_attention_decode_ref,
 )
 from fp8serve.quantization.fp8 import dequantize_fp8, fp8_format, quantize_fp8
+
+
+def in_memory_order(cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """A contiguous copy of a [blocks, block_size, kv heads, head_size] cache in
+    `kv_layout`'s memory order (HND: [blocks, kv heads, block_size, head_size])."""
+    return cache.transpose(1, 2).contiguous() if kv_layout == "HND" else cache.contiguous()
+
 
 # Max |kernel - reference| / max |reference|, same stored codes: float32 sums
 # over head_size and up to a few hundred tokens (observed ~1e-6).
@@ -55,7 +63,7 @@ class Case:
     unquantized K/V it was written from, and the kernel's inputs."""
 
     def __init__(self, seed: int, kv_format: str, head_size: int, num_kv_heads: int, group: int,
-                 seq_lens: list[int], block_size: int = 16) -> None:
+                 seq_lens: list[int], block_size: int = 16, kv_layout: str = "HND") -> None:
         g = torch.Generator().manual_seed(seed)
         blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
         num_blocks = sum(blocks_per_seq) + 4
@@ -72,6 +80,10 @@ class Case:
         else:
             self.key_cache = self.key.to(KV_STORAGE_DTYPES[kv_format])
             self.value_cache = self.value.to(KV_STORAGE_DTYPES[kv_format])
+        # The same codes in the layout's memory order, seen as [blocks, block_size, kv heads, head_size].
+        self.key_cache = as_layer_view(in_memory_order(self.key_cache, kv_layout), kv_layout)
+        self.value_cache = as_layer_view(in_memory_order(self.value_cache, kv_layout), kv_layout)
+        assert layout_of(self.key_cache) == kv_layout or min(block_size, num_kv_heads) == 1
         ids = torch.randperm(num_blocks, generator=g).tolist()
         max_blocks = max(blocks_per_seq) + 1
         self.block_tables = torch.full((len(seq_lens), max_blocks), num_blocks - 1, dtype=torch.int64)
@@ -115,14 +127,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).abs().max() / ref.abs().max()).item()
 
 
+@pytest.mark.parametrize("kv_layout", KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("path", ["best", "avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("kv_format", list(KV_FORMATS))
-def test_matches_references(ops, seed, kv_format, head_size, group, path):
+def test_matches_references(ops, seed, kv_format, head_size, group, path, kv_layout):
     if path == "avx512" and not ops.has_avx512():
         pytest.skip("this build has no AVX-512 tiles")
-    case = Case(seed, kv_format, head_size, num_kv_heads=2, group=group, seq_lens=SEQ_LENS)
+    case = Case(seed, kv_format, head_size, num_kv_heads=2, group=group, seq_lens=SEQ_LENS, kv_layout=kv_layout)
     out = case.run(path)
     assert out.shape == case.q.shape and out.dtype == torch.float32
     err = rel_err(out, case.reference_same_codes())
@@ -254,8 +267,14 @@ def test_wrapper_rejects_bad_inputs(ops, seed):
         call(sl=sl[:1])
     with pytest.raises(TypeError, match="int64"):
         call(sl=sl.int())
-    with pytest.raises(ValueError, match="contiguous"):
-        call(k=k.transpose(1, 2).contiguous().transpose(1, 2), v=v.transpose(1, 2).contiguous().transpose(1, 2))
+    # Neither HND nor NHD memory: rows padded to twice head_size.
+    padded_k = torch.zeros(*k.shape[:3], 2 * k.shape[3], dtype=k.dtype)[..., :k.shape[3]]
+    with pytest.raises(ValueError, match="laid out as HND"):
+        call(k=padded_k, v=padded_k)
+    with pytest.raises(ValueError, match="one layout"):  # K in NHD memory, V in HND
+        call(k=in_memory_order(k, "NHD"))
+    with pytest.raises(RuntimeError, match="laid out as HND"):  # the op checks it too
+        ops.paged_attention_decode(torch.empty_like(q), q, padded_k, padded_k, bt, sl, KV_FORMATS["fp8_e4m3"], 1.0)
     # Checked in C++, where the kernel would otherwise read out of bounds.
     with pytest.raises(RuntimeError, match="seq_lens"):
         call(sl=torch.tensor([0, 20]))
@@ -376,14 +395,15 @@ def test_bf16_dot_decodes_every_code_exactly(ops, kv_format):
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("kv_layout", KV_CACHE_LAYOUTS)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])  # 4: Llama-3-8B and Mixtral (32 heads, 8 kv heads)
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("kv_format", FP8_FORMATS)
-def test_bf16_dot_within_its_rounding_of_the_reference(ops, seed, kv_format, head_size, group):
+def test_bf16_dot_within_its_rounding_of_the_reference(ops, seed, kv_format, head_size, group, kv_layout):
     """The bf16 tiles against the float64 reference on the same codes: within
     the bound of bf16_dot_bounds, with the query rounded to bf16 in the
     reference (only the weights' rounding left) and with the exact query."""
-    case = Case(seed, kv_format, head_size, num_kv_heads=2, group=group, seq_lens=SEQ_LENS)
+    case = Case(seed, kv_format, head_size, num_kv_heads=2, group=group, seq_lens=SEQ_LENS, kv_layout=kv_layout)
     out = case.run("bf16dot").double()
     ref = case.reference_same_codes().double()
     ref_rounded_q = paged_attention_decode_ref(case.kernel_query.bfloat16().float(), case.key_cache,

@@ -27,7 +27,7 @@ class AttentionBackend(ABC):
         probability 0, but 0 * NaN from an unwritten slot would still poison
         the output. The rest is left unwritten (torch.empty), so the OS maps
         pages only as blocks are used and start-up does not touch gigabytes."""
-        cache = torch.empty(self.spec.layer_shape(num_blocks + 1), dtype=self.spec.storage_dtype, device=device)
+        cache = self.spec.empty_layer(num_blocks + 1, device)  # spec.layer_shape, in spec.kv_layout's order
         advise_huge_pages(cache)  # before the first write, so pages are born huge
         cache[:, num_blocks].zero_()
         return cache
@@ -57,7 +57,7 @@ class AttentionBackend(ABC):
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size] (a view: kv_cache_spec)
         metadata: AttentionMetadata,
         *,
         softmax_scale: float,

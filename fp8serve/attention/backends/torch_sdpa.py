@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from fp8serve.attention.backends.base import AttentionBackend
 from fp8serve.attention.metadata import AttentionMetadata
+from fp8serve.attention.kv_cache_spec import read_slots, write_slots
 from fp8serve.quantization.fp8 import dequantize_fp8, quantize_fp8
 
 
@@ -115,10 +116,9 @@ class TorchSDPABackend(AttentionBackend):
         scatter them into their slots. With `return_decoded`, also return the
         stored values as a read of the cache decodes them (scale 1, compute
         dtype)."""
-        num_kv_heads, head_size = key.shape[1], key.shape[2]
         k_codes, v_codes = self._store(key, k_scale), self._store(value, v_scale)
-        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, k_codes)
-        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v_codes)
+        write_slots(kv_cache[0], slot_mapping, k_codes)
+        write_slots(kv_cache[1], slot_mapping, v_codes)
         return (self._load(k_codes), self._load(v_codes)) if return_decoded else None
 
     def forward(self, query, key, value, kv_cache, metadata, *, softmax_scale, k_scale, v_scale,
@@ -137,11 +137,9 @@ class TorchSDPABackend(AttentionBackend):
             k = self._pad(k, md, step)
             v = self._pad(v, md, step)
         else:
-            k_cache = kv_cache[0].view(-1, num_kv_heads, head_size)
-            v_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
             # [num_seqs, max_seq_len, num_kv_heads, head_size]
-            k = self._load(k_cache.index_select(0, step.gather_slots))
-            v = self._load(v_cache.index_select(0, step.gather_slots))
+            k = self._load(read_slots(kv_cache[0], step.gather_slots))
+            v = self._load(read_slots(kv_cache[1], step.gather_slots))
             k = k.view(md.num_seqs, md.max_seq_len, num_kv_heads, head_size)
             v = v.view(md.num_seqs, md.max_seq_len, num_kv_heads, head_size)
         k, v = k.transpose(1, 2), v.transpose(1, 2)

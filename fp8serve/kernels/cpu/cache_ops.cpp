@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kv_layout.h"
 #include "scalar_convert.h"
 #include "vec16.h"
 #include "vec8.h"
@@ -82,12 +83,19 @@ inline void write_row(const void* src, void* dst, void* decoded, int64_t n, floa
   }
 }
 
+// Address of slot `slot`'s row of kv head h (kv_layout.h).
+inline int64_t row_offset(const fp8serve_kv::CacheStrides& cs, int64_t block_size, int64_t slot, int64_t h) {
+  return slot / block_size * cs.block_bytes + slot % block_size * cs.token_bytes + h * cs.head_bytes;
+}
+
 template <int In, int64_t F>
 void cache_impl(const at::Tensor& x, const at::Tensor& cache, const int64_t* slots, const at::Tensor* out, float scale) {
   const int64_t num_tokens = x.size(0), row = x.size(1) * x.size(2);
+  const int64_t nkv = x.size(1), hs = x.size(2), bs = cache.size(1);
+  const fp8serve_kv::CacheStrides cs = fp8serve_kv::cache_strides(cache, "reshape_and_cache");
   const int64_t x_stride = x.stride(0) * x.element_size();
-  const int64_t slot_bytes = row * cache.element_size();
   const int64_t out_stride = out ? out->stride(0) * out->element_size() : 0;
+  const int64_t x_head = hs * x.element_size(), out_head = out ? hs * out->element_size() : 0;
   const char* src = static_cast<const char*>(x.data_ptr());
   char* dst = static_cast<char*>(cache.data_ptr());
   char* dec = out ? static_cast<char*>(out->data_ptr()) : nullptr;
@@ -104,8 +112,10 @@ void cache_impl(const at::Tensor& x, const at::Tensor& cache, const int64_t* slo
     // per layer with or without it; that cause is not found yet.)
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;
-      const char* d = dst + slots[t] * slot_bytes;
-      for (int64_t off = 0; off < slot_bytes; off += 64) _mm_prefetch(d + off, _MM_HINT_T0);
+      for (int64_t h = 0; h < nkv; ++h) {
+        const char* d = dst + row_offset(cs, bs, slots[t], h);
+        for (int64_t off = 0; off < cs.row_bytes; off += 64) _mm_prefetch(d + off, _MM_HINT_T0);
+      }
     }
 #endif
     for (int64_t t = begin; t < end; ++t) {
@@ -115,7 +125,14 @@ void cache_impl(const at::Tensor& x, const at::Tensor& cache, const int64_t* slo
         if (dec) std::memset(dec + t * out_stride, 0, row * out->element_size());
         continue;
       }
-      write_row<In, F>(src + t * x_stride, dst + slot * slot_bytes, dec ? dec + t * out_stride : nullptr, row, scale);
+      if (cs.slot_contiguous) {  // NHD: the token's kv heads are one run
+        write_row<In, F>(src + t * x_stride, dst + row_offset(cs, bs, slot, 0), dec ? dec + t * out_stride : nullptr,
+                         row, scale);
+        continue;
+      }
+      for (int64_t h = 0; h < nkv; ++h)
+        write_row<In, F>(src + t * x_stride + h * x_head, dst + row_offset(cs, bs, slot, h),
+                         dec ? dec + t * out_stride + h * out_head : nullptr, hs, scale);
     }
   });
 }
@@ -165,7 +182,8 @@ at::ScalarType storage_type(int64_t fmt) {
 
 // key, value: [num_tokens, num_kv_heads, head_size] float32/bf16/fp16, heads
 // contiguous within a token. key_cache, value_cache: [num_blocks, block_size,
-// num_kv_heads, head_size] contiguous in the storage dtype of kv_format.
+// num_kv_heads, head_size] views of HND or NHD memory (kv_layout.h) in the
+// storage dtype of kv_format.
 // slot_mapping: [num_tokens] int64 (block * block_size + offset; < 0 skips).
 // key_out / value_out: optional [num_tokens, num_kv_heads, head_size]
 // contiguous, key's dtype: receive the decoded stored values (scale 1).
@@ -178,7 +196,9 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, a
               "key and value must have one shape and dtype");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "caches must be [num_blocks, block_size, num_kv_heads, head_size], K and V alike");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  fp8serve_kv::cache_strides(key_cache, "reshape_and_cache");  // HND or NHD, or an error
+  TORCH_CHECK(value_cache.strides() == key_cache.strides(), "reshape_and_cache: K and V caches must have one layout, "
+              "got strides ", key_cache.strides(), " and ", value_cache.strides());
   TORCH_CHECK(key_cache.scalar_type() == storage_type(kv_format) && value_cache.scalar_type() == key_cache.scalar_type(),
               "cache dtype ", key_cache.scalar_type(), " does not match kv_format ", kv_format);
   TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
@@ -248,8 +268,10 @@ inline void read_row(const void* src, void* dst, int64_t n) {
 
 template <int Out, int64_t F>
 void gather_impl(const at::Tensor& cache, const int64_t* slots, int64_t n, const at::Tensor& out) {
-  const int64_t row = cache.size(2) * cache.size(3);
+  const int64_t bs = cache.size(1), nkv = cache.size(2), hs = cache.size(3), row = nkv * hs;
+  const fp8serve_kv::CacheStrides cs = fp8serve_kv::cache_strides(cache, "gather_cache");
   const int64_t slot_bytes = row * cache.element_size(), out_bytes = row * out.element_size();
+  const int64_t out_head = hs * out.element_size();
   const char* src = static_cast<const char*>(cache.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, slot_bytes));
@@ -258,11 +280,19 @@ void gather_impl(const at::Tensor& cache, const int64_t* slots, int64_t n, const
 #ifdef FP8SERVE_VEC8
       // The slots are scattered blocks: ask for a later row's lines early.
       if (t + 4 < end) {
-        const char* ahead = src + slots[t + 4] * slot_bytes;
-        for (int64_t off = 0; off < slot_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        for (int64_t h = 0; h < (cs.slot_contiguous ? 1 : nkv); ++h) {
+          const char* ahead = src + row_offset(cs, bs, slots[t + 4], h);
+          const int64_t run = cs.slot_contiguous ? slot_bytes : cs.row_bytes;
+          for (int64_t off = 0; off < run; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        }
       }
 #endif
-      read_row<Out, F>(src + slots[t] * slot_bytes, dst + t * out_bytes, row);
+      if (cs.slot_contiguous) {
+        read_row<Out, F>(src + row_offset(cs, bs, slots[t], 0), dst + t * out_bytes, row);
+        continue;
+      }
+      for (int64_t h = 0; h < nkv; ++h)
+        read_row<Out, F>(src + row_offset(cs, bs, slots[t], h), dst + t * out_bytes + h * out_head, hs);
     }
   });
 }
@@ -281,15 +311,16 @@ void gather_dispatch(const at::Tensor& cache, const int64_t* slots, int64_t n, c
 
 }  // namespace
 
-// cache: [num_blocks, block_size, num_kv_heads, head_size] contiguous in the
-// storage dtype of kv_format. slots: [n] int64, each < num_blocks * block_size.
+// cache: [num_blocks, block_size, num_kv_heads, head_size], a view of HND or
+// NHD memory (kv_layout.h) in the storage dtype of kv_format. slots: [n] int64, each < num_blocks * block_size.
 // out: [n, num_kv_heads, head_size] contiguous float32/bf16/fp16: row t gets
 // slot slots[t] decoded at scale 1 (a prefill over a cached context reads
 // its context back this way: one pass, no index_select of codes followed by
 // a table lookup per element).
 void gather_cache(at::Tensor cache, at::Tensor slots, int64_t kv_format, at::Tensor out) {
-  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "gather_cache: cache must be a contiguous "
-              "[num_blocks, block_size, num_kv_heads, head_size] tensor");
+  TORCH_CHECK(cache.dim() == 4, "gather_cache: cache must be a [num_blocks, block_size, num_kv_heads, head_size] "
+              "view");
+  fp8serve_kv::cache_strides(cache, "gather_cache");  // HND or NHD, or an error
   TORCH_CHECK(cache.scalar_type() == storage_type(kv_format), "gather_cache: cache dtype ", cache.scalar_type(),
               " does not match kv_format ", kv_format);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
