@@ -245,12 +245,16 @@ def main() -> None:
     baseline, base_label = None, ""
     if args.baseline_lib and args.baseline_rev:
         p.error("give --baseline-lib or --baseline-rev, not both")
+    # The baseline build's op of the same name as the kernel column's (DecodeCase.kernel): with a bf16
+    # query, the bf16 dot-product tiles where built, so both columns time the same tiles.
+    op_name = ("paged_attention_decode_bf16dot" if args.query_dtype == torch.bfloat16 and decode_bf16_dot_available()
+               else "paged_attention_decode")
     if args.baseline_rev:
         ops_at_rev = build_kernel_at_rev(args.baseline_rev, "paged_attention.cpp", args.baseline_namespace)
-        baseline, base_label = ops_at_rev.paged_attention_decode, f"baseline ({args.baseline_rev})"
+        baseline, base_label = getattr(ops_at_rev, op_name), f"baseline ({args.baseline_rev})"
     elif args.baseline_lib:
         torch.ops.load_library(args.baseline_lib)
-        baseline = getattr(torch.ops, args.baseline_namespace).paged_attention_decode
+        baseline = getattr(getattr(torch.ops, args.baseline_namespace), op_name)
         base_label = "baseline"
     elif args.query_dtype == torch.bfloat16:
         # What a float32 query (model) runs on the same data: the speedup column

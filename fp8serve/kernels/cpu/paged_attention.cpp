@@ -25,7 +25,7 @@
 // block_size * num_kv_heads * head_size elements). Within a tile it takes
 // one kv head at a time: under the engine's HND cache layout (kv_layout.h)
 // that head's rows of a block are consecutive, under NHD they are one row
-// in num_kv_heads (FP8 with Llama-3-8B's heads ran 1.3-1.4x as fast under
+// in num_kv_heads (FP8 with Llama-3-8B's heads ran 1.2-1.4x as fast under
 // HND: kv_cache_spec.py).
 // Long contexts are split when there are too few
 // sequences to keep every thread busy (flash-decoding): each split keeps its
