@@ -48,8 +48,22 @@ def parse_shapes(parser, text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def kernel_part(ops, args) -> None:
+def engine_cache(contents: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """`contents` ([blocks, block_size, kv heads, head_size]) in a cache allocated as the engine
+    allocates one (memory in `kv_layout`'s order, 2 MiB pages asked for before the first write:
+    attention/backends/base.py), seen as the same view."""
     from fp8serve.attention.kv_cache_spec import as_layer_view
+    from fp8serve.utils.huge_pages import advise_huge_pages
+
+    shape = contents.transpose(1, 2).shape if kv_layout == "HND" else contents.shape
+    storage = torch.empty(shape, dtype=contents.dtype)
+    advise_huge_pages(storage)
+    cache = as_layer_view(storage, kv_layout)
+    cache.copy_(contents)
+    return cache
+
+
+def kernel_part(ops, args) -> None:
     from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, KV_FORMATS, decode_bf16_dot_available
 
     qdt = torch.bfloat16 if args.query_dtype == "bfloat16" else torch.float32
@@ -75,8 +89,7 @@ def kernel_part(ops, args) -> None:
                             (torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7)
                     else:
                         nhd = torch.randn(shape, generator=g).to(storage)
-                    caches = {"NHD": (nhd, nhd.clone()),
-                              "HND": tuple(as_layer_view(c.transpose(1, 2).contiguous(), "HND") for c in (nhd, nhd))}
+                    caches = {name: (engine_cache(nhd, name), engine_cache(nhd, name)) for name in LAYOUTS}
                     bt = torch.randperm(blocks, generator=g).view(batch, -1).contiguous()
                     sl = torch.full((batch,), ctx, dtype=torch.int64)
                     mult = E4M3_DECODE_MULTIPLIER if kv_dtype == "fp8_e4m3" else 1.0

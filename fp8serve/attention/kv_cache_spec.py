@@ -19,10 +19,11 @@ tokens, so under NHD it reads one head_size row per token at a stride of
 num_kv_heads rows, and under HND consecutive rows. Measured side by side on a
 Zen 4 EPYC (2 vCPUs; benchmarks/kv_cache_layout.py, the same contents both
 ways, outputs bit for bit the same; benchmarks/results/kv_cache_layout_*.md):
-FP8 decode attention 1.2-1.4x as fast under HND with Llama-3-8B's heads
-(32 over 8, head size 128) in cells of 64 MiB and more, 1.00-1.22x with the
-default model's (9 over 3, 64); bf16 caches 0.91-1.31x; the default model's
-engine decode steps the same either way.
+on the engine's 2 MiB pages, FP8 decode attention 1.12-1.18x as fast under
+HND with Llama-3-8B's heads (32 over 8, head size 128) from 64 MiB of K+V
+on, 1.00-1.16x with the default model's (9 over 3, 64), bf16 caches
+0.98-1.13x; on 4 KiB pages FP8 with Llama-3-8B's heads 1.22-1.43x. The
+default model's engine decode steps run the same either way.
 FP8SERVE_KV_CACHE_LAYOUT=NHD keeps the token-major order (A/B runs).
 
 Because the view is not contiguous under HND, code never flattens it with
