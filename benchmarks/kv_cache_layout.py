@@ -11,9 +11,10 @@ Two parts, each alternating the two layouts in one process (ABBA rounds, medians
   32/8/128), batch x context cell and KV dtype; hot (the same call repeated) and cold (after
   reading a buffer larger than the last-level cache). The two outputs must be bit for bit the same
   (the same arithmetic on the same values; only addresses differ), or the script stops.
-- engine: two engines on the default model (--model), one per layout, --batch requests of
-  --prompt-len random tokens decoding greedily; once all run, decode steps alternate between the
-  engines, --steps each, median ms per step; their greedy tokens must agree.
+- engine: two engines on the default model (--model), one per layout. First --prefill-rounds steps
+  each that prefill --prefill-seqs fresh prompts of --prompt-len random tokens (ABBA, one untimed
+  round first), then --batch such requests decoding greedily: once all run, decode steps alternate
+  between the engines, --steps each; median ms per step, and whether the tokens agree.
 
     .venv/bin/python benchmarks/kv_cache_layout.py
     .venv/bin/python benchmarks/kv_cache_layout.py --parts kernel --shapes 32/8/128 --batches 64
@@ -120,18 +121,59 @@ def engine_part(args) -> None:
     from fp8serve import LLM, SamplingParams
 
     engines = {}
-    for name in LAYOUTS:
-        os.environ["FP8SERVE_KV_CACHE_LAYOUT"] = name  # read when the engine allocates its cache
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batch, 1))
-        engines[name] = llm.llm_engine
-        assert engines[name].model_runner.kv_cache_spec.kv_layout == name
-        record_as_a_warm_engine(engines[name])
-    os.environ.pop("FP8SERVE_KV_CACHE_LAYOUT")
+    previous = os.environ.get("FP8SERVE_KV_CACHE_LAYOUT")
+    try:
+        for name in LAYOUTS:
+            os.environ["FP8SERVE_KV_CACHE_LAYOUT"] = name  # read when the engine allocates its cache
+            llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                      kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batch, args.prefill_seqs),
+                      max_num_batched_tokens=max(8192, args.prefill_seqs * args.prompt_len))
+            engines[name] = llm.llm_engine
+            assert engines[name].model_runner.kv_cache_spec.kv_layout == name
+            record_as_a_warm_engine(engines[name])
+    finally:
+        if previous is None:
+            os.environ.pop("FP8SERVE_KV_CACHE_LAYOUT", None)
+        else:
+            os.environ["FP8SERVE_KV_CACHE_LAYOUT"] = previous
     rng = random.Random(args.seed)
     tok = engines["HND"].tokenizer
     vocab = tok.vocab_size if hasattr(tok, "vocab_size") else 32000
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+
+    def draw(n: int) -> list[list[int]]:
+        return [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)] for _ in range(n)]
+
+    # Prefill steps: the cache write (and, under HND, one row per kv head) in every layer.
+    print(f"\n## Engine: steps that prefill {args.prefill_seqs} fresh prompts x {args.prompt_len} tokens "
+          f"(max_tokens=1), dtype {args.dtype}, kv {args.kv_cache_dtype}, {args.prefill_rounds} ABBA rounds "
+          "after one untimed\n")
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prefill_times = {name: [] for name in LAYOUTS}
+    prefill_same = True
+    for r in range(args.prefill_rounds + 1):
+        batch, first = draw(args.prefill_seqs), {}
+        for name in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]):
+            engine = engines[name]
+            for p in batch:
+                engine.add_request(None, {"prompt_token_ids": p}, one)
+            t = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t
+            if len(outs) != len(batch) or engine.has_unfinished_requests():
+                raise SystemExit(f"a step did not prefill all {len(batch)} prompts: the comparison is not what it "
+                                 "claims")
+            first[name] = sorted(o.outputs[0].token_ids[0] for o in outs)
+            if r:
+                prefill_times[name].append(dt)
+        prefill_same &= first["NHD"] == first["HND"]
+    pn, ph = statistics.median(prefill_times["NHD"]), statistics.median(prefill_times["HND"])
+    print("| layout | prefill steps | median ms / step |")
+    print("|---|---|---|")
+    print(f"| NHD | {args.prefill_rounds} | {pn * 1e3:.1f} |")
+    print(f"| HND | {args.prefill_rounds} | {ph * 1e3:.1f} |")
+    print(f"\nprefill NHD / HND: {pn / ph:.3f}x; first tokens the same: {prefill_same}")
+
+    prompts = draw(args.batch)
     sp = SamplingParams(temperature=0.0, max_tokens=args.steps + 40, ignore_eos=True)
     print(f"\n## Engine: {args.batch} requests x {args.prompt_len} prompt tokens, dtype {args.dtype}, "
           f"kv {args.kv_cache_dtype}: decode steps\n")
@@ -177,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=40, help="decode steps per layout")
+    parser.add_argument("--prefill-seqs", type=int, default=8, help="prompts per timed prefill step")
+    parser.add_argument("--prefill-rounds", type=int, default=6, help="timed prefill steps per layout")
     parser.add_argument("--seed", type=int, default=0)
     add_model_args(parser, dtype="auto")
     parser.set_defaults(kv_cache_dtype="fp8", kv_cache_memory="2GiB")
@@ -191,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--kv-dtypes takes fp8_e4m3, fp8_e5m2, bfloat16, float32; got {args.kv_dtypes}")
     args.batches = parse_sizes(parser, "--batches", args.batches)
     args.contexts = parse_sizes(parser, "--contexts", args.contexts)
-    for name in ("calls", "rounds", "flush_mib", "batch", "prompt_len", "steps"):
+    for name in ("calls", "rounds", "flush_mib", "batch", "prompt_len", "steps", "prefill_seqs", "prefill_rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     from fp8serve.kernels.cpu_ops import load_cpu_ops

@@ -32,14 +32,17 @@ def test_kernel_part_prints_every_cell(ops, capsys, query_dtype):
 
 
 def test_engine_part_runs_one_engine_per_layout(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("FP8SERVE_KV_CACHE_LAYOUT", raising=False)
+    monkeypatch.setenv("FP8SERVE_KV_CACHE_LAYOUT", "NHD")  # the script restores what it found
     model = write_tiny_llama(tmp_path / "tiny")
     with loaded_script("kv_cache_layout.py") as script:
         script.main(["--parts", "engine", "--model", str(model), "--dtype", "float32", "--kv-cache-dtype", "fp8",
-                     "--kv-cache-memory", "4MiB", "--batch", "3", "--prompt-len", "20", "--steps", "3"])
-    assert "FP8SERVE_KV_CACHE_LAYOUT" not in os.environ, "the script leaves the environment as it found it"
+                     "--kv-cache-memory", "4MiB", "--batch", "3", "--prompt-len", "20", "--steps", "3",
+                     "--prefill-seqs", "2", "--prefill-rounds", "2"])
+    assert os.environ["FP8SERVE_KV_CACHE_LAYOUT"] == "NHD", "the script leaves the environment as it found it"
     out = capsys.readouterr().out
-    nhd, hnd = rows(out, "NHD")[0], rows(out, "HND")[0]
+    (prefill_nhd, nhd), (prefill_hnd, hnd) = rows(out, "NHD"), rows(out, "HND")
+    assert prefill_nhd[1] == prefill_hnd[1] == "2" and float(prefill_nhd[2]) > 0 and float(prefill_hnd[2]) > 0
+    assert "prefill NHD / HND:" in out and "first tokens the same: True" in out
     assert nhd[1] == hnd[1] == "3" and float(nhd[2]) > 0 and float(hnd[2]) > 0
     assert "greedy tokens of all 3 requests the same: True" in out
 
@@ -50,6 +53,7 @@ def test_engine_part_runs_one_engine_per_layout(tmp_path, capsys, monkeypatch):
     (["--shapes", "9x3x64"], "expected heads/kv_heads/head_size items"),
     (["--kv-dtypes", "int8"], "--kv-dtypes takes"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--prefill-rounds", "0"], "--prefill-rounds must be >= 1"),
 ])
 def test_bad_arguments_are_rejected(bad, message, capsys):
     with loaded_script("kv_cache_layout.py") as script, pytest.raises(SystemExit):
