@@ -69,6 +69,8 @@ def test_prefill_steps_run_the_baseline_op(ops, monkeypatch, tmp_path):
     (["--source", "layer_ops.cpp", "--op", "silu_and_mul", "--baseline-rev", "HEAD", "--prefills", "0"],
      "--prefills"),
     (["--source", "layer_ops.cpp", "--op", "silu_and_mul", "--baseline-rev", "HEAD", "--dtype", "fp4"], "--dtype"),
+    (["--source", "paged_attention.cpp", "--op", "paged_attention_decode_fused", "--baseline-rev", "HEAD",
+      "--kv-cache-layout", "THD"], "--kv-cache-layout"),
 ])
 def test_bad_arguments_are_rejected(monkeypatch, tmp_path, capsys, argv, message):
     assert_rejected(monkeypatch, tmp_path, capsys, "kernel_ab_engine.py", argv, message)
