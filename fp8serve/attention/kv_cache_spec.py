@@ -139,7 +139,6 @@ def storage_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, cache.shape[-1])
 
 
-
 def layout_of(cache: torch.Tensor) -> str:
     """"HND" or "NHD": the memory order of a K or V cache view [num_blocks,
     block_size, num_kv_heads, head_size] (either when num_kv_heads or

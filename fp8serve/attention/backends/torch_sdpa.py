@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from fp8serve.attention.backends.base import AttentionBackend
-from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.attention.kv_cache_spec import read_slots, write_slots
+from fp8serve.attention.metadata import AttentionMetadata
 from fp8serve.quantization.fp8 import dequantize_fp8, quantize_fp8
 
 
