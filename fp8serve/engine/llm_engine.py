@@ -336,7 +336,10 @@ class LLMEngine:
                             if tid not in entry:
                                 entry[tid] = Logprob(lp, r, self._decode_one(tid))
                         seq.logprobs.append(entry)
-                if seq.detokenizer is not None:
+                # As vLLM: the text of a stop token (EOS, stop_token_ids) is left
+                # out of the output unless include_stop_str_in_output.
+                if seq.detokenizer is not None and (seq.sampling_params.include_stop_str_in_output
+                                                    or not self._stops_on_token(seq, token)):
                     seq.detokenizer.append(token)
                 self._check_stop(seq, token, mc.max_model_len)
                 if seq.finish_reason is not None:
@@ -376,15 +379,23 @@ class LLMEngine:
             if room > 0:
                 seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
 
+    def _stops_on_token(self, seq: Sequence, token: int) -> bool:
+        """Whether `token`, just appended to seq's output, ends it: EOS (unless
+        ignore_eos) or one of stop_token_ids, once min_tokens are out."""
+        p = seq.sampling_params
+        if len(seq.output_token_ids) < p.min_tokens:
+            return False
+        return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+
     def _check_stop(self, seq: Sequence, token: int, max_model_len: int) -> None:
         p = seq.sampling_params
         n_out = len(seq.output_token_ids)
         if seq.detokenizer is not None and seq.detokenizer.is_stopped:
             seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
-        elif n_out >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif n_out >= p.min_tokens and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+        elif self._stops_on_token(seq, token):
+            # EOS has no stop_reason (vLLM: None); a stop_token_ids entry is its own.
+            is_eos = not p.ignore_eos and token in self.eos_token_ids
+            seq.finish_reason, seq.stop_reason = "stop", None if is_eos else token
         elif p.max_tokens is not None and n_out >= p.max_tokens:
             seq.finish_reason = "length"
         elif seq.num_tokens >= max_model_len:

@@ -195,6 +195,31 @@ def test_stop_token_ids(llm, baseline):
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
     assert out.token_ids == base.token_ids[: i + 1]
+    # As vLLM: the stop token's text is left out of the output, unless asked for.
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(base.token_ids[:i], skip_special_tokens=True)
+    assert tok.decode(base.token_ids[: i + 1], skip_special_tokens=True) != out.text, "pick a token with text"
+    kept = llm.generate(prompt, SamplingParams(max_tokens=20, stop_token_ids=[stop_token],
+                                               include_stop_str_in_output=True, **GREEDY),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == out.token_ids
+    assert kept.text == tok.decode(base.token_ids[: i + 1], skip_special_tokens=True)
+
+
+def test_eos_text_is_left_out_even_when_special_tokens_are_kept(llm, baseline):
+    """An EOS the model samples ends the output; its text (e.g. "</s>") is not part of it
+    with skip_special_tokens=False either, as in vLLM, unless include_stop_str_in_output."""
+    prompt, base = baseline
+    eos = llm.llm_engine.eos_token_ids[0]
+    # Bias the EOS in so that greedy picks it at the first step.
+    params = dict(max_tokens=5, temperature=0.0, logit_bias={eos: 100}, skip_special_tokens=False)
+    out = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None
+    assert out.text == ""
+    kept = llm.generate(prompt, SamplingParams(include_stop_str_in_output=True, **params),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == [eos]
+    assert kept.text == llm.get_tokenizer().decode([eos], skip_special_tokens=False) != ""
 
 
 def test_stop_strings(llm, baseline):

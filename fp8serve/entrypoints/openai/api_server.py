@@ -6,15 +6,19 @@ on the app (no module state), so several apps can live in one process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fp8serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineDrainingError
 from fp8serve.entrypoints.openai.metrics import ServerMetrics
@@ -29,6 +33,7 @@ from fp8serve.errors import UserError
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
 
 @dataclass
@@ -39,6 +44,16 @@ class ServerState:
     api_key: str | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # Tokenization and chat templates run here, off the event loop: a prompt
+    # of megabytes takes seconds to tokenize, and every other request (and
+    # /health) would wait on it. One worker, as in vLLM, so the tokenizer is
+    # never entered by two requests at once (the tokenizers library releases
+    # the GIL while it encodes, so the loop keeps serving meanwhile).
+    tokenizer_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp8serve-tokenizer"))
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_executor, fn)
 
 
 def _error(message: str, status: int, err_type: str = "BadRequestError", param: str | None = None) -> JSONResponse:
@@ -115,6 +130,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app.state.server = state
     app.add_middleware(_GuardMiddleware, state=state, max_body_bytes=max_body_bytes)
 
+    _STATUS_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError"}
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # Unknown routes, wrong methods, bodies FastAPI cannot parse: the same
+        # error shape as every other failure, not FastAPI's {"detail": ...}.
+        return _error(str(exc.detail), exc.status_code, _STATUS_TYPES.get(exc.status_code, "BadRequestError"))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
@@ -134,8 +157,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def respond(request: Request, body, server) -> Response:
         try:
             check_model(body.model)
-            check_request_text(body)
-            prepared = server.prepare(body)
+
+            def prepare():
+                check_request_text(body)
+                return server.prepare(body)
+
+            prepared = await state.off_loop(prepare)
             if body.stream:
                 return StreamingResponse(_guard_stream(server.stream(body, prepared)),
                                          media_type="text/event-stream")
@@ -175,14 +202,17 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def tokenize(body: TokenizeRequest):
         try:
             check_model(body.model)
-            check_request_text(body)
             tok = engine.tokenizer
             if tok is None:
                 raise RequestError("this model has no tokenizer")
-            if body.messages is not None:
-                ids = chat.apply_chat_template(body)
-            else:
-                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+            def token_ids() -> list[int]:
+                check_request_text(body)
+                if body.messages is not None:
+                    return chat.apply_chat_template(body)
+                return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+            ids = await state.off_loop(token_ids)
             return {"count": len(ids), "max_model_len": engine.config.model_config.max_model_len, "tokens": ids}
         except Exception as e:  # noqa: BLE001
             return _from_exception(e)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fp8serve.engine.tokenizer import check_text
 from fp8serve.errors import InvalidParameterError
@@ -143,9 +143,25 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        # The served models take text: a part of another type (image_url,
+        # input_audio, ...) is refused rather than dropped unseen, and a text
+        # part must carry a string.
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(f"content[{i}]: part type {kind!r} is not supported (this model takes text "
+                                     f"parts only: {{\"type\": \"text\", \"text\": \"...\"}})")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content[{i}].text must be a string, got {type(part.get('text')).__name__}")
+        return content
+
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 
@@ -185,6 +201,9 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # With messages, as in a chat request (vLLM's tokenize takes both).
+    chat_template: str | None = None
+    tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -33,8 +33,8 @@ class ChatServer:
     def prepare(self, request: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         mc = self.state.engine.config.model_config
         ids = self.apply_chat_template(request)
-        check_prompt(ids, mc.arch.vocab_size, mc.max_model_len)
-        budget = resolve_max_tokens(request.requested_max_tokens(), len(ids), mc.max_model_len)
+        check_prompt(ids, mc.arch.vocab_size, mc.max_model_len, param="messages")
+        budget = resolve_max_tokens(request.requested_max_tokens(), len(ids), mc.max_model_len, prompt_param="messages")
         if budget == 0:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         try:
@@ -69,10 +69,15 @@ class ChatServer:
             return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                         "model": self.state.model_name, "choices": choices, **extra})
 
+        opts = request.stream_options
+        # vLLM's continuous_usage_stats: each chunk also carries the usage of
+        # its choice so far.
+        continuous_usage = opts is not None and opts.include_usage and opts.continuous_usage_stats
         n = request.n
         for j in range(n):
+            extra = {"usage": usage(len(ids), 0)} if continuous_usage else {}
             yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+                          "finish_reason": None}], **extra)
         sent_chars, sent_tokens, finished = [0] * n, [0] * n, [False] * n
         async for out in self.state.engine.generate({"prompt_token_ids": ids}, params, request_id):
             timer.on_output(out)
@@ -88,9 +93,10 @@ class ChatServer:
                 sent_tokens[j] = len(c.token_ids)
                 finish = c.finish_reason if done else None
                 if delta or finish or (logprobs and logprobs["content"]):
+                    extra = {"usage": usage(len(ids), sent_tokens[j])} if continuous_usage else {}
                     yield chunk([{"index": j, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                                  "finish_reason": finish, "stop_reason": c.stop_reason if finish else None}])
-        opts = request.stream_options
+                                  "finish_reason": finish, "stop_reason": c.stop_reason if finish else None}],
+                                **extra)
         if opts is not None and opts.include_usage:
             yield chunk([], usage=usage(len(ids), sum(sent_tokens)))
         yield sse("[DONE]")

@@ -30,28 +30,31 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """The engine checks these again; checking here gives a 400 before a stream starts."""
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, param: str = "prompt") -> None:
+    """The engine checks these again; checking here gives a 400 before a stream starts.
+    `param`: the request field the prompt came from (chat: messages)."""
     if not token_ids:
-        raise RequestError("the prompt is empty (0 tokens)", param="prompt")
+        raise RequestError("the prompt is empty (0 tokens)", param=param)
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}", param="prompt")
+        raise RequestError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}", param=param)
     if len(token_ids) > max_model_len:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-            f"{len(token_ids)} tokens. Please reduce the length of the prompt.", param="prompt")
+            f"{len(token_ids)} tokens. Please reduce the length of the prompt.", param=param)
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       prompt_param: str = "prompt") -> int:
     """The output budget; None means "up to the context length". 0 is allowed
-    (echo-only scoring requests) and is served by generating one hidden token."""
+    (echo-only scoring requests) and is served by generating one hidden token.
+    `prompt_param`: the field a prompt that leaves no room is blamed on."""
     if requested is None:
         budget = max_model_len - num_prompt_tokens
         if budget < 1:
             raise RequestError(
                 f"This model's maximum context length is {max_model_len} tokens and the prompt has "
-                f"{num_prompt_tokens}, leaving no room for output.", param="messages")
+                f"{num_prompt_tokens}, leaving no room for output.", param=prompt_param)
         return budget
     if requested < 0:
         raise RequestError(f"max_tokens must be at least 0, got {requested}", param="max_tokens")

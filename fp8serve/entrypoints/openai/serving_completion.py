@@ -103,6 +103,10 @@ class CompletionServer:
         request_id = random_id("cmpl")
         created = int(time.time())
         timers = [RequestTimer(self.state.metrics) for _ in prompts]
+        opts = request.stream_options
+        # vLLM's continuous_usage_stats: each chunk also carries the usage of
+        # its choice so far.
+        continuous_usage = opts is not None and opts.include_usage and opts.continuous_usage_stats
         n = request.n
         # Per choice (prompt i, sample j) at index i * n + j.
         sent_chars = [0] * (len(prompts) * n)
@@ -144,9 +148,9 @@ class CompletionServer:
                 finished[k] = done
                 finish = ("length" if hide_output else c.finish_reason) if done else None
                 if delta or finish or has_new_tokens or (logprobs and logprobs["tokens"]):
+                    extra = {"usage": usage(len(prompts[i].token_ids), num_completion[k])} if continuous_usage else {}
                     yield chunk([{"index": k, "text": delta, "logprobs": logprobs, "finish_reason": finish,
-                                  "stop_reason": c.stop_reason if done else None}])
-        opts = request.stream_options
+                                  "stop_reason": c.stop_reason if done else None}], **extra)
         if opts is not None and opts.include_usage:
             yield chunk([], usage=usage(sum(len(p.token_ids) for p in prompts), sum(num_completion)))
         yield sse("[DONE]")

@@ -254,6 +254,47 @@ def test_chat_matches_offline_and_streams(client, llm):
     assert chunks[-1].usage.completion_tokens == 8
 
 
+def test_chat_content_parts(server, client, llm):
+    """Text parts are joined as vLLM does; a part of another type, or a text part
+    without a string, is the request's error (400 naming messages), not a 500."""
+    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=4,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    plain = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = llm.chat(plain, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert r.choices[0].message.content == ref.outputs[0].text
+    for bad_text in (5, None, ["x"]):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": bad_text}]}]}
+        _assert_error(_post(server, "/v1/chat/completions", body), 400, "content[0].text must be a string",
+                      param="messages")
+        _assert_error(_post(server, "/tokenize", body), 400, "content[0].text must be a string", param="messages")
+    image = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]
+    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                                                       "content": image}]}),
+                  400, "content[1]: part type 'image_url' is not supported", param="messages")
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_continuous_usage_stats(client):
+    """stream_options.continuous_usage_stats (vLLM): every chunk carries its choice's usage so far."""
+    for create, kwargs in ((client.completions.create, {"prompt": "Hello"}),
+                           (client.chat.completions.create, {"messages": [{"role": "user", "content": "Hello"}]})):
+        chunks = list(create(model=MODEL, max_tokens=5, temperature=0, stream=True,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True},
+                             extra_body={"ignore_eos": True}, **kwargs))
+        with_choices = [c for c in chunks if c.choices and c.usage is not None]
+        counts = [c.usage.completion_tokens for c in with_choices]
+        assert counts and counts == sorted(counts) and counts[-1] == 5, counts
+        prompt_tokens = {c.usage.prompt_tokens for c in chunks}
+        assert len(prompt_tokens) == 1 and all(c.usage.total_tokens == c.usage.prompt_tokens
+                                                + c.usage.completion_tokens for c in chunks)
+        assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 5
+        # Without it, only the final chunk has usage.
+        plain = list(create(model=MODEL, max_tokens=5, temperature=0, stream=True,
+                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **kwargs))
+        assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
@@ -290,6 +331,14 @@ def test_validation_errors(server, client):
     _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 99999]}), 400, "out of range")
     _assert_error(_post(server, "/v1/completions", b'{"model": "tiny-llama", "prompt": '), 400, "json")
     _assert_error(_post(server, "/v1/completions", {"model": MODEL}), 400, "prompt", param="prompt")
+    # A prompt that leaves no room for output is blamed on the prompt (chat: on the messages).
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * MAX_MODEL_LEN,
+                                                    "max_tokens": None}), 400, "no room", param="prompt")
+    # FastAPI's own errors (unknown route, wrong method, a body it cannot read) in the same shape.
+    _assert_error(_post(server, "/v1/nope", {"model": MODEL}), 404, "not found")
+    _assert_error(httpx.get(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}), 405,
+                  "method not allowed")
+    _assert_error(_post(server, "/v1/completions", b'{"model": "tiny-llama", "prompt": "\xff\xfe"}'), 400)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
     _assert_error(_post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}), 400,
                   "logprobs", param="top_logprobs")
@@ -367,6 +416,13 @@ def test_models_tokenize_detokenize(server, client, llm):
     assert tok["tokens"] == llm.get_tokenizer().encode("Hello there") and tok["count"] == len(tok["tokens"])
     assert tok["max_model_len"] == MAX_MODEL_LEN
     assert _post(server, "/detokenize", {"model": MODEL, "tokens": tok["tokens"]}).json()["prompt"] == "Hello there"
+    # Chat messages through the model's chat template, as a chat request renders them.
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = _post(server, "/tokenize", {"model": MODEL, "messages": messages})
+    assert chat.status_code == 200, chat.text
+    ref = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ref = list(ref["input_ids"]) if hasattr(ref, "keys") else list(ref)
+    assert chat.json()["tokens"] == ref and chat.json()["count"] == len(ref)
 
 
 def test_metrics_names(server, client):
