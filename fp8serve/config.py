@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,8 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --dtype values (half = float16, float = float32).
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 # `auto` means "the compute dtype"; `fp8` is an alias of `fp8_e4m3` (seed PR).
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32")
@@ -47,6 +49,30 @@ def _require(cfg: dict, key: str, path: Path, kind: type | tuple[type, ...] = in
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ConfigError(f"{path}: field '{key}' must be {getattr(kind, '__name__', kind)}, got {value!r}")
     return value
+
+
+def _positive_int(cfg: dict, key: str, path: Path, default: int | None = None) -> int:
+    """An integer field >= 1; `default` when absent (None: required)."""
+    if cfg.get(key) is None and default is not None:
+        return default
+    value = _require(cfg, key, path)
+    if value < 1:
+        raise ConfigError(f"{path}: field '{key}' must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _positive_float(cfg: dict, key: str, path: Path, default: float, where: str = "") -> float:
+    """A finite number > 0 (ints allowed); `default` when absent."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{path}: field '{where}{key}' must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+# HF's names of the activation Llama and Mixtral use; no other is built.
+_SILU_NAMES = ("silu", "swish")
 
 
 @dataclass(frozen=True)
@@ -69,17 +95,21 @@ class RopeConfig:
             raise ConfigError(
                 f"{path}: rope type '{rope_type}' is not supported (supported: default, linear, llama3)"
             )
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if not isinstance(params, dict):
+            raise ConfigError(f"{path}: field 'rope_parameters' must be an object, got {params!r}")
+        where = "rope_parameters." if cfg.get("rope_parameters") is not None else "rope_scaling."
+        theta = _positive_float(params, "rope_theta", path, _positive_float(cfg, "rope_theta", path, 10000.0), where)
+        original = params.get("original_max_position_embeddings")
+        if original is not None:
+            original = _positive_int(params, "original_max_position_embeddings", path)
         rope = cls(
             rope_type=rope_type,
-            theta=float(theta),
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=params.get("original_max_position_embeddings"),
+            theta=theta,
+            factor=_positive_float(params, "factor", path, 1.0, where),
+            low_freq_factor=_positive_float(params, "low_freq_factor", path, 1.0, where),
+            high_freq_factor=_positive_float(params, "high_freq_factor", path, 4.0, where),
+            original_max_position_embeddings=original,
         )
-        if rope.theta <= 0:
-            raise ConfigError(f"{path}: rope_theta must be > 0, got {rope.theta}")
         if rope_type == "llama3" and rope.original_max_position_embeddings is None:
             raise ConfigError(f"{path}: llama3 rope scaling needs 'original_max_position_embeddings'")
         return rope
@@ -116,27 +146,40 @@ class ModelArchConfig:
                 f"{path}: architecture {archs or '(none)'} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        hidden = _require(cfg, "hidden_size", path)
-        heads = _require(cfg, "num_attention_heads", path)
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
+        hidden = _positive_int(cfg, "hidden_size", path)
+        heads = _positive_int(cfg, "num_attention_heads", path)
+        kv_heads = _positive_int(cfg, "num_key_value_heads", path, default=heads)
+        if cfg.get("head_dim") is not None:
+            head_dim = _positive_int(cfg, "head_dim", path)
+        elif hidden % heads:
+            raise ConfigError(f"{path}: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
+                              "when there is no head_dim field")
+        else:
+            head_dim = hidden // heads
         if heads % kv_heads:
             raise ConfigError(
                 f"{path}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
             )
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act not in _SILU_NAMES:
+            raise ConfigError(f"{path}: hidden_act {act!r} is not supported (supported: silu; Llama and Mixtral "
+                              "use it)")
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        if not isinstance(dtype_name, str) or not isinstance(getattr(torch, dtype_name, None), torch.dtype):
+            raise ConfigError(f"{path}: field 'torch_dtype' / 'dtype' must name a torch dtype (e.g. \"bfloat16\"), "
+                              f"got {dtype_name!r}")
         arch_cfg = cls(
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
             hidden_size=hidden,
-            num_hidden_layers=_require(cfg, "num_hidden_layers", path),
+            num_hidden_layers=_positive_int(cfg, "num_hidden_layers", path),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=_require(cfg, "intermediate_size", path),
-            vocab_size=_require(cfg, "vocab_size", path),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            intermediate_size=_positive_int(cfg, "intermediate_size", path),
+            vocab_size=_positive_int(cfg, "vocab_size", path),
+            rms_norm_eps=_positive_float(cfg, "rms_norm_eps", path, 1e-6),
+            max_position_embeddings=_positive_int(cfg, "max_position_embeddings", path, default=2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope=RopeConfig.from_hf(cfg, path),
             num_local_experts=int(cfg.get("num_local_experts", 0)),
@@ -273,7 +316,9 @@ class CacheConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"--kv-cache-memory must be > 0, got {self.kv_cache_memory}")
         if self.quantization_param_path is not None and not Path(self.quantization_param_path).is_file():
-            raise ConfigError(f"--quantization-param-path: file '{self.quantization_param_path}' not found")
+            what = "is a directory, not a file" if Path(self.quantization_param_path).is_dir() else "not found"
+            raise ConfigError(f"--quantization-param-path: '{self.quantization_param_path}' {what} (expected a "
+                              "JSON file of per-layer KV scales)")
 
     @property
     def is_fp8(self) -> bool:

@@ -143,11 +143,11 @@ def record_scale_reads(monkeypatch) -> list[str]:
     from fp8serve.quantization import kv_scales
 
     read: list[str] = []
-    real_safe_open = kv_scales.safe_open
+    real_open = kv_scales.open_safetensors
 
     class RecordingHandle:
         def __init__(self, *a, **kw):
-            self._h = real_safe_open(*a, **kw)
+            self._h = real_open(*a, **kw)
 
         def __enter__(self):
             self._h.__enter__()
@@ -163,5 +163,5 @@ def record_scale_reads(monkeypatch) -> list[str]:
             read.append(name)
             return self._h.get_tensor(name)
 
-    monkeypatch.setattr(kv_scales, "safe_open", RecordingHandle)
+    monkeypatch.setattr(kv_scales, "open_safetensors", RecordingHandle)
     return read

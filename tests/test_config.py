@@ -108,6 +108,8 @@ def test_quantization_param_path_must_exist(tmp_path):
     missing = tmp_path / "scales.json"
     with pytest.raises(ConfigError, match="--quantization-param-path.*scales.json"):
         CacheConfig(quantization_param_path=str(missing))
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        CacheConfig(quantization_param_path=str(tmp_path))
 
 
 def test_config_errors_are_user_errors():
@@ -276,6 +278,45 @@ def test_heads_must_be_a_multiple_of_kv_heads(model_dir):
         model_config(model_dir)
 
 
+@pytest.mark.parametrize("field, value, words", [
+    ("num_hidden_layers", 0, "'num_hidden_layers' must be an integer >= 1, got 0"),
+    ("num_hidden_layers", -1, "'num_hidden_layers' must be an integer >= 1, got -1"),
+    ("num_key_value_heads", 0, "'num_key_value_heads' must be an integer >= 1, got 0"),
+    ("max_position_embeddings", 0, "'max_position_embeddings' must be an integer >= 1, got 0"),
+    ("head_dim", -16, "'head_dim' must be an integer >= 1, got -16"),
+    ("rms_norm_eps", "x", "'rms_norm_eps' must be a finite number > 0, got 'x'"),
+    ("rms_norm_eps", 0, "'rms_norm_eps' must be a finite number > 0, got 0"),
+    ("rope_theta", "abc", "'rope_theta' must be a finite number > 0, got 'abc'"),
+    ("hidden_act", "gelu", "hidden_act 'gelu' is not supported (supported: silu"),
+    ("torch_dtype", "float99", "must name a torch dtype (e.g. \"bfloat16\"), got 'float99'"),
+])
+def test_out_of_range_fields_name_the_field_and_file(model_dir, field, value, words):
+    """A value the model cannot be built from is config.json's error, not a failure
+    later on (a tensor shape, a float() of a string, a silently ignored activation)."""
+    rewrite_config(model_dir, **{field: value})
+    with pytest.raises(ConfigError) as e:
+        model_config(model_dir)
+    assert words in str(e.value) and str(model_dir / "config.json") in str(e.value)
+
+
+def test_rope_parameters_fields_are_checked(model_dir):
+    rewrite_config(model_dir, rope_parameters={"rope_type": "default", "rope_theta": -1.0})
+    with pytest.raises(ConfigError, match=r"'rope_parameters.rope_theta' must be a finite number > 0, got -1.0"):
+        model_config(model_dir)
+
+
+def test_hidden_size_must_split_into_heads_without_head_dim(model_dir):
+    rewrite_config(model_dir, hidden_size=66, head_dim=DELETE)
+    with pytest.raises(ConfigError, match=r"hidden_size \(66\) must be a multiple of num_attention_heads \(4\)"):
+        model_config(model_dir)
+
+
+def test_silu_spellings_and_absent_activation_are_accepted(model_dir):
+    for act in ("silu", "swish", DELETE):
+        rewrite_config(model_dir, hidden_act=act)
+        assert model_config(model_dir).arch.hidden_size == 64
+
+
 def test_max_model_len_above_max_position_embeddings(model_dir):
     with pytest.raises(ConfigError) as e:
         model_config(model_dir, max_model_len=257)
@@ -293,6 +334,9 @@ def test_max_model_len_must_be_a_positive_int(model_dir, bad):
 def test_bad_dtype_and_device(model_dir):
     with pytest.raises(ConfigError, match="--dtype 'int8' is not supported"):
         model_config(model_dir, dtype="int8")
+    # vLLM's aliases.
+    assert model_config(model_dir, dtype="half").torch_dtype == torch.float16
+    assert model_config(model_dir, dtype="float").torch_dtype == torch.float32
     with pytest.raises(ConfigError, match="--device must be auto, cpu or cuda"):
         model_config(model_dir, device="tpu")
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from fp8serve.errors import UserError
+from fp8serve.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +25,14 @@ def build_llm(model: str | None, *, seq_len: int, dtype: str = "float32", kv_cac
     actually run, not the model's full context."""
     from fp8serve import LLM
 
-    return LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
-               kv_cache_memory=kv_cache_memory, max_model_len=seq_len, seed=seed, **kwargs)
+    if seq_len < 1:
+        raise UserError(f"--seq-len must be a positive integer, got {seq_len}")
+    try:
+        return LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
+                   kv_cache_memory=kv_cache_memory, max_model_len=seq_len, seed=seed, **kwargs)
+    except ConfigError as e:
+        # The engine knows seq_len as its max_model_len; the user gave --seq-len.
+        raise ConfigError(str(e).replace("--max-model-len", "--seq-len")) from None
 
 
 def iter_prompt_logits(llm, chunks: list[list[int]], desc: str) -> Iterator[tuple[list[int], torch.Tensor]]:

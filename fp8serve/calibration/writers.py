@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from collections.abc import Sequence
@@ -60,9 +61,24 @@ def kv_scales_json_doc(model_type: str, layer_scales: Sequence[float]) -> dict:
     }
 
 
+def check_output_file(path: str | Path, flag: str) -> None:
+    """Before any work: `path` can be written as a file (it is not a
+    directory, and no existing part of its folder is a file). Missing
+    folders are fine: the writer makes them."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; expected a file path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{flag} {path}: {parent} is a file, not a directory")
+            break
+
+
 def write_kv_scales_json(path: str | Path, model_type: str, k_scales: Sequence[float],
                          v_scales: Sequence[float]) -> Path:
     path = Path(path)
+    check_output_file(path, "--out-json")
     per_layer = [max(k, v) for k, v in zip(k_scales, v_scales, strict=True)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(kv_scales_json_doc(model_type, per_layer), indent=2) + "\n")
@@ -133,6 +149,11 @@ def safetensors_size(file: Path) -> tuple[list[str], int]:
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(path), metadata={"format": "pt"})
+    # save_file writes through a private temporary file (mode 0600); the
+    # checkpoint's other files follow the umask, and so should this one.
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def write_index(dst: Path, weight_map: dict[str, str]) -> None:

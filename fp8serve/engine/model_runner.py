@@ -36,6 +36,7 @@ from fp8serve.spec_decode.rejection_sampler import rejection_sample
 from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
 from fp8serve.utils.malloc_tuning import tune_malloc
 from fp8serve.utils.memory import format_bytes
+from fp8serve.utils import platform
 from fp8serve.utils.platform import configure_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -178,12 +179,27 @@ class ModelRunner:
         blocks_per_request = -(-mc.max_model_len // spec.block_size)
         if num_blocks < blocks_per_request:
             need = blocks_per_request * spec.bytes_per_block
+            # Only the remedies that apply: fp8 when the cache is not FP8 yet, a
+            # smaller --block-size when one block alone exceeds the budget.
+            remedies = [f"raise --kv-cache-memory to at least {format_bytes(need)}", "lower --max-model-len"]
+            if num_blocks == 0 and spec.block_size > 16:
+                remedies.append("lower --block-size")
+            if spec.fp8 is None:
+                remedies.append("use --kv-cache-dtype fp8")
             raise ConfigError(
                 f"KV cache of {format_bytes(budget)} holds {num_blocks} blocks of {spec.block_size} tokens "
                 f"({num_blocks * spec.block_size} tokens), but one request of --max-model-len "
-                f"{mc.max_model_len} needs {blocks_per_request} blocks: raise --kv-cache-memory to at least "
-                f"{format_bytes(need)}, lower --max-model-len, or use --kv-cache-dtype fp8"
+                f"{mc.max_model_len} needs {blocks_per_request} blocks: "
+                + ", ".join(remedies[:-1]) + f", or {remedies[-1]}"
             )
+        if self.device.type == "cpu":
+            # A budget beyond the memory there is fails in the allocator (or
+            # later, in the OOM killer); say so before trying.
+            avail = platform.available_memory_bytes()
+            if num_blocks * spec.bytes_per_block > avail:
+                raise ConfigError(
+                    f"--kv-cache-memory {format_bytes(budget)} is more than the {format_bytes(avail)} of memory "
+                    f"available on this machine; give at most that (the default takes a quarter of it)")
         caches = [self.backend.allocate_kv_cache(num_blocks, self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, caches):
             layer.bind(self.backend, cache)

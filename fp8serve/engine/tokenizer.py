@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from fp8serve.errors import InvalidParameterError
+from fp8serve.errors import ConfigError, InvalidParameterError
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,14 @@ def load_tokenizer(model_dir: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure here is the checkpoint's
+        # transformers validates config.json and the tokenizer files as it
+        # loads them (with errors of its own and of huggingface_hub): the
+        # checkpoint's fault, said in one line.
+        raise ConfigError(f"{d}: transformers cannot load the tokenizer ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())})") from None
 
 
 def first_invalid_text(value, path: str) -> tuple[str, int] | None:

@@ -3,8 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from fp8serve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's integer flags' syntax: plain digits, or a number with a suffix,
+    lower case decimal (1k = 1000, 25.6k = 25600), upper case binary
+    (1K = 1024, whole numbers only)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 4k (4000) or 4K (4096), got {text!r}")
+    number, suffix = m.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction needs a decimal suffix (k, m, g, t), e.g. "
+                                         f"{number}k")
+    return int(number) * _BINARY.get(suffix, 1)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -24,7 +44,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute FP8 KV scales from the first prefill batch when none are supplied")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB, 2GiB (default: 1/4 of free RAM)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    g.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None, metavar="BYTES",
+                   help="vLLM's name for the same budget, in vLLM's syntax (4G = 4 GiB, 4g = 4e9 bytes); "
+                        "give one of the two")
+    g.add_argument("--max-model-len", type=human_readable_int, default=None,
+                   help="longest prompt + output, in tokens (as in vLLM: 4096, 4k = 4000, 4K = 4096)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
@@ -48,12 +72,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    from fp8serve.errors import UserError
+
+    kv_cache_memory = args.kv_cache_memory
+    if args.kv_cache_memory_bytes is not None:
+        if kv_cache_memory is not None:
+            raise UserError("give --kv-cache-memory or --kv-cache-memory-bytes, not both")
+        kv_cache_memory = args.kv_cache_memory_bytes
     return dict(
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization_param_path=args.quantization_param_path,
         calculate_kv_scales=args.calculate_kv_scales,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=kv_cache_memory,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -56,12 +56,25 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     raise ConfigError(f"{d}: no *.safetensors weights found")
 
 
+def _unreadable(f: Path, e: Exception) -> ConfigError:
+    return ConfigError(f"{f}: not a readable safetensors file ({e}); the file is damaged or incomplete (an "
+                       "interrupted download or copy?)")
+
+
+def open_safetensors(f: Path):
+    """safe_open, with a damaged or truncated file as a ConfigError naming it."""
+    try:
+        return safe_open(str(f), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(f, e) from None
+
+
 def checkpoint_float_dtypes(model_dir: str | Path) -> set[str]:
     """The safetensors dtype names ("BF16", "F32", ...) of the checkpoint's
     floating-point tensors, read from the files' headers (no tensor data)."""
     dtypes = set()
     for f in safetensors_files(model_dir):
-        with safe_open(str(f), framework="pt") as h:
+        with open_safetensors(f) as h:
             dtypes.update(h.get_slice(name).get_dtype() for name in h.keys())
     return {d for d in dtypes if d.startswith(("F", "BF"))}  # F16, F32, F8_E4M3, BF16, ...; not I*, U*, BOOL
 
@@ -71,14 +84,31 @@ def iterate_checkpoint(model_dir: str | Path, desc: str = "Loading weights") -> 
     total = 0
     handles = []
     for f in files:
-        h = safe_open(str(f), framework="pt")
+        h = open_safetensors(f)
         handles.append((f, h))
         total += len(h.keys())
     with tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=total < 64) as bar:
         for f, h in handles:
             for name in h.keys():
-                yield name, f, h.get_tensor(name)
+                try:
+                    tensor = h.get_tensor(name)
+                except (SafetensorError, OSError) as e:
+                    raise _unreadable(f, e) from None
+                yield name, f, tensor
                 bar.update(1)
+
+
+def _shard_checkpoint_name(mapper: WeightsMapper, layer: nn.Module, param_name: str, index: int) -> str | None:
+    """The checkpoint name a fused parameter's shard `index` loads from
+    (model.layers.5.mlp.gate_up_proj.weight, 1 -> ...mlp.up_proj.weight), where
+    a rule without wildcards says so."""
+    for rule in mapper.rules:
+        if rule.shard_id is None or len(rule.params) != 1 or "*" in rule.params[0] + rule.checkpoint:
+            continue
+        fused = rule.params[0]
+        if f".{fused}." in f".{param_name}." and layer.shard_index(rule.shard_id) == index:
+            return param_name.replace(fused, rule.checkpoint, 1)
+    return None
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper) -> None:
@@ -86,6 +116,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper)
     for name, p in params.items():
         p.param_name = name  # for error messages from weight loaders
     loaded: set[str] = set()
+    # Fused parameters loaded shard by shard: the shard ids each one got.
+    shards_loaded: dict[str, set] = {}
+    whole: set[str] = set()
     for ckpt_name, file, tensor in iterate_checkpoint(model_dir):
         for target in mapper.map(ckpt_name):
             if is_kv_scale_param(target.param_name):
@@ -96,9 +129,21 @@ def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper)
                     f"{file}: tensor '{ckpt_name}' does not match any parameter of "
                     f"{type(model).__name__} (mapped to '{target.param_name}')"
                 )
+            if param.is_floating_point() and not tensor.is_floating_point():
+                # An integer tensor would be cast to floats without a word: not a
+                # checkpoint this model reads.
+                raise ConfigError(f"{file}: tensor '{ckpt_name}' has dtype {tensor.dtype}; expected a floating-point "
+                                  f"tensor for '{target.param_name}' ({param.dtype} here)")
             loader = getattr(param, "weight_loader", None)
             if loader is not None:
-                loader(param, tensor, target.shard_id)
+                try:
+                    loader(param, tensor, target.shard_id)
+                except ConfigError as e:
+                    raise ConfigError(f"{file}: tensor '{ckpt_name}': {e}") from None
+                if target.shard_id is None:
+                    whole.add(target.param_name)
+                else:
+                    shards_loaded.setdefault(target.param_name, set()).add(target.shard_id)
             else:
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ConfigError(
@@ -114,6 +159,19 @@ def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper)
     # A tied LM head shares the embedding Parameter: loaded under either name.
     loaded_ids = {id(params[n]) for n in loaded}
     missing = sorted(n for n in required if id(params[n]) not in loaded_ids)
+    # A fused parameter (qkv_proj, gate_up_proj) loaded shard by shard needs
+    # every shard: a missing one would leave its rows as they were allocated.
+    for name, got in sorted(shards_loaded.items()):
+        layer = model.get_submodule(name.rsplit(".", 1)[0])
+        sizes = getattr(layer, "output_sizes", None)
+        if name in whole or sizes is None or getattr(params[name], "optional", False):
+            continue
+        have = {layer.shard_index(s) for s in got}
+        for index in range(len(sizes)):
+            if index not in have:
+                ckpt = _shard_checkpoint_name(mapper, layer, name, index)
+                shard = layer.shard_names[index] if layer.shard_names else index
+                missing.append(ckpt if ckpt is not None else f"{name} (shard {shard!r})")
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ConfigError(f"{model_dir}: checkpoint is missing tensors for {shown}")

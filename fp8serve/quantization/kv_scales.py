@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from fp8serve.errors import ConfigError
-from fp8serve.model_loader.loader import safetensors_files
+from fp8serve.model_loader.loader import open_safetensors, safetensors_files
 from fp8serve.model_loader.weights_mapper import WeightsMapper, is_kv_scale_param, layer_index
 
 _logger = logging.getLogger(__name__)
@@ -90,7 +89,7 @@ def _find_scale_tensors(model_dir: str | Path, mapper: WeightsMapper) -> list[_S
     """KV-scale tensor names from the safetensors headers; reads no data."""
     found = []
     for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             names = list(f.keys())
         for name in names:
             targets = [t for t in mapper.map(name) if is_kv_scale_param(t.param_name)]
@@ -115,7 +114,20 @@ def _scalar_value(tensor: torch.Tensor, name: str, file: Path) -> float:
     value = float(tensor.reshape(()).to(torch.float64))
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"{file}: tensor '{name}' is {value}; expected a finite KV scale > 0")
+    if not fits_float32(value):
+        raise ConfigError(f"{file}: tensor '{name}' is {value}; expected {FLOAT32_SCALE_RANGE}")
     return value
+
+
+# The cache and the kernels keep scales as float32: a scale that rounds to 0,
+# to a subnormal or to inf there would quantize every K/V to 0 or saturate it.
+_FLOAT32_TINY = 2.0**-126
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_SCALE_RANGE = f"a scale a float32 holds as a normal number ({_FLOAT32_TINY:.3g} .. {_FLOAT32_MAX:.3g})"
+
+
+def fits_float32(value: float) -> bool:
+    return _FLOAT32_TINY <= value <= _FLOAT32_MAX
 
 
 def _read_values(tensors: list[_ScaleTensor]) -> dict[int, dict[str, tuple[float, _ScaleTensor]]]:
@@ -124,7 +136,7 @@ def _read_values(tensors: list[_ScaleTensor]) -> dict[int, dict[str, tuple[float
         by_file[t.file].append(t)
     scales: dict[int, dict[str, tuple[float, _ScaleTensor]]] = defaultdict(dict)
     for file, items in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             values = {t.name: _scalar_value(f.get_tensor(t.name), t.name, file) for t in items}
         for t in items:
             previous = scales[t.layer].get(t.kind)
@@ -238,8 +250,17 @@ def load_quantization_param_json(
     def fail(field: str, expected: str, got: str) -> ConfigError:
         return ConfigError(f"{path}: field '{field}': expected {expected}, got {got}")
 
+    def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+        keys = [k for k, _ in pairs]
+        dup = next((k for k in keys if keys.count(k) > 1), None)
+        if dup is not None:
+            # json keeps the last of duplicates silently; a scale file with two
+            # entries for one layer is ambiguous, whichever reader you ask.
+            raise ConfigError(f"{path}: key {dup!r} appears twice in one JSON object; expected each key once")
+        return dict(pairs)
+
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), object_pairs_hook=unique_keys)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the KV scale file ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -289,6 +310,8 @@ def _parse_layer_scales(obj, field: str, num_layers: int, fail) -> dict[int, flo
             raise fail(f, "a number > 0", repr(value))
         if not (math.isfinite(value) and value > 0):
             raise fail(f, "a finite number > 0", repr(value))
+        if not fits_float32(value):
+            raise fail(f, FLOAT32_SCALE_RANGE, repr(value))
         scales[layer] = float(value)
     missing = [i for i in range(num_layers) if i not in scales]
     if missing:

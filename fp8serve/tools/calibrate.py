@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # fp8serve.config's, without importing torch
+# fp8serve.config's DTYPE_CHOICES, without importing torch.
+_DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -80,11 +83,16 @@ def run(args: argparse.Namespace) -> int:
     from fp8serve.calibration.observers import KVAmaxObserver
     from fp8serve.calibration.runner import build_llm, run_chunks
     from fp8serve.calibration.text import load_text, token_chunks
-    from fp8serve.calibration.writers import write_kv_scale_checkpoint, write_kv_scales_json
+    from fp8serve.calibration.writers import check_output_file, write_kv_scale_checkpoint, write_kv_scales_json
     from fp8serve.errors import UserError
 
-    if not args.margin > 0:
-        raise UserError(f"--margin must be > 0, got {args.margin}")
+    if not (math.isfinite(args.margin) and args.margin > 0):
+        raise UserError(f"--margin must be a finite number > 0, got {args.margin}")
+    # The outputs are checked before the model loads and the text runs.
+    if args.out_json:
+        check_output_file(args.out_json, "--out-json")
+    if args.out_checkpoint and Path(args.out_checkpoint).exists():
+        raise UserError(f"--out-checkpoint {args.out_checkpoint} already exists; choose a new directory")
     source = load_text(args.text)
     llm = build_llm(args.model, seq_len=args.seq_len, dtype=args.dtype, device=args.device,
                     kv_cache_memory=args.kv_cache_memory)

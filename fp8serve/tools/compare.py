@@ -21,7 +21,7 @@ from fp8serve.calibration.kv_config import SPEC_HELP
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 # Our own prompts on the subjects of the seed PR's example prompts.
 EXAMPLE_PROMPTS = [

@@ -23,7 +23,7 @@ from fp8serve.calibration.kv_config import SPEC_HELP
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _COLORS = {"fp8_e4m3": "#4c72b0", "fp8_e5m2": "#dd8452"}  # anything else (16/32-bit): grey
 
 _EPILOG = """\

@@ -136,6 +136,49 @@ def test_kv_cache_too_small(model_dir, capsys):
     assert rc == 2
     line = error_line(err)
     assert "--kv-cache-memory" in line and "1.00 KiB" in line and "0 blocks" in line
+    assert "use --kv-cache-dtype fp8" in line
+    # Already FP8: that remedy is not offered again.
+    rc, _, err = run_main([*argv, "--kv-cache-dtype", "fp8"], capsys)
+    assert rc == 2
+    line = error_line(err)
+    assert "0 blocks" in line and "--kv-cache-dtype fp8" not in line
+
+
+def test_kv_cache_larger_than_the_machine(model_dir, capsys):
+    argv = ["generate", "--model", model_dir, "--dtype", "float32", "--prompt", "hi", "--kv-cache-memory", "4096TiB"]
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 2
+    assert "of memory available on this machine" in error_line(err)
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--port", "99999"], "--port must be in 0..65535, got 99999"),
+        (["--port=-1"], "--port must be in 0..65535, got -1"),
+        (["--stall-timeout=-5"], "--stall-timeout must be a finite number of seconds > 0"),
+        (["--shutdown-timeout=-1"], "--shutdown-timeout must be a finite number of seconds >= 0"),
+        (["--max-request-body-size", "0"], "--max-request-body-size must be at least 1 byte"),
+        (["--model", "/elsewhere"], "two models given"),
+        (["--uvicorn-log-level", "bogus"], "invalid choice: 'bogus'"),
+    ],
+)
+def test_serve_flags_are_checked_before_the_model_loads(model_dir, capsys, extra, expected):
+    rc, _, err = run_main(["serve", model_dir, *extra], capsys)
+    assert rc == 2
+    # (argparse's own usage line lists "error" among the log levels: no error_line here)
+    assert expected in err and "Traceback" not in err
+
+
+def test_a_tokenizer_transformers_rejects_is_one_line(model_dir, tmp_path, capsys):
+    import shutil
+
+    d = tmp_path / "llama"
+    shutil.copytree(model_dir, d)
+    (d / "tokenizer.json").write_text("{not json")
+    rc, _, err = run_main(["generate", "--model", str(d), *LIGHT, "--prompt", "hi"], capsys)
+    assert rc == 2
+    assert "transformers cannot load the tokenizer" in error_line(err)
 
 
 def test_generate_help_lists_the_engine_flags(capsys):

@@ -2,7 +2,10 @@
 
 import argparse
 
-from fp8serve.entrypoints.engine_args import add_engine_args, engine_kwargs
+import pytest
+
+from fp8serve.entrypoints.engine_args import add_engine_args, engine_kwargs, human_readable_int
+from fp8serve.errors import UserError
 
 
 def parse(*argv: str) -> dict:
@@ -52,3 +55,27 @@ def test_serve_takes_vllm_disable_log_stats():
     assert parser.parse_args(["serve", "--disable-log-stats"]).disable_log_stats is True
     assert parser.parse_args(["serve"]).disable_log_stats is False
     assert parser.parse_args(["serve", "--enable-prefix-caching"]).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("text, value", [("4096", 4096), ("4k", 4000), ("4K", 4096), ("25.6k", 25600),
+                                         ("1m", 10**6), ("2M", 2 * 2**20), ("1G", 2**30), (" 128 ", 128)])
+def test_human_readable_int_as_vllm(text, value):
+    assert human_readable_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "1.5K", "-1", "4kb", ""])
+def test_human_readable_int_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        human_readable_int(text)
+
+
+def test_max_model_len_and_kv_cache_memory_bytes_take_vllm_syntax():
+    kwargs = parse("--max-model-len", "1K", "--kv-cache-memory-bytes", "64M")
+    assert kwargs["max_model_len"] == 1024 and kwargs["kv_cache_memory"] == 64 * 2**20
+    assert parse("--kv-cache-memory", "64MiB")["kv_cache_memory"] == "64MiB"
+    with pytest.raises(UserError, match="not both"):
+        parse("--kv-cache-memory", "64MiB", "--kv-cache-memory-bytes", "64M")
+
+
+def test_dtype_takes_vllm_aliases():
+    assert parse("--dtype", "half")["dtype"] == "half" and parse("--dtype", "float")["dtype"] == "float"

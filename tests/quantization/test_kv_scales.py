@@ -319,6 +319,11 @@ def layers(**overrides):
         (scale_json(ranks={"0": layers(**{"3": math.nan})}), "kv_cache.scaling_factor.0.3", "a finite number > 0"),
         (scale_json(ranks={"0": layers(**{"3": math.inf})}), "kv_cache.scaling_factor.0.3", "a finite number > 0"),
         (scale_json(ranks={"0": [0.1] * NUM_LAYERS}), "kv_cache.scaling_factor.0", "an object"),
+        # Positive and finite, but 0 or inf as the float32 the cache keeps.
+        (scale_json(ranks={"0": layers(**{"3": 1e-300})}), "kv_cache.scaling_factor.0.3",
+         "a scale a float32 holds as a normal number"),
+        (scale_json(ranks={"0": layers(**{"0": 1e300})}), "kv_cache.scaling_factor.0.0",
+         "a scale a float32 holds as a normal number"),
     ],
 )
 def test_json_errors_name_file_and_field(tmp_path, content, field, expected):
@@ -330,6 +335,16 @@ def test_json_errors_name_file_and_field(tmp_path, content, field, expected):
     assert path in msg and expected in msg and "\n" not in msg
     if field is not None:
         assert f"field '{field}'" in msg
+
+
+def test_a_key_given_twice_is_an_error(tmp_path):
+    """json keeps the last of two equal keys without a word; a scale file with
+    two scales for one layer is ambiguous."""
+    text = json.dumps(scale_json()).replace('"0": {', '"0": {"1": 0.5, ', 1)
+    path = tmp_path / "scales.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"scales.json: key '1' appears twice in one JSON object"):
+        load_quantization_param_json(path, expected_model_type="llama", num_layers=NUM_LAYERS)
 
 
 def test_missing_json_file_is_an_error(tmp_path):
@@ -365,6 +380,14 @@ def test_bad_checkpoint_scale_value(tmp_path, value):
     msg = errors_for(tmp_path, tensors)
     assert "model.safetensors" in msg and "'model.layers.2.self_attn.k_proj.output_scale'" in msg
     assert "expected a finite KV scale > 0" in msg
+
+
+def test_checkpoint_scale_below_float32_normals(tmp_path):
+    tensors = output_scale_family()
+    tensors["model.layers.2.self_attn.k_proj.output_scale"] = torch.tensor([1e-300], dtype=torch.float64)
+    msg = errors_for(tmp_path, tensors)
+    assert "'model.layers.2.self_attn.k_proj.output_scale'" in msg
+    assert "a scale a float32 holds as a normal number" in msg
 
 
 @pytest.mark.parametrize("drop, present, missing", [("v", "k_scale", "v_scale"), ("k", "v_scale", "k_scale")])

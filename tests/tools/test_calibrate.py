@@ -68,7 +68,33 @@ def test_calibrate_without_outputs_says_so(calibrated, capsys):
     assert "built-in sample" in out and "nothing written" in out
 
 
-def test_bad_margin_is_a_user_error(calibrated, capsys):
+@pytest.mark.parametrize("margin", ["0", "-1", "nan", "inf"])
+def test_bad_margin_is_a_user_error(calibrated, capsys, margin):
     model, _, _ = calibrated
-    assert main(["calibrate", str(model), "--margin", "0"]) == 2
-    assert "--margin must be > 0" in capsys.readouterr().err
+    assert main(["calibrate", str(model), "--margin", margin]) == 2
+    assert "--margin must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_outputs_and_seq_len_are_checked_before_the_model_runs(calibrated, capsys, monkeypatch):
+    """A bad output path or --seq-len fails at once, naming calibrate's own flag."""
+    import fp8serve.calibration.runner as runner
+
+    model, _, root = calibrated
+    a_file = root / "a_file.txt"
+    a_file.write_text("x")
+    existing = root / "existing_dir"
+    existing.mkdir()
+    runs = []
+    monkeypatch.setattr(runner, "run_chunks", lambda *a, **k: runs.append(a))
+    cases = [
+        (["--out-json", str(a_file / "scales.json")], f"{a_file} is a file, not a directory"),
+        (["--out-json", str(existing)], "is a directory; expected a file path"),
+        (["--out-checkpoint", str(existing)], f"--out-checkpoint {existing} already exists"),
+        (["--seq-len", "0"], "--seq-len must be a positive integer, got 0"),
+        (["--seq-len", "100000"], "--seq-len 100000 exceeds the model's max_position_embeddings"),
+    ]
+    for extra, words in cases:
+        assert main(["calibrate", str(model), "--num-tokens", "64", *extra]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "--max-model-len" not in err, err
+    assert runs == []

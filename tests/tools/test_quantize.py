@@ -42,6 +42,14 @@ def quantized(tmp_path_factory):
     return out
 
 
+def test_weights_file_has_the_mode_of_the_other_files(quantized):
+    """save_file writes through a private 0600 temporary file; the checkpoint's
+    files should all follow the umask (another user serving it must read it)."""
+    _, dst = quantized["llama"]
+    modes = {f.name: f.stat().st_mode & 0o777 for f in dst.iterdir() if f.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+
+
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
 def test_layout(quantized, arch):
     src, dst = quantized[arch]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 
 from fp8serve.default_model import DEFAULT_MODEL_NAME
@@ -44,7 +45,8 @@ def register(subparsers) -> None:
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (prompt and generation throughput, running and waiting requests, "
                         "KV cache usage, prefix cache hit rate) every 5 s of work")
-    g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
     p.set_defaults(func=run)
 
 
@@ -92,11 +94,22 @@ def run(args: argparse.Namespace) -> int:
     from fp8serve.engine.async_engine import AsyncLLMEngine
     from fp8serve.entrypoints.openai.api_server import build_app
 
+    if args.model_flag is not None and args.model is not None and args.model_flag != args.model:
+        raise UserError(f"two models given: MODEL '{args.model}' and --model '{args.model_flag}'; give one")
     model = args.model_flag or args.model
+    # Checked before the model loads: a bad flag should not cost a load.
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
+        raise UserError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
+    if not (math.isfinite(args.stall_timeout) and args.stall_timeout > 0):
+        raise UserError(f"--stall-timeout must be a finite number of seconds > 0, got {args.stall_timeout}")
     try:
         max_body = parse_size(args.max_request_body_size)
     except ValueError as e:
         raise UserError(f"--max-request-body-size: {e}") from None
+    if max_body < 1:
+        raise UserError(f"--max-request-body-size must be at least 1 byte, got {args.max_request_body_size!r}")
     engine = AsyncLLMEngine.from_args(model, stall_timeout=args.stall_timeout, log_stats=not args.disable_log_stats,
                                       **engine_kwargs(args))
     name = args.served_model_name or model or DEFAULT_MODEL_NAME
