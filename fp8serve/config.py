@@ -364,6 +364,14 @@ class SchedulerConfig:
                     f"({self.max_num_seqs}) with --enable-chunked-prefill: each running sequence's decode "
                     f"takes one token of every step's budget"
                 )
+            if self.max_num_batched_tokens < 2:
+                # A chunk never leaves a prompt one token to compute (that would
+                # read as a decode: Scheduler._chunk), so a budget of 1 could
+                # never finish a prompt of two or more tokens.
+                raise ConfigError(
+                    f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least 2 with "
+                    f"--enable-chunked-prefill: a prefill chunk never leaves a prompt one token to compute"
+                )
         # Without chunked prefill a whole prompt is one prefill, so the token
         # budget must hold the longest prompt the engine accepts.
         elif self.max_num_batched_tokens < self.max_model_len:

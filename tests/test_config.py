@@ -145,6 +145,11 @@ def test_chunked_prefill_budget_holds_a_decode_per_sequence_and_may_be_below_max
     assert SchedulerConfig(max_model_len=8192, enable_chunked_prefill=True).max_num_batched_tokens == 512
     assert SchedulerConfig(max_num_seqs=1024, max_model_len=8192,
                            enable_chunked_prefill=True).max_num_batched_tokens == 1024
+    # A budget of 1 would stall a prompt with two tokens left for good (found by a fuzzer).
+    with pytest.raises(ConfigError, match=r"--max-num-batched-tokens \(1\) must be at least 2"):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, max_model_len=32, enable_chunked_prefill=True)
+    assert SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=2, max_model_len=32,
+                           enable_chunked_prefill=True).max_num_batched_tokens == 2
     with pytest.raises(ConfigError, match="enable_chunked_prefill must be True or False"):
         SchedulerConfig(enable_chunked_prefill="yes")
     with pytest.raises(ConfigError, match="--max-num-batched-tokens must be >= 1"):

@@ -104,6 +104,19 @@ def test_chunked_prefill_generates_what_whole_prefills_do(model_dir, kv_cache_dt
     assert chunked.scheduler.num_preemptions == 0
 
 
+def test_the_smallest_budget_finishes_every_prompt(model_dir):
+    """A budget of 2 (the least the config takes) with one sequence: prompts of every length up to 9
+    go through in chunks of one or two tokens (never leaving one) and give what whole prefills give."""
+    engine = LLMEngine.from_args(model_dir, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+                                 kv_cache_memory="1MiB", max_model_len=MAX_MODEL_LEN, max_num_seqs=1,
+                                 enable_chunked_prefill=True, max_num_batched_tokens=2)
+    requests = [(f"r{n}", list(range(5, 5 + n)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                                                  logprobs=2))
+                for n in range(1, 10)]
+    got = run(engine, requests)
+    assert_same(got, run(make_engine(model_dir, budget=None), requests), 1e-5)
+
+
 def test_seeded_sampling_is_unchanged_by_chunks(model_dir, seed):
     """A chunk that ends before the prompt's last token samples nothing: per-request seeded
     generators draw exactly as in whole prefills."""
