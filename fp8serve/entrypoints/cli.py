@@ -26,13 +26,19 @@ _OPTIONAL_COMMANDS = [
 ]
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp8serve",
         description="LLM inference and serving with an FP8 KV cache and calibrated per-layer scales.",
     )
-    parser.add_argument("--log-level", default=os.environ.get("FP8SERVE_LOG_LEVEL", "INFO"),
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # FP8SERVE_LOGGING_LEVEL (vLLM's VLLM_LOGGING_LEVEL; the Python API reads it
+    # too) or its older spelling FP8SERVE_LOG_LEVEL sets the default.
+    env_level = os.environ.get("FP8SERVE_LOGGING_LEVEL") or os.environ.get("FP8SERVE_LOG_LEVEL") or "INFO"
+    parser.add_argument("--log-level", default=env_level.upper(), type=str.upper,
+                        choices=list(LOG_LEVELS))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS + _OPTIONAL_COMMANDS:
         try:
@@ -58,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.log_level not in LOG_LEVELS:  # a bad environment value (argparse checks the flag's)
+        parser.error(f"FP8SERVE_LOGGING_LEVEL / FP8SERVE_LOG_LEVEL: {args.log_level!r} is not one of "
+                     f"{', '.join(LOG_LEVELS)}")
     setup_logging(args.log_level)
     try:
         return int(args.func(args) or 0)

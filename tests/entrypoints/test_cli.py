@@ -223,3 +223,23 @@ def test_directory_without_config_json(tmp_path, capsys):
     rc, _, err = run_main(["generate", "--model", str(tmp_path), "--prompt", "hi"], capsys)
     assert rc == 2
     assert "config.json not found" in error_line(err)
+
+
+@pytest.mark.parametrize("env, value, level", [
+    ("FP8SERVE_LOGGING_LEVEL", "warning", "WARNING"),
+    ("FP8SERVE_LOG_LEVEL", "ERROR", "ERROR"),
+])
+def test_log_level_default_comes_from_the_environment(monkeypatch, env, value, level):
+    """FP8SERVE_LOGGING_LEVEL (what the Python API reads, vLLM's VLLM_LOGGING_LEVEL) sets the
+    CLI's default too; FP8SERVE_LOG_LEVEL, the older spelling, still works."""
+    for name in ("FP8SERVE_LOGGING_LEVEL", "FP8SERVE_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(env, value)
+    assert cli.build_parser().parse_args(["scales"]).log_level == level
+    assert cli.build_parser().parse_args(["--log-level", "debug", "scales"]).log_level == "DEBUG"
+
+
+def test_a_bad_log_level_in_the_environment_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("FP8SERVE_LOGGING_LEVEL", "LOUD")
+    rc, _, err = run_main(["scales"], capsys)
+    assert rc == 2 and "FP8SERVE_LOGGING_LEVEL / FP8SERVE_LOG_LEVEL: 'LOUD' is not one of" in err
