@@ -263,6 +263,8 @@ class ModelConfig:
         # A string such as "false" would otherwise read as true.
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise ConfigError(f"--seed must be an integer in [-2^63, 2^64) (default 0), got {self.seed!r}")
         self.model = str(self.model)
         self.hf_config, cfg_path = read_hf_config(self.model)
         self.arch = ModelArchConfig.from_dict(self.hf_config, cfg_path)

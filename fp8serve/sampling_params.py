@@ -46,8 +46,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
-        self._normalize()
-        self._verify()
+        self.validate()
         if self.is_greedy:
             # Greedy decoding is an argmax; truncation filters cannot change it, and
             # leaving them on would only make the sampler take its slower paths.
@@ -56,9 +55,22 @@ class SamplingParams:
             self.top_k = 0
             self.min_p = 0.0
 
+    def validate(self) -> None:
+        """Normalize and check every field (InvalidParameterError naming it).
+        Run at construction, and again by the engine when a request is added:
+        a field changed in between is checked too."""
+        self._normalize()
+        self._verify()
+
     def _normalize(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, list, tuple)):
+                raise InvalidParameterError(f"{name} must be a list (or None), got {type(value).__name__}.", name)
+        if isinstance(self.stop_token_ids, str):
+            raise InvalidParameterError("stop_token_ids must be a list of token ids, got a string.", "stop_token_ids")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -73,6 +85,14 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias) or None
 
     def _verify(self) -> None:
+        # Types first: a string or None where a number belongs would fail the
+        # range checks below with a TypeError, or later inside a step.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value), name, f"{name} must be a number, got {value!r}.")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"{name} must be True or False, got {value!r}.")
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be an int in [1, {MAX_N}], got {self.n!r}.")
         _check(self.temperature >= 0.0, "temperature", f"temperature must be non-negative, got {self.temperature}.")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
@@ -81,7 +101,9 @@ class SamplingParams:
             f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}.",
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
-        _check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an int or None, got {self.seed!r}.")
+        # torch's generators take seeds in [-2^63, 2^64); beyond that they wrap silently.
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed",
+               f"seed must be an int in [-2^63, 2^64) or None, got {self.seed!r}.")
         _check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
             f"max_tokens must be at least 1, got {self.max_tokens}.",
@@ -129,6 +151,10 @@ class SamplingParams:
 def _is_int(value: object) -> bool:
     # bool is an int subclass; True as a seed or a count is a caller bug.
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, parameter: str, message: str) -> None:

@@ -339,6 +339,9 @@ def test_max_model_len_must_be_a_positive_int(model_dir, bad):
 def test_bad_dtype_and_device(model_dir):
     with pytest.raises(ConfigError, match="--dtype 'int8' is not supported"):
         model_config(model_dir, dtype="int8")
+    for seed in (None, "1", 1.5, 2**64):
+        with pytest.raises(ConfigError, match="--seed must be an integer"):
+            model_config(model_dir, seed=seed)
     # vLLM's aliases.
     assert model_config(model_dir, dtype="half").torch_dtype == torch.float16
     assert model_config(model_dir, dtype="float").torch_dtype == torch.float32

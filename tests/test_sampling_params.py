@@ -65,6 +65,20 @@ def test_greedy_forces_filters_off():
         (dict(logit_bias={5: "1"}), "logit_bias"),
         (dict(logit_bias={5: True}), "logit_bias"),
         (dict(logit_bias=[(5, 1.0)]), "logit_bias"),
+        # Types: caught here, not as a TypeError inside a step (which takes the whole batch).
+        (dict(temperature="0.5"), "temperature"),
+        (dict(temperature=None), "temperature"),
+        (dict(temperature=True), "temperature"),
+        (dict(top_p="1"), "top_p"),
+        (dict(repetition_penalty=None), "repetition_penalty"),
+        (dict(skip_special_tokens=None), "skip_special_tokens"),
+        (dict(ignore_eos="no"), "ignore_eos"),
+        (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+        (dict(stop=5), "stop"),
+        (dict(stop_token_ids=5), "stop_token_ids"),
+        (dict(stop_token_ids="12"), "stop_token_ids"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
     ],
 )
 def test_validation_error_names_field_and_value(kwargs, field):
@@ -94,3 +108,19 @@ def test_logit_bias_kept_and_empty_means_none():
     assert SamplingParams(logit_bias={5: -100, 7: 2.5}).logit_bias == {5: -100, 7: 2.5}
     assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams().logit_bias is None
+
+
+def test_validate_checks_fields_changed_after_construction():
+    """The engine runs validate() again when a request is added."""
+    p = SamplingParams(max_tokens=4)
+    p.n = 0
+    with pytest.raises(ValueError, match="n must be an int"):
+        p.validate()
+    p = SamplingParams()
+    p.logprobs = 1000
+    with pytest.raises(ValueError, match="logprobs must be in"):
+        p.validate()
+    p = SamplingParams()
+    p.stop = "###"
+    p.validate()
+    assert p.stop == ["###"]

@@ -91,9 +91,12 @@ class LLMEngine:
                 ids = prompt["prompt_token_ids"]
                 text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
             elif "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise InvalidParameterError(f"a prompt dict's 'prompt' must be a string, got "
+                                                f"{type(prompt['prompt']).__name__}", "prompt")
                 return self.tokenize_prompt(prompt["prompt"])
             else:
-                raise UserError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise InvalidParameterError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise UserError(f"{self.config.model_config.model} has no tokenizer: pass prompt_token_ids instead of text")
@@ -103,20 +106,22 @@ class LLMEngine:
         else:
             ids = prompt
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise UserError("prompt_token_ids must be a list of integers")
+            raise InvalidParameterError(f"prompt_token_ids must be a list of Python ints, got "
+                                        f"{_describe(ids)} (convert tensors and arrays with .tolist())", "prompt")
         return text, list(ids)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         mc = self.config.model_config
+        # InvalidParameterError is a ValueError too, as vLLM raises for these.
         if not token_ids:
-            raise UserError("the prompt is empty (0 tokens)")
+            raise InvalidParameterError("the prompt is empty (0 tokens)", "prompt")
         vocab = mc.arch.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise UserError(f"prompt token id {bad} is out of range for a vocabulary of {vocab}")
+            raise InvalidParameterError(f"prompt token id {bad} is out of range for a vocabulary of {vocab}", "prompt")
         if len(token_ids) > mc.max_model_len:
-            raise UserError(
-                f"the prompt has {len(token_ids)} tokens, more than --max-model-len {mc.max_model_len}"
+            raise InvalidParameterError(
+                f"the prompt has {len(token_ids)} tokens, more than --max-model-len {mc.max_model_len}", "prompt"
             )
 
     def validate_params(self, params: SamplingParams) -> None:
@@ -142,7 +147,13 @@ class LLMEngine:
         # changing or reusing the object afterwards does not reach a running
         # request, and per-row metadata cached on the object's identity (the
         # model runner's reused SamplingMetadata) cannot go stale.
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidParameterError(f"sampling params must be a SamplingParams, got {type(params).__name__}",
+                                        "sampling_params")
         params = copy.deepcopy(params) if params is not None else SamplingParams()
+        # Checked again here: fields may have been changed since construction
+        # (n = 0, logprobs = 1000 would fail inside a step, taking the batch).
+        params.validate()
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids)
         self.validate_params(params)
@@ -467,3 +478,11 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
+
+
+def _describe(value) -> str:
+    """A short name of what a prompt's token ids were given as."""
+    if isinstance(value, (list, tuple)):
+        odd = next((t for t in value if not (isinstance(t, int) and not isinstance(t, bool))), None)
+        return f"a {type(value).__name__} holding {type(odd).__name__} {odd!r}"
+    return type(value).__name__

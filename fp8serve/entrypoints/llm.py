@@ -8,7 +8,8 @@ from tqdm.auto import tqdm
 
 from fp8serve.engine.llm_engine import LLMEngine, PromptInput
 from fp8serve.engine.tokenizer import check_text
-from fp8serve.errors import UserError
+from fp8serve.entrypoints.chat_utils import conversation_for_template
+from fp8serve.errors import InvalidParameterError, UserError
 from fp8serve.outputs import RequestOutput
 from fp8serve.sampling_params import SamplingParams
 
@@ -46,12 +47,19 @@ class LLM:
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
+            if not isinstance(sampling_params, (list, tuple)):
+                raise InvalidParameterError(
+                    f"sampling_params must be a SamplingParams or a list of them, got "
+                    f"{type(sampling_params).__name__}", "sampling_params")
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
-                raise UserError(
+                raise InvalidParameterError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "
-                    "pass one, or one per prompt"
-                )
+                    "pass one, or one per prompt", "sampling_params")
+        bad = next((i for i, p in enumerate(params_list) if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise InvalidParameterError(f"sampling_params[{bad}] must be a SamplingParams, got "
+                                        f"{type(params_list[bad]).__name__}", "sampling_params")
         return self._run(prompt_list, params_list, use_tqdm)
 
     def chat(
@@ -62,20 +70,30 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)}
-                   for c in conversations]
+        if not isinstance(messages, list) or not messages:
+            raise InvalidParameterError("messages must be a conversation (a non-empty list of {'role': ..., "
+                                        "'content': ...} dicts) or a non-empty list of conversations", "messages")
+        one = isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(
+                        c, add_generation_prompt, chat_template, where="messages" if one else f"messages[{i}]")}
+                   for i, c in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, where: str = "messages") -> list[int]:
         tok = self.llm_engine.tokenizer
         if tok is None or (tok.chat_template is None and chat_template is None):
             raise UserError(f"{self.llm_engine.config.model_config.model} has no chat template")
-        check_text(messages, "messages")
-        ids = tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
-        )
+        conversation = conversation_for_template(messages, where)
+        check_text(conversation, where)
+        try:
+            ids = tok.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
+            )
+        except Exception as e:  # noqa: BLE001 - Jinja's errors: the template's or the messages' fault
+            raise InvalidParameterError(f"chat template failed on {where}: {type(e).__name__}: {e}",
+                                        "chat_template") from None
         # transformers 5 returns a BatchEncoding-like mapping; older versions a list.
         return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
 
@@ -86,7 +104,8 @@ class LLM:
         if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
             return [list(prompts)]  # a single prompt given as token ids
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise UserError("prompts must be a string, a token-id dict, or a non-empty list of them")
+            raise InvalidParameterError("prompts must be a string, a token-id dict, or a non-empty list of them",
+                                        "prompts")
         return list(prompts)
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
@@ -94,11 +113,27 @@ class LLM:
         # Validate every prompt before queueing any, so one bad prompt leaves
         # nothing half-submitted in the engine.
         tokenized = []
-        for p in prompts:
-            text, token_ids = engine.tokenize_prompt(p)
-            engine.validate_prompt(token_ids)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                text, token_ids = engine.tokenize_prompt(p)
+                engine.validate_prompt(token_ids)
+                sp.validate()
+                engine.validate_params(sp)
+            except InvalidParameterError as e:
+                if len(prompts) == 1:
+                    raise
+                # Which prompt of the batch, as the message's start.
+                raise InvalidParameterError(f"prompt {i}: {e}", e.parameter) from None
             tokenized.append({"prompt_token_ids": token_ids, "prompt": text})
-        ids = [engine.add_request(None, p, sp).request_id for p, sp in zip(tokenized, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(tokenized, params):
+                ids.append(engine.add_request(None, p, sp).request_id)
+        except BaseException:
+            # Nothing half-submitted: the requests queued so far go too.
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
         finished: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, leave=False) as bar:

@@ -322,8 +322,67 @@ def test_invalid_sampling_params(kwargs, message):
 
 
 def test_sampling_params_count_must_match_prompts(llm):
-    with pytest.raises(UserError, match="2 sampling_params for 3 prompts"):
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
         llm.generate([[5], [6], [7]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+
+
+def test_bad_sampling_params_leave_nothing_queued(llm):
+    """One bad SamplingParams in a batch fails the call before any request is queued (before:
+    the ones ahead of it stayed in the engine and ran, unseen, inside the next call)."""
+    ok = SamplingParams(max_tokens=None, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"prompt 1: logit_bias: token id\(s\) \[1000000\] out of range"):
+        llm.generate([[5], [6], [7]], [ok, SamplingParams(logit_bias={10**6: 1.0}), ok], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    changed = SamplingParams(max_tokens=3)
+    changed.n = 0
+    with pytest.raises(ValueError, match="prompt 1: n must be an int"):
+        llm.generate([[5], [6]], [ok, changed], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests() and not llm.llm_engine.parents
+    for bad in ({"max_tokens": 3}, [{"max_tokens": 3}], [SamplingParams(), None]):
+        with pytest.raises(ValueError, match=r"sampling_params(\[\d\])? must be a SamplingParams"):
+            llm.generate([[5]] * (2 if isinstance(bad, list) and len(bad) == 2 else 1), bad, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([[5]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4
+
+
+def test_prompt_errors_are_value_errors_naming_the_prompt(llm):
+    """As vLLM raises ValueError for these (and the batch position is named)."""
+    with pytest.raises(ValueError, match="prompt 1: prompt token id -1 is out of range"):
+        llm.generate([[5], [-1]], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt_token_ids must be a list of Python ints, got a list holding "
+                                         r"Tensor .*\.tolist\(\)"):
+        llm.generate({"prompt_token_ids": list(torch.tensor([5, 6]))}, use_tqdm=False)
+    with pytest.raises(ValueError, match="'prompt' must be a string, got NoneType"):
+        llm.generate({"prompt": None}, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("messages, words", [
+    ({"role": "user", "content": "Hi"}, "messages must be a conversation"),
+    ("Hi", "messages must be a conversation"),
+    ([], "messages must be a conversation"),
+    ([{"content": "Hi"}], r"messages\[0\]\.role must be a non-empty string"),
+    ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string or a list of content parts"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], r"part type 'image_url' is not supported"),
+    ([[{"role": "user", "content": "ok"}], [{"role": "user", "content": [{"type": "text", "text": None}]}]],
+     r"messages\[1\]\[0\]\.content\[0\]\.text must be a string"),
+])
+def test_malformed_chat_messages_name_the_message(llm, messages, words):
+    with pytest.raises(ValueError, match=words):
+        llm.chat(messages, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_text_parts_and_template_errors(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    plain = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert llm.chat(parts, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.chat(plain, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="chat template failed on messages: TemplateSyntaxError"):
+        llm.chat(plain, params, use_tqdm=False, chat_template="{% for %}")
 
 
 def test_kv_cache_too_small_for_one_request(llama_dir):

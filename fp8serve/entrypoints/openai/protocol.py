@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fp8serve.engine.tokenizer import check_text
+from fp8serve.entrypoints.chat_utils import content_text
 from fp8serve.errors import InvalidParameterError
 from fp8serve.sampling_params import SamplingParams
 
@@ -148,21 +149,12 @@ class ChatMessage(OpenAIBaseModel):
     def _text_parts_only(cls, content):
         # The served models take text: a part of another type (image_url,
         # input_audio, ...) is refused rather than dropped unseen, and a text
-        # part must carry a string.
-        if isinstance(content, list):
-            for i, part in enumerate(content):
-                kind = part.get("type")
-                if kind != "text":
-                    raise ValueError(f"content[{i}]: part type {kind!r} is not supported (this model takes text "
-                                     f"parts only: {{\"type\": \"text\", \"text\": \"...\"}})")
-                if not isinstance(part.get("text"), str):
-                    raise ValueError(f"content[{i}].text must be a string, got {type(part.get('text')).__name__}")
+        # part must carry a string (chat_utils.content_text).
+        content_text(content, "content")
         return content
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part["text"] for part in self.content)
-        return self.content or ""
+        return content_text(self.content, "content")
 
 
 class ChatCompletionRequest(_SamplingFields):

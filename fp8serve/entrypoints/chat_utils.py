@@ -1,0 +1,55 @@
+"""Chat messages as the chat template takes them: what the server and the
+offline `LLM.chat` both accept, checked with errors that name the message and
+field (a malformed message otherwise fails deep in Jinja or transformers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fp8serve.errors import InvalidParameterError
+
+
+def content_text(content: Any, where: str) -> str:
+    """The text of a message's content: a string, None (empty), or OpenAI's
+    list of parts, of which the served models take text parts only
+    (`{"type": "text", "text": "..."}`, joined). ValueError naming `where`
+    otherwise (the server's schema validator turns it into a 400)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of content parts, got {type(content).__name__}")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"{where}[{i}]: part type {kind!r} is not supported (this model takes text parts "
+                             f"only: {{\"type\": \"text\", \"text\": \"...\"}})")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{i}].text must be a string, got {type(part.get('text')).__name__}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def conversation_for_template(messages: Any, where: str = "messages") -> list[dict[str, Any]]:
+    """A conversation (list of {"role", "content", ...} dicts) with every
+    content made plain text; InvalidParameterError naming the message
+    otherwise. Other keys of a message (name, tool_calls, ...) pass through."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParameterError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                                    f"got {type(messages).__name__ if messages else messages!r}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidParameterError(f"{where}[{i}] must be a dict with 'role' and 'content', got "
+                                        f"{type(m).__name__}", "messages")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise InvalidParameterError(f"{where}[{i}].role must be a non-empty string, got {m.get('role')!r}",
+                                        "messages")
+        try:
+            text = content_text(m.get("content"), f"{where}[{i}].content")
+        except ValueError as e:
+            raise InvalidParameterError(str(e), "messages") from None
+        out.append({**m, "content": text})
+    return out
