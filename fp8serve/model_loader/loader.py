@@ -178,4 +178,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
-            method.process_weights_after_loading(module)
+            try:
+                method.process_weights_after_loading(module)
+            except ConfigError as e:
+                raise ConfigError(f"{model_dir}: {e}") from None

@@ -26,6 +26,8 @@ of the batch).
 
 from __future__ import annotations
 
+import math
+
 import logging
 
 import torch
@@ -114,7 +116,14 @@ class Fp8LinearMethod(LinearMethod):
         for pname in ("weight_scale", "input_scale"):
             s = getattr(layer, pname, None)
             if s is not None and not (torch.isfinite(s).all() and (s > 0).all()):
-                raise ConfigError(f"FP8 checkpoint: '{name}.{pname}' is missing or not a finite number > 0 ({s.tolist()})")
+                # Name the projection (q/k/v, gate/up) whose scale is bad: the
+                # checkpoint stores one tensor per projection, not the fused one.
+                bad = [i for i, v in enumerate(s.tolist()) if not (math.isfinite(v) and v > 0)]
+                names = getattr(layer, "shard_names", None)
+                shards = [names[i] if names else i for i in bad]
+                which = f" of shard(s) {shards}" if s.numel() > 1 else ""
+                raise ConfigError(f"FP8 checkpoint: '{name}.{pname}'{which} is missing or not a finite number > 0 "
+                                  f"({s.tolist()})")
         codes = layer.weight.data.view(torch.uint8)
         # e4m3fn's only non-finite codes; the CPU kernel would read them as +-480.
         if ((codes & 0x7F) == 0x7F).any():

@@ -287,3 +287,27 @@ def test_fp8_checkpoint_on_cuda_runs_scaled_mm(base_checkpoints, tmp_path):
     print(f"FP8 checkpoint on cuda: max |logprob - FP8-arithmetic reference| = "
           f"{max_logprob_error(engine, same_arithmetic):.2e}, vs weight-only reference = "
           f"{max_logprob_error(engine, hf_logits(ref_dir, PROMPT)):.2e}")
+
+
+def test_a_bad_or_missing_shard_scale_is_named(base_checkpoints, tmp_path):
+    """A q/k/v (or gate/up) projection's weight_scale is its own checkpoint tensor: the error names
+    the projection and the checkpoint, not only the fused parameter."""
+    from safetensors.torch import load_file, save_file
+
+    from fp8serve.errors import ConfigError
+
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    quantize_to_fp8_checkpoint(base_checkpoints["llama"], fp8_dir, ref_dir)
+    path = next(fp8_dir.glob("*.safetensors"))
+    original = load_file(str(path))
+    name = "model.layers.1.self_attn.k_proj.weight_scale"
+
+    save_file({**original, name: torch.tensor(-1.0)}, str(path), metadata={"format": "pt"})
+    with pytest.raises(ConfigError) as e:
+        LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB")
+    msg = str(e.value)
+    assert str(fp8_dir) in msg and "qkv_proj.weight_scale' of shard(s) ['k'] is missing or not a finite" in msg
+
+    save_file({k: v for k, v in original.items() if k != name}, str(path), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=f"checkpoint is missing tensors for {name}"):
+        LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB")
