@@ -347,12 +347,13 @@ class LLMEngine:
                             if tid not in entry:
                                 entry[tid] = Logprob(lp, r, self._decode_one(tid))
                         seq.logprobs.append(entry)
+                stop_token = self._stops_on_token(seq, token)
                 # As vLLM: the text of a stop token (EOS, stop_token_ids) is left
                 # out of the output unless include_stop_str_in_output.
-                if seq.detokenizer is not None and (seq.sampling_params.include_stop_str_in_output
-                                                    or not self._stops_on_token(seq, token)):
+                if seq.detokenizer is not None and (not stop_token
+                                                    or seq.sampling_params.include_stop_str_in_output):
                     seq.detokenizer.append(token)
-                self._check_stop(seq, token, mc.max_model_len)
+                self._check_stop(seq, token, stop_token, mc.max_model_len)
                 if seq.finish_reason is not None:
                     break  # a stop drops the kept drafts after it
             i += count
@@ -398,12 +399,13 @@ class LLMEngine:
             return False
         return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
 
-    def _check_stop(self, seq: Sequence, token: int, max_model_len: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int, stop_token: bool, max_model_len: int) -> None:
+        """`stop_token`: _stops_on_token(seq, token), computed once by the caller."""
         p = seq.sampling_params
         n_out = len(seq.output_token_ids)
         if seq.detokenizer is not None and seq.detokenizer.is_stopped:
             seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
-        elif self._stops_on_token(seq, token):
+        elif stop_token:
             # EOS has no stop_reason (vLLM: None); a stop_token_ids entry is its own.
             is_eos = not p.ignore_eos and token in self.eos_token_ids
             seq.finish_reason, seq.stop_reason = "stop", None if is_eos else token
