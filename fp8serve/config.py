@@ -88,7 +88,10 @@ class RopeConfig:
     def from_hf(cls, cfg: dict, path: Path) -> "RopeConfig":
         params = cfg.get("rope_parameters")
         if params is None:
-            params = dict(cfg.get("rope_scaling") or {})
+            scaling = cfg.get("rope_scaling") or {}
+            if not isinstance(scaling, dict):
+                raise ConfigError(f"{path}: field 'rope_scaling' must be an object, got {scaling!r}")
+            params = dict(scaling)
             params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in ("default", "linear", "llama3"):

@@ -308,6 +308,12 @@ def test_rope_parameters_fields_are_checked(model_dir):
     rewrite_config(model_dir, rope_parameters={"rope_type": "default", "rope_theta": -1.0})
     with pytest.raises(ConfigError, match=r"'rope_parameters.rope_theta' must be a finite number > 0, got -1.0"):
         model_config(model_dir)
+    rewrite_config(model_dir, rope_parameters=DELETE, rope_scaling="linear")
+    with pytest.raises(ConfigError, match=r"field 'rope_scaling' must be an object, got 'linear'"):
+        model_config(model_dir)
+    rewrite_config(model_dir, rope_scaling=DELETE, rope_theta="abc")
+    with pytest.raises(ConfigError, match=r"field 'rope_theta' must be a finite number > 0, got 'abc'"):
+        model_config(model_dir)
 
 
 def test_hidden_size_must_split_into_heads_without_head_dim(model_dir):
