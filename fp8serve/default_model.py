@@ -105,6 +105,10 @@ def convert_gguf(
     # Checked before taking the lock and importing transformers, so that mistakes fail fast.
     _check_gguf_file(gguf_path)
     _check_out_dir(out_dir, overwrite)
+    if out_dir.resolve() in gguf_path.resolve().parents:
+        # Replacing out_dir would delete the file being converted.
+        raise FileExistsError(f"{gguf_path} is inside the output directory {out_dir}; converting into it would "
+                              "replace the GGUF file itself: choose another output directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(out_dir):
         start = time.monotonic()

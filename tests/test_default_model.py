@@ -144,6 +144,19 @@ def test_overwrite_replaces_whole_directory(tmp_path: Path, monkeypatch: pytest.
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")) == [".out.lock"]
 
 
+def test_overwrite_refuses_an_output_directory_holding_the_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """--overwrite replaces the whole output directory: with the GGUF inside it, that deleted
+    the input (found by probing the CLI). Refused, and nothing is touched."""
+    monkeypatch.setattr(default_model, "_write_checkpoint", lambda *a: pytest.fail("must not convert"))
+    out = tmp_path / "out"
+    out.mkdir()
+    gguf = _fake_gguf(out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is inside the output directory"):
+        convert_gguf(gguf, out, overwrite=True)
+    assert gguf.is_file() and (out / "notes.txt").read_text() == "mine"
+
+
 def test_cli_reports_user_errors(tmp_path: Path):
     parser = argparse.ArgumentParser(prog="fp8serve")
     convert_gguf_tool.register(parser.add_subparsers(dest="command"))
