@@ -136,7 +136,13 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass --overwrite (overwrite=True) to replace it")
+    # mkdir would fail later with a bare "[Errno 17] File exists" naming only the blocking file.
+    for ancestor in out_dir.parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise FileExistsError(f"cannot create {out_dir}: {ancestor} is a file, not a directory")
+            break
 
 
 @contextlib.contextmanager
@@ -228,20 +234,21 @@ def _write_checkpoint(gguf_path: Path, staging: Path, dtype: torch.dtype) -> Non
         link = Path(isolated) / "model.gguf"
         link.symlink_to(gguf_path.resolve())
 
-        logger.info("Reading the tokenizer from %s", gguf_path.name)
-        tokenizer = AutoTokenizer.from_pretrained(isolated, gguf_file=link.name, local_files_only=True)
+        with _reading(gguf_path):
+            logger.info("Reading the tokenizer from %s", gguf_path.name)
+            tokenizer = AutoTokenizer.from_pretrained(isolated, gguf_file=link.name, local_files_only=True)
 
-        logger.info("Dequantizing the weights to %s", str(dtype).removeprefix("torch."))
-        # Without dequantize=True transformers keeps the GGUF quantizer attached to the model,
-        # and save_pretrained refuses to write a quantized-GGUF model.
-        model, loading_info = AutoModelForCausalLM.from_pretrained(
-            isolated,
-            gguf_file=link.name,
-            dtype=dtype,
-            quantization_config=GgufConfig(dequantize=True),
-            local_files_only=True,
-            output_loading_info=True,
-        )
+            logger.info("Dequantizing the weights to %s", str(dtype).removeprefix("torch."))
+            # Without dequantize=True transformers keeps the GGUF quantizer attached to the model,
+            # and save_pretrained refuses to write a quantized-GGUF model.
+            model, loading_info = AutoModelForCausalLM.from_pretrained(
+                isolated,
+                gguf_file=link.name,
+                dtype=dtype,
+                quantization_config=GgufConfig(dequantize=True),
+                local_files_only=True,
+                output_loading_info=True,
+            )
     # A weight the mapping missed would be left at its random initialisation: a checkpoint
     # that loads fine, differs on every run and generates noise.
     missing = sorted(loading_info["missing_keys"]) + sorted(key for key, *_ in loading_info["mismatched_keys"])
@@ -256,6 +263,25 @@ def _write_checkpoint(gguf_path: Path, staging: Path, dtype: torch.dtype) -> Non
     tokenizer.save_pretrained(staging)
     _tidy_tokenizer_config(staging / "tokenizer_config.json", model.config.max_position_embeddings)
     _check_written(staging)
+
+
+@contextlib.contextmanager
+def _reading(gguf_path: Path) -> Iterator[None]:
+    """Turn transformers' parse failures into one error naming the file.
+
+    A truncated or damaged file passes the magic-bytes check and then fails deep inside the
+    GGUF reader (struct.error, a numpy reshape ValueError, an IndexError, ...).
+    """
+    try:
+        yield
+    except (struct.error, ValueError, IndexError, KeyError, EOFError, OSError) as error:
+        size = gguf_path.stat().st_size
+        kind = "struct.error" if isinstance(error, struct.error) else type(error).__name__
+        raise NotAGgufError(
+            f"{gguf_path} ({size} bytes): transformers cannot read it as a GGUF model "
+            f"({kind}: {error}); the file is damaged, incomplete, or of an architecture "
+            "transformers does not convert"
+        ) from error
 
 
 def _tidy_model_config(config: object) -> None:

@@ -101,11 +101,31 @@ def test_not_a_gguf_file(tmp_path: Path):
         convert_gguf(fake, tmp_path / "out")
 
 
+@pytest.mark.parametrize("size", [8, 24, 1_000_000])
+def test_truncated_gguf_is_one_error_naming_the_file(tmp_path: Path, size: int):
+    """A cut-off download passes the magic check, then failed inside transformers' reader with a
+    struct.error traceback (found by probing the CLI)."""
+    truncated = tmp_path / "cut.gguf"
+    with open(find_default_gguf(), "rb") as f:
+        truncated.write_bytes(f.read(size))
+    with pytest.raises(NotAGgufError, match=rf"cut\.gguf \({size} bytes\): transformers cannot read it as a GGUF model"
+                       r" \(.+\); the file is damaged, incomplete"):
+        convert_gguf(truncated, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_out_dir_under_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(default_model, "_write_checkpoint", lambda *a: pytest.fail("must not convert"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FileExistsError, match=r"cannot create .*afile/sub/out: .*afile is a file, not a directory"):
+        convert_gguf(_fake_gguf(tmp_path), tmp_path / "afile" / "sub" / "out")
+
+
 def test_non_empty_out_dir_needs_overwrite(tmp_path: Path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not empty.*overwrite"):
+    with pytest.raises(FileExistsError, match=r"not empty; pass --overwrite \(overwrite=True\) to replace it"):
         convert_gguf(find_default_gguf(), out)
     assert (out / "keep.txt").read_text() == "mine"
 
