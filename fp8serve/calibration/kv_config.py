@@ -34,19 +34,44 @@ class KVConfig:
 
     @classmethod
     def parse(cls, spec: str) -> "KVConfig":
-        dtype, _, scales = spec.partition(":")
+        dtype, sep, scales = spec.partition(":")
         if dtype not in KV_DTYPES:
             raise UserError(f"KV config '{spec}': unknown KV cache dtype '{dtype}' (expected {SPEC_HELP})")
         dtype = "fp8_e4m3" if dtype == "fp8" else dtype
+        if sep and not scales:
+            raise UserError(f"KV config '{spec}': nothing after ':' (expected {SPEC_HELP})")
         scales = scales or "default"
+        if scales != "default" and not dtype.startswith("fp8"):
+            # The engine ignores scales for a 16/32-bit cache, so such a row would silently
+            # repeat the unscaled configuration under another label.
+            raise UserError(f"KV config '{spec}': scales apply to an FP8 KV cache only; "
+                            f"use fp8_e4m3:{scales} or fp8_e5m2:{scales}, or '{dtype}' alone")
         if scales.startswith("json="):
             path = scales.removeprefix("json=")
+            if not path:
+                raise UserError(f"KV config '{spec}': json= needs a file, e.g. {dtype}:json=scales.json")
+            if Path(path).is_dir():
+                raise UserError(f"KV config '{spec}': scale file '{path}' is a directory; expected a JSON file")
             if not Path(path).is_file():
                 raise UserError(f"KV config '{spec}': scale file '{path}' not found")
             return cls(dtype, "json", path)
         if scales not in ("default", "calculate", "scale1"):
             raise UserError(f"KV config '{spec}': unknown scales '{scales}' (expected {SPEC_HELP})")
         return cls(dtype, scales)
+
+    @classmethod
+    def for_dtypes(cls, dtypes: list[str], json_path: str | None = None,
+                   calculate: bool = False) -> list["KVConfig"]:
+        """The --kv-cache-dtype D [D ...] form: each dtype with the scales the
+        --quantization-param-path / --calculate-kv-scales flags give."""
+        suffix = f":json={json_path}" if json_path else ":calculate" if calculate else ""
+        if suffix:
+            flag = "--quantization-param-path" if json_path else "--calculate-kv-scales"
+            unscaled = [d for d in dtypes if d in KV_DTYPES and not d.startswith("fp8")]
+            if unscaled:
+                raise UserError(f"{flag} applies to FP8 KV caches only, but --kv-cache-dtype includes "
+                                f"{', '.join(unscaled)}; evaluate those without scales via --config/@SPEC")
+        return [cls.parse(d + suffix) for d in dtypes]
 
     @property
     def label(self) -> str:

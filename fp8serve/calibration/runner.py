@@ -17,6 +17,27 @@ from fp8serve.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
+# Long enough for the RoPE angles a served prompt reaches, short enough that one chunk's
+# prefill is quick; capped at the model's own context when that is shorter.
+DEFAULT_SEQ_LEN = 512
+
+
+def resolve_seq_len(model: str, seq_len: int | None) -> int:
+    """Before any work: `model`'s config.json reads, and `seq_len` (None: the default) fits
+    its context. Errors name --seq-len and the file."""
+    from fp8serve.config import ModelArchConfig, read_hf_config
+
+    hf_config, config_path = read_hf_config(model)
+    limit = ModelArchConfig.from_dict(hf_config, config_path).max_position_embeddings
+    if seq_len is None:
+        return min(DEFAULT_SEQ_LEN, limit)
+    if seq_len < 2:
+        raise UserError(f"--seq-len must be >= 2 (a chunk of one token predicts nothing), got {seq_len}")
+    if seq_len > limit:
+        raise UserError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings ({limit}) in "
+                        f"{config_path}; pass --seq-len {limit} or less")
+    return seq_len
+
 
 def build_llm(model: str | None, *, seq_len: int, dtype: str = "float32", kv_cache_dtype: str = "auto",
               device: str = "auto", kv_cache_memory: str | None = None, seed: int = 0, **kwargs):

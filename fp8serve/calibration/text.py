@@ -29,9 +29,20 @@ def load_text(path: str | Path | None) -> TextSource:
         return TextSource(DEFAULT_CALIBRATION_TEXT, f"built-in sample ({len(DEFAULT_CALIBRATION_TEXT)} chars)")
     p = Path(path)
     try:
-        raw = p.read_text(encoding="utf-8", errors="replace")
+        data = p.read_bytes()
     except OSError as e:
         raise UserError(f"--text {p}: cannot read it ({e.strerror or e})") from None
+    if b"\x00" in data:
+        raise UserError(f"--text {p}: a binary file (it holds NUL bytes); expected UTF-8 text or JSONL")
+    try:
+        raw = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # A stray byte from another encoding is replaced and the text used; a file that is
+        # mostly not UTF-8 would feed the model replacement characters.
+        raw = data.decode("utf-8", errors="replace")
+        if raw.count("\ufffd") > max(1, len(raw) // 100):
+            raise UserError(f"--text {p}: not UTF-8 text (first bad byte at offset {e.start}); "
+                            "expected UTF-8 text or JSONL") from None
     if _looks_like_jsonl(p, raw):
         text = "\n\n".join(_jsonl_texts(p, raw))
     else:

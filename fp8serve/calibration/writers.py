@@ -75,6 +75,19 @@ def check_output_file(path: str | Path, flag: str) -> None:
             break
 
 
+def check_new_directory(path: str | Path, flag: str) -> None:
+    """Before any work: `path` does not exist yet and can be created (no
+    existing part of its folder is a file)."""
+    path = Path(path)
+    if path.exists() or path.is_symlink():
+        raise UserError(f"{flag} {path} already exists; choose a new directory")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{flag} {path}: {parent} is a file, not a directory")
+            break
+
+
 def write_kv_scales_json(path: str | Path, model_type: str, k_scales: Sequence[float],
                          v_scales: Sequence[float]) -> Path:
     path = Path(path)

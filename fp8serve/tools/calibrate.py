@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +49,37 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, metavar="FILE",
                    help='calibration text: plain text, or JSONL with a "text" field (default: a built-in sample)')
     p.add_argument("--num-tokens", type=int, default=4096, help="tokens of text to run (default 4096)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per teacher-forced chunk (default 512)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per teacher-forced chunk (default 512, or the model's context if shorter)")
     p.add_argument("--dtype", default="float32", choices=_DTYPE_CHOICES,
                    help="compute dtype while calibrating (default float32)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 256MiB")
+
+
+def calibration_inputs(args: argparse.Namespace, need_text: bool = True):
+    """(model directory, seq_len, text source, token chunks): what the shared flags decide,
+    checked before any weights load or get written. Without `need_text`: (dir, seq_len, None, [])."""
+    from fp8serve.calibration.runner import resolve_seq_len
+    from fp8serve.calibration.text import load_text, token_chunks
+    from fp8serve.engine.tokenizer import load_tokenizer
+    from fp8serve.errors import UserError
+
+    if args.num_tokens < 2:
+        raise UserError(f"--num-tokens must be >= 2, got {args.num_tokens}")
+    model = args.model
+    if model is None:
+        from fp8serve.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    seq_len = resolve_seq_len(model, args.seq_len)
+    if not need_text:
+        return model, seq_len, None, []
+    source = load_text(args.text)
+    chunks = token_chunks(load_tokenizer(model), source.text, args.num_tokens, seq_len)
+    if not chunks:
+        raise UserError(f"--text {args.text}: shorter than 2 tokens, nothing to calibrate on")
+    return model, seq_len, source, chunks
 
 
 def format_kv_table(stats, margin: float) -> str:
@@ -82,8 +107,12 @@ def is_kv_scale_tensor_fn(llm):
 def run(args: argparse.Namespace) -> int:
     from fp8serve.calibration.observers import KVAmaxObserver
     from fp8serve.calibration.runner import build_llm, run_chunks
-    from fp8serve.calibration.text import load_text, token_chunks
-    from fp8serve.calibration.writers import check_output_file, write_kv_scale_checkpoint, write_kv_scales_json
+    from fp8serve.calibration.writers import (
+        check_new_directory,
+        check_output_file,
+        write_kv_scale_checkpoint,
+        write_kv_scales_json,
+    )
     from fp8serve.errors import UserError
 
     if not (math.isfinite(args.margin) and args.margin > 0):
@@ -91,19 +120,18 @@ def run(args: argparse.Namespace) -> int:
     # The outputs are checked before the model loads and the text runs.
     if args.out_json:
         check_output_file(args.out_json, "--out-json")
-    if args.out_checkpoint and Path(args.out_checkpoint).exists():
-        raise UserError(f"--out-checkpoint {args.out_checkpoint} already exists; choose a new directory")
-    source = load_text(args.text)
-    llm = build_llm(args.model, seq_len=args.seq_len, dtype=args.dtype, device=args.device,
+    if args.out_checkpoint:
+        check_new_directory(args.out_checkpoint, "--out-checkpoint")
+    model, seq_len, source, chunks = calibration_inputs(args)
+    llm = build_llm(model, seq_len=seq_len, dtype=args.dtype, device=args.device,
                     kv_cache_memory=args.kv_cache_memory)
     engine = llm.llm_engine
-    chunks = token_chunks(llm.get_tokenizer(), source.text, args.num_tokens, args.seq_len)
     with KVAmaxObserver(engine.model_runner.attn_layers) as observer:
         num_tokens = run_chunks(llm, chunks, "Calibrating KV")
     stats = observer.stats
     model_dir = engine.config.model_config.model
     print(f"model: {model_dir}\ntext: {source.description}, {num_tokens} tokens in {len(chunks)} chunks "
-          f"of <= {args.seq_len}\ncompute dtype: {engine.config.model_config.dtype_name}, KV cache: "
+          f"of <= {seq_len}\ncompute dtype: {engine.config.model_config.dtype_name}, KV cache: "
           f"{engine.model_runner.kv_cache_spec.kv_cache_dtype} (unquantized while calibrating)")
     print(format_kv_table(stats, args.margin))
 

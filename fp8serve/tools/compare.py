@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp8serve.calibration.kv_config import SPEC_HELP
+from fp8serve.entrypoints.engine_args import human_readable_int
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=_DTYPE_CHOICES, help="compute dtype (default auto)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 256MiB")
+    p.add_argument("--max-model-len", type=human_readable_int, default=None,
+                   help="context length of each engine (default: the model's); lower it to fit a small "
+                        "--kv-cache-memory")
     p.add_argument("--out", default=None, metavar="FILE.md", help="also write the markdown to FILE.md")
     p.set_defaults(func=run)
 
@@ -100,9 +104,29 @@ def parse_run_configs(models: list[str], kv_cache_dtypes: list[str], json_path: 
         if at and not Path(item).exists():
             out.append(RunConfig(_resolve_model(model), KVConfig.parse(spec)))
         else:
-            suffix = f":json={json_path}" if json_path else ""
-            out += [RunConfig(_resolve_model(item), KVConfig.parse(d + suffix)) for d in kv_cache_dtypes]
+            out += [RunConfig(_resolve_model(item), kv) for kv in KVConfig.for_dtypes(kv_cache_dtypes, json_path)]
     return out
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What can be wrong with the flags, said before the first model loads."""
+    from fp8serve.calibration.writers import check_output_file
+    from fp8serve.errors import UserError
+
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise UserError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    # Flags for MODELs without @SPEC would otherwise be dropped without a word.
+    models = args.models or ["default"]
+    if all("@" in m and not Path(m).exists() for m in models):
+        for flag, given in (("--kv-cache-dtype", args.kv_cache_dtype != ["auto"]),
+                            ("--quantization-param-path", args.quantization_param_path is not None)):
+            if given:
+                raise UserError(f"{flag} applies to MODELs given without @SPEC, and every MODEL has one; "
+                                "put it in the SPEC (MODEL@fp8_e4m3:json=FILE) or drop it")
+    if args.out:
+        check_output_file(args.out, "--out")
 
 
 def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
@@ -171,7 +195,8 @@ def format_markdown(configs: list[RunConfig], summaries: list[dict], prompts: li
 
 
 def generate_all(configs: list[RunConfig], prompts: list[str], *, max_tokens: int, chat: bool = True,
-                 dtype: str = "auto", device: str = "auto", kv_cache_memory: str | None = None):
+                 dtype: str = "auto", device: str = "auto", kv_cache_memory: str | None = None,
+                 max_model_len: int | None = None):
     """(per-config scale summaries, pieces[c][p]); one engine at a time."""
     from fp8serve import LLM, SamplingParams
     from fp8serve.calibration.kv_config import scale_summary
@@ -179,7 +204,8 @@ def generate_all(configs: list[RunConfig], prompts: list[str], *, max_tokens: in
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     summaries, pieces = [], []
     for cfg in configs:
-        llm = LLM(cfg.model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, **cfg.kv.engine_kwargs())
+        llm = LLM(cfg.model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
+                  max_model_len=max_model_len, **cfg.kv.engine_kwargs())
         cfg.kv.apply_after_load(llm)
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -197,16 +223,19 @@ def generate_all(configs: list[RunConfig], prompts: list[str], *, max_tokens: in
 
 
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
     configs = parse_run_configs(args.models, args.kv_cache_dtype, args.quantization_param_path)
     prompts = args.prompt or EXAMPLE_PROMPTS
     summaries, pieces = generate_all(configs, prompts, max_tokens=args.max_tokens, chat=not args.no_chat,
-                                     dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory)
+                                     dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+                                     max_model_len=args.max_model_len)
     header = (f"Greedy, {args.max_tokens} tokens, {'chat template' if not args.no_chat else 'raw prompts'}, "
               f"compute dtype {summaries[0]['dtype']}, device {summaries[0]['device']} ({platform.machine()}). "
               "⟦x⟧ marks the first token that differs from configuration #1 (⟦⏹⟧: stopped earlier).")
     md = header + "\n\n" + format_markdown(configs, summaries, prompts, pieces)
     print(md)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(md + "\n")
         print(f"\nwrote {args.out}")
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import logging
 import tempfile
@@ -64,7 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", action="append", default=None, metavar="SPEC", dest="configs",
                    help=f"a configuration, repeatable: {SPEC_HELP}")
     p.add_argument("--num-tokens", type=int, default=None, help="tokens of text to use (default: all)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per teacher-forced chunk (default 512)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per teacher-forced chunk (default 512, or the model's context if shorter)")
     p.add_argument("--dtype", default="float32", choices=_DTYPE_CHOICES,
                    help="compute dtype of reference and configurations (default float32: a clean reference)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
@@ -86,9 +88,8 @@ def configs_from_args(args) -> list:
     if args.quantization_param_path and args.calculate_kv_scales:
         raise UserError("--quantization-param-path and --calculate-kv-scales exclude each other; "
                         "use --config SPEC to evaluate both")
-    suffix = (f":json={args.quantization_param_path}" if args.quantization_param_path
-              else ":calculate" if args.calculate_kv_scales else "")
-    return [KVConfig.parse(d + suffix) for d in (args.kv_cache_dtype or ["fp8_e4m3", "fp8_e5m2"])]
+    return KVConfig.for_dtypes(args.kv_cache_dtype or ["fp8_e4m3", "fp8_e5m2"], args.quantization_param_path,
+                               args.calculate_kv_scales)
 
 
 def evaluate(model, chunks, configs, *, dtype="float32", device="auto", kv_cache_memory=None,
@@ -209,34 +210,54 @@ def write_plot(doc: dict, path: str, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fp8serve.calibration.runner import resolve_seq_len
     from fp8serve.calibration.text import load_text, token_chunks
+    from fp8serve.calibration.writers import check_output_file
     from fp8serve.engine.tokenizer import load_tokenizer
+    from fp8serve.errors import UserError
 
+    # Everything that can be wrong with the arguments fails here, before the first engine.
     configs = configs_from_args(args)
+    if args.num_tokens is not None and args.num_tokens < 2:
+        raise UserError(f"--num-tokens must be >= 2 (leave it out to use all the text), got {args.num_tokens}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_output_file(path, flag)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UserError("--plot needs matplotlib: pip install matplotlib")
     source = load_text(args.text)
-    # The tokenizer only, before any engine: the chunks must be the same for all runs.
     model = args.model
     if model is None:
         from fp8serve.default_model import ensure_default_model
 
         model = str(ensure_default_model())
-    chunks = token_chunks(load_tokenizer(model), source.text, args.num_tokens or 1 << 62, args.seq_len)
-    header = {"model": model, "text": source.description, "seq_len": args.seq_len}
+    seq_len = resolve_seq_len(model, args.seq_len)
+    # The tokenizer only, before any engine: the chunks must be the same for all runs.
+    chunks = token_chunks(load_tokenizer(model), source.text, args.num_tokens or 1 << 62, seq_len)
+    if not chunks:
+        raise UserError(f"--text {args.text}: shorter than 2 tokens, nothing to evaluate")
+    header = {"model": model, "text": source.description, "seq_len": seq_len}
+
+    def write_json(document: dict) -> None:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(document, indent=2) + "\n")
 
     def save_partial(partial: dict) -> None:
         if args.json:
-            Path(args.json).write_text(json.dumps({**header, **partial, "complete": False}, indent=2) + "\n")
+            write_json({**header, **partial, "complete": False})
 
     doc = evaluate(model, chunks, configs, dtype=args.dtype, device=args.device,
-                   kv_cache_memory=args.kv_cache_memory, seq_len=args.seq_len, on_result=save_partial)
+                   kv_cache_memory=args.kv_cache_memory, seq_len=seq_len, on_result=save_partial)
     doc = {**header, **doc, "complete": True}
     print(f"model: {model}\ntext: {source.description}; {doc['reference']['num_tokens']} tokens in "
-          f"{len(chunks)} chunks of <= {args.seq_len}")
+          f"{len(chunks)} chunks of <= {seq_len}")
     print(format_table(doc))
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(doc)
         print(f"wrote {args.json}")
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         write_plot(doc, args.plot, f"{Path(model).name}: FP8 KV cache vs {doc['reference']['kv_cache_dtype']} "
                                    f"KV ({doc['reference']['num_predicted_tokens']} tokens)")
         print(f"wrote {args.plot}")

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import shutil
 from pathlib import Path
 
-from fp8serve.tools.calibrate import add_calibration_args, format_kv_table
+from fp8serve.tools.calibrate import add_calibration_args, calibration_inputs, format_kv_table
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _source_dir(model: str | None) -> Path:
-    if model is not None:
-        return Path(model)
-    from fp8serve.default_model import ensure_default_model
-
-    return Path(ensure_default_model())
-
-
-def _calibrate(args, fp8_dir: Path, weight_names: list[str]):
+def _calibrate(args, fp8_dir: Path, weight_names: list[str], seq_len: int, source, chunks: list[list[int]]):
     """Observed (input amax per engine module, {weight name: module}, KV stats or None)."""
     from fp8serve.calibration.observers import InputAmaxObserver, KVAmaxObserver
     from fp8serve.calibration.runner import build_llm, run_chunks
-    from fp8serve.calibration.text import load_text, token_chunks
 
-    source = load_text(args.text)
-    llm = build_llm(str(fp8_dir), seq_len=args.seq_len, dtype=args.dtype, device=args.device,
+    llm = build_llm(str(fp8_dir), seq_len=seq_len, dtype=args.dtype, device=args.device,
                     kv_cache_memory=args.kv_cache_memory)
     runner = llm.llm_engine.model_runner
     modules = dict(runner.model.named_modules())
@@ -66,7 +55,6 @@ def _calibrate(args, fp8_dir: Path, weight_names: list[str]):
     # projection: q/k/v all read the input of `qkv_proj`.
     module_of = {w: runner.weights_mapper.map(w)[0].param_name.removesuffix(".weight") for w in weight_names}
     watched = {m: modules[m] for m in sorted(set(module_of.values()))} if args.activation_scheme == "static" else {}
-    chunks = token_chunks(llm.get_tokenizer(), source.text, args.num_tokens, args.seq_len)
     kv_observer = KVAmaxObserver(runner.attn_layers) if args.kv_cache else None
     with InputAmaxObserver(watched) as inputs:
         if kv_observer:
@@ -76,7 +64,7 @@ def _calibrate(args, fp8_dir: Path, weight_names: list[str]):
         finally:
             if kv_observer:
                 kv_observer.detach()
-    print(f"calibration text: {source.description}, {n} tokens in {len(chunks)} chunks of <= {args.seq_len}")
+    print(f"calibration text: {source.description}, {n} tokens in {len(chunks)} chunks of <= {seq_len}")
     del llm, runner, modules
     gc.collect()
     return inputs.amax, module_of, (kv_observer.stats if kv_observer else None)
@@ -84,13 +72,17 @@ def _calibrate(args, fp8_dir: Path, weight_names: list[str]):
 
 def run(args: argparse.Namespace) -> int:
     from fp8serve.calibration.fp8_checkpoint import input_scales, write_fp8_checkpoint
-    from fp8serve.calibration.writers import attention_prefixes, kv_scale_tensors
+    from fp8serve.calibration.writers import attention_prefixes, check_new_directory, kv_scale_tensors
+    from fp8serve.config import read_hf_config
     from fp8serve.errors import UserError
 
-    src, out = _source_dir(args.model), Path(args.out)
-    if out.exists():
-        raise UserError(f"--out {out} already exists; choose a new directory")
-    cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    # Everything the flags decide is checked before the first weight is written.
+    out = Path(args.out)
+    check_new_directory(out, "--out")
+    calibrating = args.activation_scheme == "static" or args.kv_cache
+    model, seq_len, source, chunks = calibration_inputs(args, need_text=calibrating)
+    src = Path(model)
+    cfg, _ = read_hf_config(src)
     if cfg.get("quantization_config"):
         raise UserError(f"{src} is already quantized ({cfg['quantization_config'].get('quant_method')}); "
                         "quantize the 16-bit checkpoint instead")
@@ -102,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         weight_names = write_fp8_checkpoint(src, stage1, activation_scheme="dynamic")
         extra = {}
-        if args.activation_scheme == "static" or args.kv_cache:
-            amax, module_of, kv_stats = _calibrate(args, stage1, weight_names)
+        if calibrating:
+            amax, module_of, kv_stats = _calibrate(args, stage1, weight_names, seq_len, source, chunks)
             if args.activation_scheme == "static":
                 scales, borrowed = input_scales(weight_names, module_of, amax)
                 if borrowed:

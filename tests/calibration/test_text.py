@@ -38,3 +38,15 @@ def test_token_chunks(tmp_path):
     # a 1-token tail predicts nothing and is dropped
     assert [len(c) for c in token_chunks(tok, text, 601, 300)] == [300, 300]
     assert tok.model_max_length < 10**6  # restored after the long encode
+
+
+def test_binary_and_non_utf8_files_are_refused(tmp_path):
+    (tmp_path / "nul.txt").write_bytes(b"text\x00more")
+    with pytest.raises(UserError, match=r"nul.txt: a binary file \(it holds NUL bytes\)"):
+        load_text(tmp_path / "nul.txt")
+    (tmp_path / "latin1.txt").write_bytes("Ünïcödé ".encode("latin-1") * 10)
+    with pytest.raises(UserError, match=r"latin1.txt: not UTF-8 text \(first bad byte at offset 0\)"):
+        load_text(tmp_path / "latin1.txt")
+    # One stray byte in a long UTF-8 text is replaced, the text used.
+    (tmp_path / "stray.txt").write_bytes(b"plain text " * 20 + b"\xff" + b" and more")
+    assert load_text(tmp_path / "stray.txt").text.count("\ufffd") == 1

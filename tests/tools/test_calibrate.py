@@ -68,6 +68,19 @@ def test_calibrate_without_outputs_says_so(calibrated, capsys):
     assert "built-in sample" in out and "nothing written" in out
 
 
+def test_default_seq_len_fits_a_short_context_model(calibrated, capsys):
+    """The default --seq-len (512) failed on a model with a shorter context (256 here)."""
+    model, _, _ = calibrated
+    assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == 256
+    assert main(["calibrate", str(model), "--num-tokens", "600"]) == 0
+    assert "600 tokens in 3 chunks of <= 256" in capsys.readouterr().out
+
+
+def test_missing_model_is_named(tmp_path, capsys):
+    assert main(["calibrate", str(tmp_path / "nope")]) == 2
+    assert f"model path '{tmp_path / 'nope'}' does not exist" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("margin", ["0", "-1", "nan", "inf"])
 def test_bad_margin_is_a_user_error(calibrated, capsys, margin):
     model, _, _ = calibrated
@@ -86,12 +99,19 @@ def test_outputs_and_seq_len_are_checked_before_the_model_runs(calibrated, capsy
     existing.mkdir()
     runs = []
     monkeypatch.setattr(runner, "run_chunks", lambda *a, **k: runs.append(a))
+    monkeypatch.setattr(runner, "build_llm", lambda *a, **k: runs.append(a))
+    one_char = root / "one_char.txt"
+    one_char.write_text("h")
     cases = [
         (["--out-json", str(a_file / "scales.json")], f"{a_file} is a file, not a directory"),
         (["--out-json", str(existing)], "is a directory; expected a file path"),
         (["--out-checkpoint", str(existing)], f"--out-checkpoint {existing} already exists"),
-        (["--seq-len", "0"], "--seq-len must be a positive integer, got 0"),
+        (["--out-checkpoint", str(a_file / "ckpt")], f"{a_file} is a file, not a directory"),
+        (["--seq-len", "0"], "--seq-len must be >= 2 (a chunk of one token predicts nothing), got 0"),
+        (["--seq-len", "1"], "--seq-len must be >= 2"),
         (["--seq-len", "100000"], "--seq-len 100000 exceeds the model's max_position_embeddings"),
+        (["--num-tokens", "1"], "--num-tokens must be >= 2, got 1"),
+        (["--text", str(one_char)], f"--text {one_char}: shorter than 2 tokens"),
     ]
     for extra, words in cases:
         assert main(["calibrate", str(model), "--num-tokens", "64", *extra]) == 2

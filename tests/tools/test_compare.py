@@ -67,3 +67,36 @@ def test_compare_table(models, tmp_path, capsys):
         cells = [c.strip() for c in row.strip("|").split(" | ")]
         assert "⟦" not in cells[1]
         assert "⟦" in cells[3]
+
+
+def test_arguments_are_checked_before_any_model_loads(models, tmp_path, capsys, monkeypatch):
+    """--max-tokens 0 (the message lacked the flag), an --out under a file (a traceback after the whole
+    run), and --kv-cache-dtype with every MODEL@SPEC (ignored without a word)."""
+    import fp8serve
+
+    a, _ = models
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    monkeypatch.setattr(fp8serve, "LLM", lambda *args, **kw: pytest.fail("must not load a model"))
+    cases = [
+        ([f"{a}@auto", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        ([f"{a}@auto", "--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+        ([f"{a}@auto", "--out", str(a_file / "x.md")], f"{a_file} is a file, not a directory"),
+        ([f"{a}@auto", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype applies to MODELs given without @SPEC"),
+        ([str(a), "--kv-cache-dtype", "auto", "fp8", "--quantization-param-path", str(a_file)],
+         "--quantization-param-path applies to FP8 KV caches only"),
+    ]
+    for argv, words in cases:
+        assert main(["compare", *argv]) == 2
+        assert words in capsys.readouterr().err
+
+
+def test_max_model_len_fits_a_small_kv_budget(models, capsys):
+    """The "cache too small" error told compare's users to lower --max-model-len, which compare lacked."""
+    a, _ = models
+    argv = ["compare", f"{a}@auto", "--max-tokens", "2", "--prompt", "Hi", "--dtype", "float32",
+            "--kv-cache-memory", "64KiB"]
+    assert main(argv) == 2
+    assert "lower --max-model-len" in capsys.readouterr().err
+    assert main([*argv, "--max-model-len", "64"]) == 0
+    assert "| Hi |" in capsys.readouterr().out

@@ -79,3 +79,44 @@ def test_config_flags(tmp_path):
     a.configs = ["fp8_e5m2"]
     with pytest.raises(UserError, match="not both"):
         configs_from_args(a)
+
+
+def test_arguments_are_checked_before_the_reference_runs(setup, capsys, monkeypatch):
+    """Bad output paths, --num-tokens 0 and a missing model failed only after the whole run or
+    with the wrong reason (found by probing the CLI)."""
+    import fp8serve.calibration.runner as runner
+
+    model, text, good, _, root = setup
+    a_file = root / "a_file.txt"
+    a_file.write_text("x")
+    binary = root / "binary.txt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    built = []
+    monkeypatch.setattr(runner, "build_llm", lambda *a, **k: built.append(a))
+    cases = [
+        (["--json", str(a_file / "r.json")], f"--json {a_file / 'r.json'}: {a_file} is a file, not a directory"),
+        (["--plot", str(root)], f"--plot {root} is a directory; expected a file path"),
+        (["--num-tokens", "0"], "--num-tokens must be >= 2 (leave it out to use all the text), got 0"),
+        (["--seq-len", "1000"], "--seq-len 1000 exceeds the model's max_position_embeddings (256)"),
+        (["--config", "auto:calculate"], "scales apply to an FP8 KV cache only"),
+        (["--kv-cache-dtype", "auto", "fp8", "--quantization-param-path", str(good)],
+         "--quantization-param-path applies to FP8 KV caches only, but --kv-cache-dtype includes auto"),
+    ]
+    for extra, words in cases:
+        assert main(["eval-kv", str(model), "--text", str(text), *extra]) == 2
+        assert words in capsys.readouterr().err
+    assert main(["eval-kv", str(model), "--text", str(binary)]) == 2
+    assert "a binary file (it holds NUL bytes)" in capsys.readouterr().err
+    assert main(["eval-kv", str(root / "nope"), "--text", str(text)]) == 2
+    assert f"model path '{root / 'nope'}' does not exist" in capsys.readouterr().err
+    assert built == []
+
+
+def test_default_seq_len_fits_a_short_context_model(setup, capsys, tmp_path):
+    """The default --seq-len 512 failed on a model with a 256-token context."""
+    model, text, _, _, _ = setup
+    out = tmp_path / "new" / "dir" / "r.json"  # missing folders are made
+    assert main(["eval-kv", str(model), "--text", str(text), "--kv-cache-dtype", "fp8_e5m2",
+                 "--num-tokens", "300", "--json", str(out)]) == 0
+    assert "chunks of <= 256" in capsys.readouterr().out
+    assert json.loads(out.read_text())["seq_len"] == 256

@@ -126,3 +126,32 @@ def test_refuses_existing_output_and_quantized_input(quantized, capsys):
     assert "already exists" in capsys.readouterr().err
     assert main(["quantize", str(dst), "--out", str(dst) + "-again"]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+def test_arguments_are_checked_before_any_weight_is_written(quantized, tmp_path, capsys):
+    """A missing model or a file as MODEL (tracebacks), an --out under a file (a traceback), and a bad
+    --seq-len or too short a text (found after the weights were written, naming a hidden directory)."""
+    src, _ = quantized["llama"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    one_char = tmp_path / "one.txt"
+    one_char.write_text("h")
+    out = tmp_path / "out"
+    cases = [
+        ([str(tmp_path / "nope"), "--out", str(out)], f"model path '{tmp_path / 'nope'}' does not exist"),
+        ([str(a_file), "--out", str(out)], "is not a directory (expected a Hugging Face checkpoint directory)"),
+        ([str(tmp_path), "--out", str(out)], "config.json not found"),
+        ([str(src), "--out", str(a_file / "q")], f"--out {a_file / 'q'}: {a_file} is a file, not a directory"),
+        ([str(src), "--out", str(out), "--seq-len", "1000"], "--seq-len 1000 exceeds the model's "
+                                                             "max_position_embeddings (256)"),
+        ([str(src), "--out", str(out), "--text", str(one_char)], "shorter than 2 tokens"),
+    ]
+    for argv, words in cases:
+        assert main(["quantize", *argv]) == 2
+        err = capsys.readouterr().err
+        assert words in err and ".weights-only" not in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "one.txt"]
+    # Weights only (no calibration): no text is needed, so none is read.
+    assert main(["quantize", str(src), "--out", str(out), "--activation-scheme", "dynamic",
+                 "--text", str(one_char)]) == 0
+    assert (out / "model.safetensors").is_file()
