@@ -5,7 +5,9 @@
 - `quantize_to_fp8_checkpoint` turns a float checkpoint into an FP8 one the way
   AutoFP8 lays it out (float8_e4m3fn weight + float32 per-tensor weight_scale,
   plus input_scale for a static activation scheme), every projection with its
-  own scale, and writes the dequantized weights as a float32 reference checkpoint.
+  own scale, and writes the dequantized weights as a float32 reference checkpoint;
+- `quantize_to_compressed_tensors_checkpoint` does the same in llm-compressor's
+  compressed-tensors layout, with per-tensor or per-channel weight scales.
 
 Quantization here uses torch's float8 cast directly, not fp8serve's code, so the
 references are independent of the engine.
@@ -125,6 +127,72 @@ def quantize_to_fp8_checkpoint(src, out_dir, ref_dir=None, *, activation_scheme:
         ref_dir = copy_checkpoint(src, ref_dir)
         add_tensors(ref_dir, dequantized)
     return scales
+
+
+def quantize_to_compressed_tensors_checkpoint(src, out_dir, ref_dir=None, *, strategy_of, quantization_config: dict,
+                                              static_input_scales: bool = False) -> dict:
+    """Writes `out_dir` in llm-compressor's compressed-tensors FP8 layout and, if given,
+    `ref_dir` (the dequantized weights in float32). `strategy_of(module)` says how each
+    projection's checkpoint module is quantized: "tensor" (float32 `weight_scale` [1]),
+    "channel" (bf16 `weight_scale` [out, 1], as llm-compressor stores it in the model's
+    dtype) or None (left as it is); `quantization_config` is written as given, so a test
+    can make it agree with `strategy_of` or not. Returns {weight name: scale tensor}.
+
+    Scales are amax / 448 (per tensor or per row) times a factor cycling through
+    1, 1.25, ..., 2, rounded to their stored dtype before the codes are computed."""
+    out_dir = copy_checkpoint(src, out_dir)
+    state = load_state_dict(src)
+    fp8_tensors, dequantized, scales = {}, {}, {}
+    names = sorted(n for n in state if _QUANTIZED_LINEAR.search(n))
+    for n, name in enumerate(names):
+        prefix = name.removesuffix(".weight")
+        strategy = strategy_of(prefix)
+        if strategy is None:
+            continue
+        w = state[name].to(torch.float32)
+        factor = 1.0 + 0.25 * (n % 5)
+        if strategy == "channel":
+            scale = (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX * factor).clamp(min=1e-8).to(torch.bfloat16)
+        else:
+            scale = torch.tensor([float(w.abs().max()) / E4M3_MAX * factor], dtype=torch.float32)
+        codes = (w / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        fp8_tensors[name] = codes
+        fp8_tensors[f"{prefix}.weight_scale"] = scale
+        if static_input_scales and strategy == "tensor":
+            fp8_tensors[f"{prefix}.input_scale"] = torch.tensor([0.01 * (1 + n % 7)], dtype=torch.float32)
+        dequantized[name] = (codes.to(torch.float64) * scale.to(torch.float64)).to(torch.float32)
+        scales[name] = scale
+    add_tensors(out_dir, fp8_tensors)
+    set_quantization_config(out_dir, quantization_config)
+    if ref_dir is not None:
+        ref_dir = copy_checkpoint(src, ref_dir)
+        add_tensors(ref_dir, dequantized)
+    return scales
+
+
+def fp8_group(targets: list[str], weight_strategy: str, input_activations: dict | None) -> dict:
+    """One compressed-tensors config group with FP8 weights, as llm-compressor writes it."""
+    return {
+        "targets": targets,
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": weight_strategy,
+                    "dynamic": False, "group_size": None, "block_structure": None, "actorder": None,
+                    "observer": "minmax", "observer_kwargs": {}},
+        "input_activations": input_activations,
+        "output_activations": None,
+        "format": "float-quantized",
+    }
+
+
+FP8_DYNAMIC_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True,
+                     "group_size": None, "observer": None}
+FP8_STATIC_TENSOR = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False,
+                     "group_size": None, "observer": "minmax"}
+
+
+def compressed_tensors_config(config_groups: dict, ignore: list[str]) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": config_groups, "ignore": ignore, "kv_cache_scheme": None,
+            "global_compression_ratio": None, "sparsity_config": {}}
 
 
 def write_scales_json(path, model_type: str, scales: list[float]) -> str:

@@ -92,13 +92,14 @@ class ModelRunner:
         arch = mc.arch
 
         t0 = time.perf_counter()
-        quant_config = get_quantization_config(arch.quantization_config, mc.model)
+        model_cls = get_model_class(arch)
+        self.weights_mapper = model_cls.weights_mapper(arch)
+        quant_config = get_quantization_config(arch.quantization_config, mc.model,
+                                               self.weights_mapper.checkpoint_modules)
         if quant_config is None:
             quant_config = narrow_weights.select(mc.model, self.dtype, self.device)  # None: compute-dtype weights
-        model_cls = get_model_class(arch)
         with torch.device(self.device):
             self.model = model_cls(arch, quant_config, self.dtype)
-        self.weights_mapper = model_cls.weights_mapper(arch)
         load_weights(self.model, mc.model, self.weights_mapper)
         self.model.eval()
         if self.device.type == "cpu":

@@ -78,6 +78,25 @@ class WeightsMapper:
                 ]
         return [WeightTarget(name)]
 
+    def checkpoint_modules(self, module: str) -> list[str]:
+        """The checkpoint modules whose tensors load into model module `module`:
+        the inverse of `map` for module names, in rule order (models list a
+        fused module's shards in order): ``model.layers.0.mlp.experts.3.gate_up_proj``
+        -> ``[...block_sparse_moe.experts.3.w1, ...block_sparse_moe.experts.3.w3]``.
+        Quantization configs name checkpoint modules, the model fused ones."""
+        found: list[str] = []
+        for rule in self.rules:
+            for param in rule.params:
+                body = r"\.".join("([^.]+)" if c == "*" else re.escape(c) for c in param.split("."))
+                m = re.search(r"(?:^|\.)" + body + "$", module)
+                if m is None:
+                    continue
+                head = module[:m.start() + (1 if module[m.start()] == "." else 0)]
+                wildcards = iter(m.groups())
+                tail = ".".join(next(wildcards) if c == "*" else c for c in rule.checkpoint.split("."))
+                found.append(head + tail)
+        return found or [module]
+
 
 def layer_index(param_name: str) -> int | None:
     """The decoder layer a parameter belongs to (``...layers.7...`` -> 7)."""

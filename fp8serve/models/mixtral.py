@@ -18,7 +18,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             prefix = f"model.layers.{i}"
             moe = SparseMoE(
                 cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok,
-                quant_config, f"{prefix}.block_sparse_moe", dtype,
+                quant_config, f"{prefix}.mlp", dtype,
             )
             return LlamaDecoderLayer(cfg, quant_config, prefix, dtype, rotary_emb, mlp=moe)
 

@@ -4,6 +4,8 @@ On disk each quantized linear has a `float8_e4m3fn` weight and a float32
 per-tensor `weight_scale`; static activation schemes add a per-tensor
 `input_scale`. A fused layer (qkv, gate_up) receives one scale per shard,
 and the shards' scales may differ, so scales are kept per shard.
+compressed-tensors checkpoints (compressed_tensors.py) use the same method,
+also with per-channel weight scales (`weight_scale` [out, 1]: one per row).
 
 CPU path (weight-only): weights stay FP8, one byte each, as uint8 e4m3 codes
 with one float32 scale per output row (each shard's scale repeated over its
@@ -26,9 +28,9 @@ of the batch).
 
 from __future__ import annotations
 
-import math
-
 import logging
+import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,7 +39,7 @@ from fp8serve.errors import ConfigError
 from fp8serve.kernels import amx_linear_ops, cpu_ops, fp8_linear_ops, onednn_linear
 from fp8serve.quantization.base import LinearMethod, QuantizationConfig, set_weight_loader
 from fp8serve.quantization.fp8 import FP8_E4M3, dequantize_fp8, quantize_fp8
-from fp8serve.quantization.loaders import load_output_shard, load_per_shard_scalar
+from fp8serve.quantization.loaders import load_fp8_output_shard, load_per_shard_scalar, load_row_scales
 from fp8serve.quantization.unquantized import UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -48,41 +50,64 @@ ACTIVATION_SCHEMES = ("static", "dynamic")
 class Fp8Config(QuantizationConfig):
     name = "fp8"
 
-    def __init__(self, activation_scheme: str, ignored_layers: list[str]) -> None:
+    def __init__(self, activation_scheme: str, ignored_layers: list[str],
+                 checkpoint_modules: Callable[[str], list[str]] | None = None, where: str = "fp8") -> None:
         self.activation_scheme = activation_scheme
         self.ignored_layers = ignored_layers
+        # Our layer -> the checkpoint modules it loads from (WeightsMapper.checkpoint_modules):
+        # ignored_layers names checkpoint modules (q_proj, block_sparse_moe.experts.0.w1).
+        self.checkpoint_modules = checkpoint_modules or (lambda module: [module])
+        self.where = where
         self._warned_cpu = False
 
     @classmethod
-    def from_hf(cls, cfg: dict, where: str) -> "Fp8Config":
+    def from_hf(cls, cfg: dict, where: str,
+                checkpoint_modules: Callable[[str], list[str]] | None = None) -> "Fp8Config":
+        if cfg.get("weight_block_size") is not None:
+            # DeepSeek / Qwen style: a scale per 128 x 128 block (`weight_scale_inv`), which the
+            # per-row CPU kernels cannot apply without requantizing.
+            raise ConfigError(f"{where}.weight_block_size is {cfg['weight_block_size']}: block-wise FP8 weights are "
+                              "not supported (fp8serve loads per-tensor and per-channel FP8 weights)")
         scheme = cfg.get("activation_scheme", "dynamic")
         if scheme not in ACTIVATION_SCHEMES:
             raise ConfigError(f"{where}.activation_scheme is '{scheme}', expected one of {', '.join(ACTIVATION_SCHEMES)}")
         ignored = cfg.get("ignored_layers") or cfg.get("modules_to_not_convert") or []
         if not isinstance(ignored, list) or not all(isinstance(x, str) for x in ignored):
             raise ConfigError(f"{where}.ignored_layers must be a list of layer names")
-        return cls(scheme, ignored)
+        return cls(scheme, ignored, checkpoint_modules, where)
 
-    def _is_ignored(self, prefix: str) -> bool:
-        return any(prefix == name or prefix.endswith("." + name) for name in self.ignored_layers)
+    def _is_ignored(self, module: str) -> bool:
+        # Mixtral routers are never quantized by AutoFP8/llm-compressor.
+        return (module.endswith("lm_head") or module.endswith("block_sparse_moe.gate")
+                or any(module == name or module.endswith("." + name) for name in self.ignored_layers))
 
     def vocab_weight_dtype(self, compute_dtype: torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        """FP8 checkpoints keep the embedding / LM head unquantized at the
-        checkpoint's 16-bit width (as llm-compressor writes them). With float32
-        compute it stays there: upcasting is exact and buys nothing (the LM
-        head accumulates in float32 either way), yet it doubles the largest
-        read of a decode step (SmolLM2's tied head: 57 -> 113 MB of 220 MB)."""
-        if compute_dtype == torch.float32 and checkpoint_dtype in (torch.bfloat16, torch.float16):
-            return checkpoint_dtype
-        return compute_dtype
+        return fp8_checkpoint_vocab_dtype(compute_dtype, checkpoint_dtype)
 
     def get_linear_method(self, prefix: str) -> LinearMethod:
-        if prefix.endswith("lm_head") or self._is_ignored(prefix):
-            return UnquantizedLinearMethod()
-        # Mixtral routers are never quantized by AutoFP8/llm-compressor.
-        if prefix.endswith("block_sparse_moe.gate"):
+        ignored = {module: self._is_ignored(module) for module in self.checkpoint_modules(prefix)}
+        if len(set(ignored.values())) > 1:
+            # One fused matmul has one weight dtype.
+            listed = ", ".join(m for m, i in ignored.items() if i)
+            raise ConfigError(f"{self.where}.ignored_layers lists {listed} but not the projections fused with it "
+                              f"into {prefix}; fp8serve needs them quantized alike")
+        if all(ignored.values()):
             return UnquantizedLinearMethod()
         return Fp8LinearMethod(self)
+
+
+def fp8_checkpoint_vocab_dtype(compute_dtype: torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """FP8 checkpoints keep the embedding / LM head unquantized at the
+    checkpoint's 16-bit width (as llm-compressor writes them). With float32
+    compute it stays there: upcasting is exact and buys nothing (the LM
+    head accumulates in float32 either way), yet it doubles the largest
+    read of a decode step (SmolLM2's tied head: 57 -> 113 MB of 220 MB)."""
+    if compute_dtype == torch.float32 and checkpoint_dtype in (torch.bfloat16, torch.float16):
+        return checkpoint_dtype
+    return compute_dtype
+
+
+WEIGHT_STRATEGIES = ("tensor", "channel")
 
 
 def _use_scaled_mm(device: torch.device) -> bool:
@@ -93,19 +118,44 @@ def _use_cpu_kernel(device: torch.device, compute_dtype: torch.dtype) -> bool:
     return device.type == "cpu" and compute_dtype in (torch.float32, torch.bfloat16) and fp8_linear_ops.is_available()
 
 
+def _shard_of_row(layer, row: int) -> int:
+    end = 0
+    for index, size in enumerate(layer.output_sizes):
+        end += size
+        if row < end:
+            return index
+    raise IndexError(row)
+
+
 class Fp8LinearMethod(LinearMethod):
-    def __init__(self, config: Fp8Config) -> None:
+    """`weight_strategy`: "tensor" (one weight_scale per checkpoint tensor) or
+    "channel" (one per output row); `activation_scheme`: "static" (an
+    input_scale per tensor) or "dynamic"; both default to the config's."""
+
+    def __init__(self, config: QuantizationConfig, weight_strategy: str = "tensor",
+                 activation_scheme: str | None = None) -> None:
+        if weight_strategy not in WEIGHT_STRATEGIES:
+            raise ValueError(f"weight_strategy must be one of {WEIGHT_STRATEGIES}, got {weight_strategy!r}")
         self.config = config
+        self.weight_strategy = weight_strategy
+        self.activation_scheme = activation_scheme or config.activation_scheme
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(f"activation_scheme must be one of {ACTIVATION_SCHEMES}, got {self.activation_scheme!r}")
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype) -> None:
         layer.compute_dtype = params_dtype
         n = len(output_sizes)
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=torch.float8_e4m3fn), requires_grad=False)
-        layer.register_parameter("weight", set_weight_loader(weight, load_output_shard(layer)))
+        layer.register_parameter("weight", set_weight_loader(weight, load_fp8_output_shard(layer)))
         # NaN until loaded: a missing scale fails loudly instead of silently 0.
-        scale = nn.Parameter(torch.full((n,), float("nan"), dtype=torch.float32), requires_grad=False)
-        layer.register_parameter("weight_scale", set_weight_loader(scale, load_per_shard_scalar(layer)))
-        if self.config.activation_scheme == "static":
+        if self.weight_strategy == "channel":
+            scale = nn.Parameter(torch.full((sum(output_sizes),), float("nan"), dtype=torch.float32),
+                                 requires_grad=False)
+            layer.register_parameter("weight_scale", set_weight_loader(scale, load_row_scales(layer)))
+        else:
+            scale = nn.Parameter(torch.full((n,), float("nan"), dtype=torch.float32), requires_grad=False)
+            layer.register_parameter("weight_scale", set_weight_loader(scale, load_per_shard_scalar(layer)))
+        if self.activation_scheme == "static":
             inp = nn.Parameter(torch.full((n,), float("nan"), dtype=torch.float32), requires_grad=False)
             layer.register_parameter("input_scale", set_weight_loader(inp, load_per_shard_scalar(layer)))
         else:
@@ -119,11 +169,15 @@ class Fp8LinearMethod(LinearMethod):
                 # Name the projection (q/k/v, gate/up) whose scale is bad: the
                 # checkpoint stores one tensor per projection, not the fused one.
                 bad = [i for i, v in enumerate(s.tolist()) if not (math.isfinite(v) and v > 0)]
+                per_row = s.numel() != len(layer.output_sizes)
+                bad_shards = sorted({_shard_of_row(layer, i) for i in bad}) if per_row else bad
                 names = getattr(layer, "shard_names", None)
-                shards = [names[i] if names else i for i in bad]
-                which = f" of shard(s) {shards}" if s.numel() > 1 else ""
+                shards = [names[i] if names else i for i in bad_shards]
+                which = f" of shard(s) {shards}" if len(layer.output_sizes) > 1 else ""
+                values = (f"{len(bad)} of {s.numel()} rows, e.g. row {bad[0]}: {s[bad[0]].item()}" if per_row
+                          else s.tolist())
                 raise ConfigError(f"FP8 checkpoint: '{name}.{pname}'{which} is missing or not a finite number > 0 "
-                                  f"({s.tolist()})")
+                                  f"({values})")
         codes = layer.weight.data.view(torch.uint8)
         # e4m3fn's only non-finite codes; the CPU kernel would read them as +-480.
         if ((codes & 0x7F) == 0x7F).any():
@@ -131,8 +185,13 @@ class Fp8LinearMethod(LinearMethod):
         offsets = [0]
         for size in layer.output_sizes:
             offsets.append(offsets[-1] + size)
-        scales = layer.weight_scale.data.tolist()
-        if _use_scaled_mm(codes.device):
+        per_row = self.weight_strategy == "channel"
+        row_scales = (layer.weight_scale.data.float().contiguous() if per_row else
+                      fp8_linear_ops.expand_shard_scales(layer.weight_scale.data, layer.output_sizes))  # [N]
+        if _use_scaled_mm(codes.device) and not per_row:
+            # Per-channel scales take the dequantized path below on CUDA (untested
+            # here: no rowwise-scaled _scaled_mm without a GPU to check it on).
+            scales = layer.weight_scale.data.tolist()
             # One scale for the fused matmul: requantize shards to the max.
             max_scale = max(scales)
             w = torch.cat([
@@ -151,14 +210,13 @@ class Fp8LinearMethod(LinearMethod):
                         "validated but activations are not quantized (weight-only FP8)")
         if _use_cpu_kernel(codes.device, dtype):
             layer.weight = nn.Parameter(codes.contiguous(), requires_grad=False)  # [N, K] uint8
-            layer.weight_scale = nn.Parameter(
-                fp8_linear_ops.expand_shard_scales(layer.weight_scale.data, layer.output_sizes), requires_grad=False
-            )  # [N] float32
+            layer.weight_scale = nn.Parameter(row_scales, requires_grad=False)  # [N] float32
             layer.fp8_backend = "cpu_kernel"
             return
+        # float32 products, one rounding to `dtype`: the same values the kernels compute with.
         w = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-        for (a, b), s in zip(zip(offsets, offsets[1:]), scales):
-            w[a:b] = dequantize_fp8(codes[a:b], s, FP8_E4M3, dtype)
+        for a, b in zip(offsets, offsets[1:]):
+            w[a:b] = dequantize_fp8(codes[a:b], row_scales[a:b, None], FP8_E4M3, torch.float32).to(dtype)
         layer.weight = nn.Parameter(w, requires_grad=False)
         layer.fp8_backend = "dequantized"
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fp8serve.errors import ConfigError
 from fp8serve.quantization.base import QuantizationConfig
 
 
-def get_quantization_config(hf_quant_config: dict | None, model_dir: str) -> QuantizationConfig | None:
+def get_quantization_config(hf_quant_config: dict | None, model_dir: str,
+                            checkpoint_modules: Callable[[str], list[str]] | None = None) -> QuantizationConfig | None:
     """None for a 16/32-bit checkpoint (or one whose only quantization is the
-    KV cache, like compressed-tensors with just a `kv_cache_scheme`)."""
+    KV cache, like compressed-tensors with just a `kv_cache_scheme`).
+    `checkpoint_modules`: the model's checkpoint modules of one of its layers
+    (WeightsMapper.checkpoint_modules), for configs that name checkpoint modules."""
     if not hf_quant_config:
         return None
     where = f"{model_dir}/config.json: quantization_config"
@@ -18,13 +23,11 @@ def get_quantization_config(hf_quant_config: dict | None, model_dir: str) -> Qua
     if method == "fp8":
         from fp8serve.quantization.fp8_linear import Fp8Config
 
-        return Fp8Config.from_hf(hf_quant_config, where)
+        return Fp8Config.from_hf(hf_quant_config, where, checkpoint_modules)
     if method == "compressed-tensors":
-        groups = hf_quant_config.get("config_groups") or {}
-        if groups:
-            raise ConfigError(
-                f"{where}: compressed-tensors weight quantization (config_groups) is not supported; "
-                "only its kv_cache_scheme is read"
-            )
-        return None
+        if not hf_quant_config.get("config_groups"):
+            return None
+        from fp8serve.quantization.compressed_tensors import CompressedTensorsConfig
+
+        return CompressedTensorsConfig.from_hf(hf_quant_config, where, checkpoint_modules)
     raise ConfigError(f"{where}.quant_method '{method}' is not supported (supported: fp8, compressed-tensors)")

@@ -1,0 +1,159 @@
+"""compressed-tensors checkpoints with FP8 weights (`quant_method: "compressed-tensors"`).
+
+llm-compressor writes these (schemes FP8, FP8_DYNAMIC, W8A16 float): `config_groups`, each
+naming `targets` (a layer class such as "Linear", a module name, or "re:<regex>") and a
+quantization scheme for their `weights` and `input_activations`; `ignore` lists modules left
+in 16 bits. Targets and ignore entries name checkpoint modules (`...self_attn.q_proj`,
+`...block_sparse_moe.experts.3.w1`), so each fused layer of ours is looked up by the
+checkpoint modules it loads from (`WeightsMapper.checkpoint_modules`).
+
+Supported, each run by `Fp8LinearMethod`: float8_e4m3fn weights with a per-tensor
+(`strategy: tensor`, `weight_scale` [1]) or per-channel (`strategy: channel`,
+`weight_scale` [out, 1]) scale; activations 16-bit (none), dynamic (per token or tensor) or
+static per tensor (`input_scale`). Anything else (int4/int8 packs, group or block scales,
+output activations) is refused with the field that says so: running it as something else
+would give wrong weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fp8serve.errors import ConfigError
+from fp8serve.quantization.base import LinearMethod, QuantizationConfig
+from fp8serve.quantization.fp8_linear import Fp8LinearMethod, fp8_checkpoint_vocab_dtype
+from fp8serve.quantization.unquantized import UnquantizedLinearMethod
+
+# Formats whose FP8 weights are stored as float8_e4m3fn tensors, as they are used.
+FP8_FORMATS = ("float-quantized", "naive-quantized")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    weight_strategy: str  # "tensor" | "channel"
+    activation_scheme: str  # "static" | "dynamic" (dynamic also stands for 16-bit activations)
+
+
+@dataclass(frozen=True)
+class _Group:
+    name: str
+    targets: tuple[str, ...]
+    scheme: Fp8Scheme
+
+
+def _matches(entry: str, module: str) -> bool:
+    if entry.startswith("re:"):
+        return re.match(entry[3:], module) is not None
+    # The class name every group of ours targets: all our quantizable layers are linear.
+    return entry == "Linear" or module == entry or module.endswith("." + entry)
+
+
+def _weights_scheme(weights, where: str) -> str:
+    if not isinstance(weights, dict):
+        raise ConfigError(f"{where}.weights must be an object, got {weights!r}")
+    kind, bits = weights.get("type", "int"), weights.get("num_bits")
+    if kind != "float" or bits != 8:
+        raise ConfigError(f"{where}.weights is {bits}-bit {kind}: only 8-bit float (FP8) weights are supported")
+    strategy = weights.get("strategy")
+    if strategy not in ("tensor", "channel"):
+        extra = f" (block_structure {weights.get('block_structure')})" if strategy == "block" else ""
+        raise ConfigError(f"{where}.weights.strategy is {strategy!r}{extra}: only 'tensor' and 'channel' FP8 "
+                          "weight scales are supported")
+    if weights.get("symmetric", True) is not True:
+        raise ConfigError(f"{where}.weights.symmetric is {weights.get('symmetric')!r}: FP8 weights are symmetric")
+    if weights.get("dynamic", False):
+        raise ConfigError(f"{where}.weights.dynamic is {weights.get('dynamic')!r}: weights must be stored quantized")
+    return strategy
+
+
+def _activation_scheme(activations, where: str) -> str:
+    if activations is None:
+        return "dynamic"  # weight-only (W8A16): no input_scale tensors
+    if not isinstance(activations, dict):
+        raise ConfigError(f"{where}.input_activations must be an object or null, got {activations!r}")
+    kind, bits = activations.get("type", "int"), activations.get("num_bits")
+    if kind != "float" or bits != 8:
+        raise ConfigError(f"{where}.input_activations is {bits}-bit {kind}: only 8-bit float (FP8) activations "
+                          "are supported")
+    dynamic, strategy = activations.get("dynamic", False), activations.get("strategy")
+    if dynamic is True and strategy in ("token", "tensor"):
+        return "dynamic"
+    if dynamic is False and strategy == "tensor":
+        return "static"
+    raise ConfigError(f"{where}.input_activations (dynamic {dynamic!r}, strategy {strategy!r}) is not supported: "
+                      "expected dynamic per-token / per-tensor, or static per-tensor FP8 activations")
+
+
+def _string_list(value, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, groups: list[_Group], ignore: tuple[str, ...], where: str,
+                 checkpoint_modules: Callable[[str], list[str]] | None = None) -> None:
+        self.groups = groups
+        self.ignore = ignore
+        self.where = where
+        self.checkpoint_modules = checkpoint_modules or (lambda module: [module])
+        self.activation_scheme = "dynamic"  # per group; read by Fp8LinearMethod only as a default
+        self._warned_cpu = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str,
+                checkpoint_modules: Callable[[str], list[str]] | None = None) -> "CompressedTensorsConfig":
+        top_format = cfg.get("format")
+        groups_cfg = cfg.get("config_groups")
+        if not isinstance(groups_cfg, dict) or not groups_cfg:
+            raise ConfigError(f"{where}.config_groups must be a non-empty object")
+        groups = []
+        for name, group in groups_cfg.items():
+            gwhere = f"{where}.config_groups.{name}"
+            if not isinstance(group, dict):
+                raise ConfigError(f"{gwhere} must be an object")
+            fmt = group.get("format") or top_format
+            if fmt not in FP8_FORMATS:
+                raise ConfigError(f"{gwhere}: format {fmt!r} is not supported (supported: {', '.join(FP8_FORMATS)}, "
+                                  "FP8 weights)")
+            if group.get("output_activations") is not None:
+                raise ConfigError(f"{gwhere}.output_activations is set: output quantization is not supported")
+            targets = _string_list(group.get("targets"), f"{gwhere}.targets")
+            if not targets:
+                raise ConfigError(f"{gwhere}.targets is empty")
+            scheme = Fp8Scheme(_weights_scheme(group.get("weights"), gwhere),
+                               _activation_scheme(group.get("input_activations"), gwhere))
+            groups.append(_Group(name, targets, scheme))
+        ignore = _string_list(cfg.get("ignore") or [], f"{where}.ignore")
+        return cls(groups, ignore, where, checkpoint_modules)
+
+    def vocab_weight_dtype(self, compute_dtype: torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        return fp8_checkpoint_vocab_dtype(compute_dtype, checkpoint_dtype)
+
+    def _scheme_of(self, module: str) -> Fp8Scheme | None:
+        if any(_matches(entry, module) for entry in self.ignore):
+            return None
+        # compressed-tensors prefers a group naming the module (or a regex) over a class target.
+        named = [g for g in self.groups if any(t != "Linear" and _matches(t, module) for t in g.targets)]
+        by_class = [g for g in self.groups if "Linear" in g.targets]
+        matched = named or by_class
+        return matched[0].scheme if matched else None
+
+    def get_linear_method(self, prefix: str) -> LinearMethod:
+        modules = self.checkpoint_modules(prefix)
+        schemes = {m: self._scheme_of(m) for m in modules}
+        if len(set(schemes.values())) > 1:
+            # One fused matmul has one weight dtype: q/k/v (or gate/up) must agree.
+            detail = ", ".join(f"{m}: {s or 'not quantized'}" for m, s in schemes.items())
+            raise ConfigError(f"{self.where}: the projections fused into {prefix} are quantized differently "
+                              f"({detail}); fp8serve needs them quantized alike")
+        scheme = next(iter(schemes.values()))
+        if scheme is None:
+            return UnquantizedLinearMethod()
+        return Fp8LinearMethod(self, scheme.weight_strategy, scheme.activation_scheme)

@@ -1,0 +1,216 @@
+"""compressed-tensors FP8 weight checkpoints (llm-compressor's FP8 / FP8_DYNAMIC / W8A16 schemes)
+through the real loader: tiny Llama and Mixtral checkpoints with float8_e4m3fn weights and
+per-channel (bf16 [out, 1]) or per-tensor scales, groups chosen by "Linear" / regex targets, and
+an ignore list, must give the logits of a float64 transformers model built from the
+dequantized weights; what fp8serve cannot run is refused naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import add_tensors, hf_logits, load_state_dict, read_config, write_tiny_llama, write_tiny_mixtral
+from kv_scale_checkpoints import (
+    FP8_DYNAMIC_TOKEN,
+    FP8_STATIC_TENSOR,
+    compressed_tensors_config,
+    fp8_group,
+    quantize_to_compressed_tensors_checkpoint,
+)
+from test_fp8_linear_checkpoint import _decoded_weight, engine_prompt_logprobs, max_logprob_error
+
+from fp8serve import LLM
+from fp8serve.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def base_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compressed_tensors_base")
+    return {"llama": write_tiny_llama(root / "llama"), "mixtral": write_tiny_mixtral(root / "mixtral")}
+
+
+def _check_against_references(base, fp8_dir, ref_dir) -> float:
+    engine = engine_prompt_logprobs(fp8_dir)
+    error = max_logprob_error(engine, hf_logits(ref_dir, PROMPT))
+    # The same engine output against the original weights: the check can tell FP8 from them.
+    error_vs_original = max_logprob_error(engine, hf_logits(base, PROMPT))
+    print(f"max |engine - dequantized reference| = {error:.2e}, vs original weights = {error_vs_original:.2e}")
+    assert error < 1e-4
+    assert error_vs_original > 100 * error
+    return error
+
+
+PROMPT = [3, 17, 101, 45, 260, 7, 88, 300, 12, 499, 64, 5]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_fp8_dynamic_per_channel_matches_dequantized_reference(base_checkpoints, tmp_path, arch):
+    """llm-compressor's FP8_DYNAMIC: every Linear per channel, activations dynamic per token,
+    lm_head and the MoE router ignored."""
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    config = compressed_tensors_config({"group_0": fp8_group(["Linear"], "channel", FP8_DYNAMIC_TOKEN)},
+                                       ["lm_head", "re:.*block_sparse_moe.gate$"])
+    scales = quantize_to_compressed_tensors_checkpoint(base_checkpoints[arch], fp8_dir, ref_dir,
+                                                       strategy_of=lambda m: "channel", quantization_config=config)
+    state = load_state_dict(fp8_dir)
+    q = "model.layers.0.self_attn.q_proj"
+    assert state[f"{q}.weight"].dtype == torch.float8_e4m3fn
+    assert state[f"{q}.weight_scale"].dtype == torch.bfloat16
+    assert state[f"{q}.weight_scale"].shape == (state[f"{q}.weight"].shape[0], 1)
+    assert len(set(scales[f"{q}.weight"].flatten().tolist())) > 1  # really one scale per row
+    _check_against_references(base_checkpoints[arch], fp8_dir, ref_dir)
+
+    # The loaded layers hold each row's own scale (fused q/k/v rows keep their projection's).
+    llm = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB")
+    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    ref = load_state_dict(ref_dir)
+    qkv = torch.cat([ref[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(_decoded_weight(layer.self_attn.qkv_proj), qkv)
+    if arch == "mixtral":
+        assert layer.mlp.gate.weight.dtype == torch.float32  # the ignored router stays unquantized
+
+
+def test_mixed_groups_regex_targets_and_ignored_layers(base_checkpoints, tmp_path):
+    """Two groups as in llm-compressor's examples: attention per channel with 16-bit activations
+    (W8A16), MLP per tensor with static input scales; one layer's MLP ignored (left float)."""
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+
+    def strategy_of(module: str) -> str | None:
+        if module.startswith("model.layers.1.mlp."):
+            return None
+        return "channel" if ".self_attn." in module else "tensor"
+
+    config = compressed_tensors_config(
+        {"attention": fp8_group([r"re:.*self_attn\.(q|k|v|o)_proj$"], "channel", None),
+         "mlp": fp8_group([r"re:.*mlp\.(gate|up|down)_proj$"], "tensor", FP8_STATIC_TENSOR)},
+        ["lm_head", "re:model\\.layers\\.1\\.mlp\\..*"])
+    quantize_to_compressed_tensors_checkpoint(base_checkpoints["llama"], fp8_dir, ref_dir, strategy_of=strategy_of,
+                                              quantization_config=config, static_input_scales=True)
+    assert "model.layers.0.mlp.up_proj.input_scale" in load_state_dict(fp8_dir)
+    _check_against_references(base_checkpoints["llama"], fp8_dir, ref_dir)
+    layers = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB").llm_engine.model_runner.model.model.layers
+    assert layers[0].mlp.gate_up_proj.weight.dtype == torch.uint8  # FP8 codes
+    assert layers[1].mlp.gate_up_proj.weight.dtype == torch.float32  # ignored
+
+
+def test_bfloat16_compute_and_dequantized_path(base_checkpoints, tmp_path, monkeypatch):
+    """Per-channel scales on the bf16 kernels and on the decode-at-load path (no C++ kernel):
+    both compute with codes x row scale."""
+    from fp8serve.quantization import fp8_linear
+
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", FP8_DYNAMIC_TOKEN)}, ["lm_head"])
+    quantize_to_compressed_tensors_checkpoint(base_checkpoints["llama"], fp8_dir, ref_dir,
+                                              strategy_of=lambda m: "channel", quantization_config=config)
+    ref = load_state_dict(ref_dir)["model.layers.0.mlp.down_proj.weight"]
+    llm = LLM(str(fp8_dir), dtype="bfloat16", kv_cache_memory="4MiB")
+    down = llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj
+    assert down.fp8_backend == "cpu_kernel" and torch.equal(_decoded_weight(down), ref)
+    monkeypatch.setattr(fp8_linear, "_use_cpu_kernel", lambda device, dtype: False)
+    llm = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB")
+    down = llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj
+    assert down.fp8_backend == "dequantized" and torch.equal(down.weight, ref)
+
+
+def _write(base, tmp_path, config, strategy_of=lambda m: "channel"):
+    fp8_dir = tmp_path / "fp8"
+    quantize_to_compressed_tensors_checkpoint(base, fp8_dir, strategy_of=strategy_of, quantization_config=config)
+    return fp8_dir
+
+
+def _load_error(model_dir) -> str:
+    with pytest.raises(ConfigError) as info:
+        LLM(str(model_dir), dtype="float32", kv_cache_memory="4MiB")
+    return str(info.value)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda g: g.update(format="pack-quantized", weights={**g["weights"], "type": "int", "num_bits": 4}),
+     "config_groups.group_0: format 'pack-quantized' is not supported"),
+    (lambda g: g["weights"].update(type="int"), "config_groups.group_0.weights is 8-bit int: only 8-bit float"),
+    (lambda g: g["weights"].update(strategy="block", block_structure=[128, 128]),
+     "weights.strategy is 'block' (block_structure [128, 128]): only 'tensor' and 'channel'"),
+    (lambda g: g["weights"].update(strategy="group", group_size=128), "weights.strategy is 'group'"),
+    (lambda g: g.update(output_activations=dict(FP8_DYNAMIC_TOKEN)), "output_activations is set"),
+    (lambda g: g.update(input_activations={**FP8_STATIC_TENSOR, "strategy": "token"}),
+     "input_activations (dynamic False, strategy 'token') is not supported"),
+    (lambda g: g.update(targets="Linear"), "config_groups.group_0.targets must be a list of strings"),
+])
+def test_unsupported_schemes_are_refused(base_checkpoints, tmp_path, change, words):
+    group = fp8_group(["Linear"], "channel", FP8_DYNAMIC_TOKEN)
+    change(group)
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, compressed_tensors_config({"group_0": group}, ["lm_head"]))
+    error = _load_error(fp8_dir)
+    assert f"{fp8_dir}/config.json: quantization_config" in error and words in error, error
+
+
+def test_fused_projections_quantized_differently_are_refused(base_checkpoints, tmp_path):
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)},
+                                       ["lm_head", "model.layers.0.self_attn.q_proj"])
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, config,
+                     strategy_of=lambda m: None if m == "model.layers.0.self_attn.q_proj" else "channel")
+    error = _load_error(fp8_dir)
+    assert "the projections fused into model.layers.0.self_attn.qkv_proj are quantized differently" in error
+    assert "model.layers.0.self_attn.q_proj: not quantized" in error
+
+
+def test_unquantized_weights_under_an_fp8_config_are_refused(base_checkpoints, tmp_path):
+    """A config claiming FP8 over 16/32-bit weights: the weights were cast to FP8 without a scale."""
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)}, ["lm_head"])
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, config,
+                     strategy_of=lambda m: None if m.endswith("layers.1.mlp.down_proj") else "channel")
+    rows = load_state_dict(fp8_dir)["model.layers.1.mlp.down_proj.weight"].shape[0]
+    add_tensors(fp8_dir, {"model.layers.1.mlp.down_proj.weight_scale": torch.ones(rows, 1)})
+    error = _load_error(fp8_dir)
+    assert "model.layers.1.mlp.down_proj.weight' is torch.float32, expected torch.float8_e4m3fn" in error
+
+
+def test_bad_channel_scales_are_named(base_checkpoints, tmp_path):
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)}, ["lm_head"])
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, config)
+    name = "model.layers.0.self_attn.k_proj.weight_scale"
+    rows = load_state_dict(fp8_dir)[name].shape[0]
+    add_tensors(fp8_dir, {name: torch.ones(rows, 2, dtype=torch.bfloat16)})
+    assert (f"tensor '{name}': checkpoint scale for 'model.layers.0.self_attn.qkv_proj.weight_scale' has shape "
+            f"({rows}, 2), expected ({rows}, 1)") in _load_error(fp8_dir)
+    bad = torch.ones(rows, 1, dtype=torch.bfloat16)
+    bad[3] = 0
+    add_tensors(fp8_dir, {name: bad})
+    error = _load_error(fp8_dir)
+    assert "qkv_proj.weight_scale' of shard(s) ['k'] is missing or not a finite number > 0" in error
+    assert "1 of" in error and "0.0" in error
+
+
+def test_fp8_weight_block_size_is_refused(base_checkpoints, tmp_path):
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path,
+                     {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    assert "weight_block_size is [128, 128]: block-wise FP8 weights are not supported" in _load_error(fp8_dir)
+
+
+def test_kv_cache_scheme_alongside_fp8_weights(base_checkpoints, tmp_path):
+    """A compressed-tensors checkpoint with FP8 weights and a kv_cache_scheme is an FP8-KV checkpoint too."""
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", FP8_DYNAMIC_TOKEN)}, ["lm_head"])
+    config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                 "symmetric": True}
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, config)
+    add_tensors(fp8_dir, {f"model.layers.{i}.self_attn.{p}_proj.output_scale": torch.tensor([0.05 * (i + 1)])
+                          for i in range(read_config(fp8_dir)["num_hidden_layers"]) for p in "kv"})
+    llm = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB", kv_cache_dtype="fp8")
+    layers = llm.llm_engine.model_runner.attn_layers
+    assert [float(a.k_scale) for a in layers] == pytest.approx([0.05 * (i + 1) for i in range(len(layers))])
+    assert llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.fp8_backend == "cpu_kernel"
+
+
+def test_autofp8_ignored_layers_name_checkpoint_modules(base_checkpoints, tmp_path):
+    """`ignored_layers` of an fp8 checkpoint names checkpoint modules (q_proj); listing one part of a
+    fused layer is refused instead of quantizing or skipping the whole fused matmul silently."""
+    from kv_scale_checkpoints import quantize_to_fp8_checkpoint
+    from checkpoints import set_quantization_config
+
+    fp8_dir = tmp_path / "fp8"
+    quantize_to_fp8_checkpoint(base_checkpoints["mixtral"], fp8_dir)
+    set_quantization_config(fp8_dir, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "ignored_layers": ["model.layers.1.block_sparse_moe.experts.2.w3"]})
+    error = _load_error(fp8_dir)
+    assert ("ignored_layers lists model.layers.1.block_sparse_moe.experts.2.w3 but not the projections fused with it "
+            "into model.layers.1.mlp.experts.2.gate_up_proj") in error
