@@ -1,7 +1,12 @@
-"""Write an FP8-weight checkpoint in the AutoFP8 / llm-compressor layout that
-`fp8serve.quantization.fp8_linear` loads: each linear projection's weight as
-float8_e4m3fn with a float32 per-tensor `weight_scale`, and for the static
-activation scheme a float32 `input_scale` per projection.
+"""Write an FP8-weight checkpoint that `fp8serve.quantization` loads: each
+linear projection's weight as float8_e4m3fn with a float32 `weight_scale`,
+and for the static activation scheme a float32 `input_scale` per projection.
+
+Per-tensor weight scales go in AutoFP8's layout (`quant_method: fp8`);
+per-channel ones (`weight_scale` [out, 1], one per output row: a row with
+small weights keeps its precision instead of sharing the tensor's largest
+value) in llm-compressor's compressed-tensors layout, the format vLLM reads
+them from (AutoFP8's has no per-channel form).
 
 Embeddings, norms, lm_head and the MoE router stay in the checkpoint's own
 dtype: they are a small share of the bytes and the most sensitive to error
@@ -18,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from fp8serve.calibration.observers import scale_from_amax
-from fp8serve.calibration.writers import copy_side_files, save_safetensors
+from fp8serve.calibration.observers import MIN_SCALE, scale_from_amax
+from fp8serve.calibration.writers import copy_side_files, fp8_kv_quantization_config, save_safetensors
 from fp8serve.quantization.fp8 import FP8_E4M3, quantize_fp8
 
 logger = logging.getLogger(__name__)
@@ -40,23 +45,48 @@ def is_quantized_linear(name: str) -> bool:
     return module.rsplit(".", 1)[-1] in QUANTIZED_PROJECTIONS and not module.endswith("lm_head")
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 scalar scale = amax / 448): per tensor,
-    so the largest weight maps to e4m3's largest value and nothing saturates."""
+WEIGHT_STRATEGIES = ("tensor", "channel")
+
+
+def quantize_weight(weight: torch.Tensor, strategy: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale = amax / 448): per tensor (a scalar)
+    or per output row ([out, 1]), so the largest weight of each maps to e4m3's
+    largest value and nothing saturates."""
     w = weight.to(torch.float32)
+    if strategy == "channel":
+        amax = w.abs().amax(dim=1, keepdim=True) if w.numel() else torch.zeros(w.shape[0], 1)
+        scale = (amax / FP8_E4M3.max_finite).clamp(min=MIN_SCALE)
+        return quantize_fp8(w, scale, FP8_E4M3).view(torch.float8_e4m3fn), scale
+    if strategy != "tensor":
+        raise ValueError(f"weight strategy must be one of {WEIGHT_STRATEGIES}, got {strategy!r}")
     scale = scale_from_amax(float(w.abs().amax()) if w.numel() else 0.0)
     codes = quantize_fp8(w, scale, FP8_E4M3).view(torch.float8_e4m3fn)
     return codes, torch.tensor(scale, dtype=torch.float32)
 
 
-def fp8_quantization_config(activation_scheme: str) -> dict:
-    return {"quant_method": "fp8", "activation_scheme": activation_scheme, "ignored_layers": ["lm_head"]}
+def fp8_quantization_config(activation_scheme: str, weight_strategy: str = "tensor") -> dict:
+    if weight_strategy == "tensor":
+        return {"quant_method": "fp8", "activation_scheme": activation_scheme, "ignored_layers": ["lm_head"]}
+    # llm-compressor's FP8_DYNAMIC (dynamic per-token activations) or, static, per-tensor input scales.
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": activation_scheme == "dynamic",
+                   "strategy": "token" if activation_scheme == "dynamic" else "tensor"}
+    group = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"},
+        "input_activations": activations,
+        "output_activations": None,
+        "format": "float-quantized",
+    }
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head", "re:.*block_sparse_moe.gate$"],
+            "kv_cache_scheme": None}
 
 
-def write_fp8_checkpoint(src: str | Path, dst: str | Path, *, activation_scheme: str,
-                         extra_tensors: dict[str, torch.Tensor] | None = None) -> list[str]:
+def write_fp8_checkpoint(src: str | Path, dst: str | Path, *, activation_scheme: str, weight_strategy: str = "tensor",
+                         extra_tensors: dict[str, torch.Tensor] | None = None, kv_cache: bool = False) -> list[str]:
     """Write `src` (16/32-bit) to `dst` with FP8 weights, plus `extra_tensors`
-    (input scales, KV scales) if given. Returns the quantized weight names."""
+    (input scales, KV scales) if given; `kv_cache`: the config marks the KV
+    scale tensors as an FP8 KV cache's. Returns the quantized weight names."""
     from fp8serve.model_loader.loader import iterate_checkpoint
 
     src, dst = Path(src), Path(dst)
@@ -68,7 +98,7 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, *, activation_scheme:
     quantized = []
     for name, _, tensor in iterate_checkpoint(src, desc="Quantizing weights"):
         if is_quantized_linear(name):
-            codes, scale = quantize_weight(tensor)
+            codes, scale = quantize_weight(tensor, weight_strategy)
             tensors[name] = codes
             tensors[name.removesuffix(".weight") + ".weight_scale"] = scale
             quantized.append(name)
@@ -83,7 +113,9 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, *, activation_scheme:
     with tqdm(total=1, desc=f"Writing {MODEL_FILE}", leave=False, disable=len(tensors) < 64) as bar:
         save_safetensors(tensors, dst / MODEL_FILE)
         bar.update(1)
-    hf_config["quantization_config"] = fp8_quantization_config(activation_scheme)
+    hf_config["quantization_config"] = fp8_quantization_config(activation_scheme, weight_strategy)
+    if kv_cache:
+        hf_config["quantization_config"] = fp8_kv_quantization_config(hf_config)
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     logger.info("wrote %s: %d FP8 projections, %d other tensors", dst, len(quantized), len(tensors) - 2 * len(quantized))
     return quantized

@@ -1,7 +1,8 @@
-"""`fp8serve quantize`: a 16-bit checkpoint -> an FP8 one (AutoFP8 layout).
+"""`fp8serve quantize`: a 16-bit checkpoint -> an FP8 one (AutoFP8 layout, or
+llm-compressor's compressed-tensors layout for per-channel weight scales).
 
-Two passes. First the weights are quantized (per tensor, amax / 448) into a
-dynamic-scheme checkpoint. Then, for static activation scales or --kv-cache,
+Two passes. First the weights are quantized (per tensor or per output row,
+amax / 448) into a dynamic-scheme checkpoint. Then, for static activation scales or --kv-cache,
 that FP8 checkpoint is run over calibration text and the input of every
 projection and the K/V of every layer are observed, so the scales describe
 the activations the FP8 model produces, not the 16-bit model's. The result is
@@ -35,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory (must not exist)")
     p.add_argument("--activation-scheme", default="static", choices=("static", "dynamic"),
                    help="static: calibrated per-tensor input_scale (default); dynamic: none")
+    p.add_argument("--weight-strategy", default="tensor", choices=("tensor", "channel"),
+                   help="tensor: one weight_scale per projection, AutoFP8 layout (default); channel: one per output "
+                        "row, llm-compressor's compressed-tensors layout (FP8_DYNAMIC with --activation-scheme "
+                        "dynamic)")
     p.add_argument("--kv-cache", action="store_true", help="also calibrate and write FP8 KV cache scales")
     p.add_argument("--kv-scale-format", default="both", choices=("both", "k_v", "kv"),
                    help="KV scale tensor names: both = k_scale + v_scale + kv_scale = max(k, v) (default); "
@@ -92,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         if d.exists():
             shutil.rmtree(d)
     try:
-        weight_names = write_fp8_checkpoint(src, stage1, activation_scheme="dynamic")
+        weight_names = write_fp8_checkpoint(src, stage1, activation_scheme="dynamic",
+                                            weight_strategy=args.weight_strategy)
         extra = {}
         if calibrating:
             amax, module_of, kv_stats = _calibrate(args, stage1, weight_names, seq_len, source, chunks)
@@ -109,12 +115,14 @@ def run(args: argparse.Namespace) -> int:
                 prefixes = attention_prefixes(weight_names, len(kv_stats))
                 extra.update(kv_scale_tensors(prefixes, [s.k_scale() for s in kv_stats],
                                               [s.v_scale() for s in kv_stats], args.kv_scale_format))
-        write_fp8_checkpoint(src, staging, activation_scheme=args.activation_scheme, extra_tensors=extra)
+        write_fp8_checkpoint(src, staging, activation_scheme=args.activation_scheme,
+                             weight_strategy=args.weight_strategy, extra_tensors=extra, kv_cache=args.kv_cache)
         staging.rename(out)
     finally:
         for d in (stage1, staging):
             if d.exists():
                 shutil.rmtree(d)
-    print(f"wrote {out}: {len(weight_names)} FP8 projections, activation scheme {args.activation_scheme}"
+    print(f"wrote {out}: {len(weight_names)} FP8 projections ({args.weight_strategy} scales), activation scheme "
+          f"{args.activation_scheme}"
           f"{', KV cache scales' if args.kv_cache else ''}")
     return 0

@@ -155,3 +155,44 @@ def test_arguments_are_checked_before_any_weight_is_written(quantized, tmp_path,
     assert main(["quantize", str(src), "--out", str(out), "--activation-scheme", "dynamic",
                  "--text", str(one_char)]) == 0
     assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_per_channel_scales_in_compressed_tensors_layout(quantized, arch, tmp_path, capsys):
+    """--weight-strategy channel: one float32 scale per output row ([out, 1]), llm-compressor's
+    compressed-tensors config (FP8_DYNAMIC), KV scales marked by a kv_cache_scheme; it loads with
+    no flags and its logits are transformers' on codes x row scales."""
+    src, _ = quantized[arch]
+    dst = tmp_path / "channel"
+    assert main(["quantize", str(src), "--out", str(dst), "--weight-strategy", "channel", "--activation-scheme",
+                 "dynamic", "--kv-cache", "--num-tokens", "200", "--seq-len", "64"]) == 0
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["kv_cache_scheme"]["type"] == "float"
+    group = qc["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "channel" and group["input_activations"]["strategy"] == "token"
+    source = load_state_dict(src)
+    ref = copy_checkpoint(src, tmp_path / "ref")
+    deq = {}
+    for name in source:
+        t = read_tensor(dst, name)
+        if not PROJ.search(name):
+            assert torch.equal(t, source[name]), name  # embeddings, norms, lm_head, the router
+            continue
+        w = source[name].float()
+        scale = read_tensor(dst, name.removesuffix("weight") + "weight_scale")
+        assert t.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (w.shape[0], 1)
+        torch.testing.assert_close(scale, w.abs().amax(dim=1, keepdim=True) / 448, rtol=1e-6, atol=0)
+        expected = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), name
+        deq[name] = (t.to(torch.float64) * scale.double()).float()
+    add_tensors(ref, deq)
+    llm = LLM(str(dst), dtype="float32", kv_cache_memory="4MiB", max_model_len=64)
+    got = llm.llm_engine.prompt_logits(TOKENS)
+    torch.testing.assert_close(got, hf_logits(ref, TOKENS).float(), atol=2e-4, rtol=1e-4)
+    full = hf_logits(src, TOKENS).float()
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), full.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert float(kl) < 0.05
+    capsys.readouterr()
+    assert main(["scales", str(dst), "--kv-cache-dtype", "fp8", "--json"]) == 0
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    assert all(entry["source"].startswith("checkpoint:") for entry in layers)
