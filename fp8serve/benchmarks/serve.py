@@ -17,12 +17,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit
 
 import numpy as np
+
+from fp8serve.errors import UserError
 
 # Tokenized to get a pool of valid, ordinary token ids for any tokenizer.
 _ID_POOL_TEXT = (
@@ -44,18 +49,99 @@ class RequestResult:
     error: str = ""
 
 
+def normalize_base_url(url: str) -> str:
+    """`url` without a trailing '/' or '/v1': the requests add /v1/... themselves, and an OpenAI client's base
+    URL (http://host:port/v1, what vLLM users pass) would otherwise ask for /v1/v1/models."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected http(s)://host:port, e.g. http://127.0.0.1:8000, got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number or out of range
+    except ValueError as e:
+        raise ValueError(f"expected http(s)://host:port, e.g. http://127.0.0.1:8000, got {url!r} ({e})") from None
+    url = url.strip().rstrip("/")
+    return url.removesuffix("/v1").rstrip("/")
+
+
+def _base_url_arg(text: str) -> str:
+    try:
+        return normalize_base_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_request_rate(rate: float) -> None:
+    """vLLM's semantics: requests/s of a Poisson process, > 0, or inf for all at once (0 would never send,
+    and numpy's exponential rejects a negative scale only once the run has started)."""
+    if math.isnan(rate) or rate <= 0:
+        raise ValueError(f"must be > 0 (requests/s) or inf (all at once), got {rate:g}")
+
+
+def _request_rate_arg(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}") from None
+    try:
+        check_request_rate(rate)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return rate
+
+
+def _int_arg(minimum: int):
+    """An argparse type: an integer >= `minimum`, so a bad count fails at parsing with the flag's name."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+positive_int = _int_arg(1)
+non_negative_int = _int_arg(0)
+
+
+def check_output_path(path: str) -> None:
+    """Raise ValueError unless a file can be written at `path`: checked before the run, not after it."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{path!r} is a folder; give a file path such as {os.path.join(path, 'result.json')!r}")
+    if not os.path.exists(parent):
+        raise ValueError(f"folder {parent!r} of {path!r} does not exist")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{parent!r} in {path!r} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"cannot write {path!r}: permission denied")
+
+
+def _output_path_arg(text: str) -> str:
+    try:
+        check_output_path(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url", required=True, type=_base_url_arg,
+                   help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
-    p.add_argument("--num-prompts", type=int, default=30)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--random-prefix-len", type=int, default=0,
+    p.add_argument("--request-rate", type=_request_rate_arg, default=float("inf"),
+                   help="requests/s (Poisson), > 0; inf = all at once")
+    p.add_argument("--num-prompts", type=positive_int, default=30)
+    p.add_argument("--input-len", type=positive_int, default=512)
+    p.add_argument("--random-prefix-len", type=non_negative_int, default=0,
                    help="tokens of one random prefix put before every prompt's --input-len tokens")
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--output-len", type=positive_int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--json", dest="json_out", default=None, help="write the results and per-request data here")
+    p.add_argument("--json", dest="json_out", default=None, type=_output_path_arg,
+                   help="write the results and per-request data here")
 
 
 def register(subparsers) -> None:
@@ -64,17 +150,50 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-async def _first_model(session, base_url: str) -> str:
-    async with session.get(f"{base_url}/v1/models") as r:
-        r.raise_for_status()
-        return (await r.json())["data"][0]["id"]
+def _error_text(status: int, body: str) -> str:
+    """`HTTP status: message`, the OpenAI error body's message when there is one, else the whole body."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.strip()
+    return f"HTTP {status}: {message}"
 
 
-async def _id_pool(session, base_url: str, model: str) -> list[int]:
-    async with session.post(f"{base_url}/tokenize", json={"model": model, "prompt": _ID_POOL_TEXT,
-                                                          "add_special_tokens": False}) as r:
-        r.raise_for_status()
-        return sorted(set((await r.json())["tokens"]))
+async def _get_json(session, url: str, headers: dict, method: str = "GET", **kwargs):
+    """The JSON `url` answers, or a UserError in one line: the checks before a run."""
+    import aiohttp
+
+    try:
+        async with session.request(method, url, headers=headers, **kwargs) as r:
+            if r.status != 200:
+                hint = " (--api-key?)" if r.status == 401 else ""
+                raise UserError(f"{method} {url} failed: {_error_text(r.status, await r.text())}{hint}")
+            return await r.json(content_type=None)
+    except aiohttp.ClientConnectionError as e:
+        reason = getattr(getattr(e, "os_error", None), "strerror", None) or str(e) or type(e).__name__
+        raise UserError(f"cannot connect to {url} ({reason}): is `fp8serve serve` running there? Check "
+                        f"--base-url (the server's host and --port)") from None
+    except (aiohttp.ClientError, ValueError) as e:
+        raise UserError(f"{method} {url} failed: {type(e).__name__}: {e}") from None
+
+
+async def _served_model(session, base_url: str, headers: dict, model: str | None) -> tuple[str, int | None]:
+    """`model` (default: the server's first model), checked against /v1/models, and its max_model_len
+    when the server reports one (fp8serve and vLLM do)."""
+    data = (await _get_json(session, f"{base_url}/v1/models", headers)).get("data") or []
+    served = {m["id"]: m.get("max_model_len") for m in data if "id" in m}
+    if not served:
+        raise UserError(f"{base_url}/v1/models lists no models")
+    if model is None:
+        model = next(iter(served))
+    elif model not in served:
+        raise UserError(f"--model {model!r} is not served by {base_url}; it serves: {', '.join(served)}")
+    return model, served[model]
+
+
+async def _id_pool(session, base_url: str, headers: dict, model: str) -> list[int]:
+    body = {"model": model, "prompt": _ID_POOL_TEXT, "add_special_tokens": False}
+    return sorted(set((await _get_json(session, f"{base_url}/tokenize", headers, "POST", json=body))["tokens"]))
 
 
 def make_prompts(pool: list[int], num_prompts: int, input_len: int, seed: int, prefix_len: int = 0) -> list[list[int]]:
@@ -92,7 +211,7 @@ async def _send(session, url: str, headers: dict, payload: dict, prompt_len: int
     try:
         async with session.post(url, json=payload, headers=headers) as r:
             if r.status != 200:
-                result.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                result.error = _error_text(r.status, await r.text())
                 return result
             buffer = b""
             async for data in r.content.iter_any():
@@ -131,14 +250,25 @@ async def benchmark(base_url: str, model: str | None, request_rate: float, num_p
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if random_prefix_len < 0:
         raise ValueError(f"--random-prefix-len must be >= 0, got {random_prefix_len}")
+    try:
+        check_request_rate(request_rate)
+    except ValueError as e:
+        raise ValueError(f"--request-rate {e}") from None
+    base_url = normalize_base_url(base_url)
 
-    base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        model = model or await _first_model(session, base_url)
-        prompts = make_prompts(await _id_pool(session, base_url, model), num_prompts, input_len, seed,
+        model, max_model_len = await _served_model(session, base_url, headers, model)
+        # The server would refuse every request (prompt + max_tokens over its limit): say so before the run.
+        total = random_prefix_len + input_len + output_len
+        if max_model_len is not None and total > max_model_len:
+            prefix = f"--random-prefix-len {random_prefix_len} + " if random_prefix_len else ""
+            raise UserError(f"{prefix}--input-len {input_len} + --output-len {output_len} = {total} tokens is "
+                            f"more than the max_model_len {max_model_len} of {model!r} at {base_url}; lower them "
+                            f"or start the server with --max-model-len {total} or more")
+        prompts = make_prompts(await _id_pool(session, base_url, headers, model), num_prompts, input_len, seed,
                                random_prefix_len)
         url = f"{base_url}/v1/completions"
         rng = np.random.default_rng(seed)
@@ -159,8 +289,8 @@ async def benchmark(base_url: str, model: str | None, request_rate: float, num_p
 
 
 def _stats(values: list[float], scale: float) -> dict:
-    if not values:
-        return {"mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
+    if not values:  # no successful request (or none with 2+ tokens): no latency, not a latency of 0
+        return {"mean": None, "median": None, "std": None, "p99": None}
     a = np.asarray(values) * scale
     return {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std()),
             "p99": float(np.percentile(a, 99))}
@@ -201,6 +331,7 @@ def summarize(results: list[RequestResult], duration: float, config: dict) -> di
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
+        "first_error": next((r.error for r in results if r.error), None),
         "duration_s": duration,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
@@ -222,7 +353,8 @@ def format_results(s: dict) -> str:
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
 
     def row(label, value, fmt="{:<10.2f}"):
-        lines.append(f"{label:<{w}}" + (fmt.format(value) if not isinstance(value, int) else f"{value:<10}"))
+        text = "N/A" if value is None else f"{value}" if isinstance(value, int) else fmt.format(value)
+        lines.append(f"{label:<{w}}{text:<10}")
 
     row("Successful requests:", s["completed"])
     if s["failed"]:
@@ -247,6 +379,8 @@ def format_results(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.json_out:  # the parser checked it; a caller that built `args` itself may not have
+            check_output_path(args.json_out)
         summary = asyncio.run(benchmark(args.base_url, args.model, args.request_rate, args.num_prompts,
                                         args.input_len, args.output_len, args.seed, args.api_key,
                                         args.random_prefix_len))
@@ -254,8 +388,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_results(summary))
-    if summary["errors"]:
-        print("errors:", *summary["errors"], sep="\n  ", file=sys.stderr)
+    if summary["failed"]:
+        total = summary["completed"] + summary["failed"]
+        print(f"error: {summary['failed']} of {total} requests failed; the first: {summary['first_error']}",
+              file=sys.stderr)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(summary, f, indent=1)

@@ -81,7 +81,9 @@ def test_random_prefix_len_puts_one_prefix_before_every_prompt(server_url):
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(num_prompts=0), "--num-prompts must be >= 1, got 0"),
-                                             (dict(random_prefix_len=-1), "--random-prefix-len must be >= 0")])
+                                             (dict(random_prefix_len=-1), "--random-prefix-len must be >= 0"),
+                                             (dict(request_rate=0.0), "--request-rate must be > 0"),
+                                             (dict(request_rate=float("nan")), "--request-rate must be > 0")])
 def test_bad_workload_is_rejected_before_any_request(kwargs, message):
     args = dict(request_rate=float("inf"), num_prompts=2, input_len=4, output_len=2) | kwargs
     with pytest.raises(ValueError, match=message):
@@ -155,12 +157,167 @@ def test_sweep_passes_the_engine_flags_to_every_server():
     assert served.speculative_config == spec
 
 
-def test_sweep_rejects_a_negative_prefix_before_starting_servers(tmp_path):
+def test_sweep_rejects_a_negative_prefix_before_starting_servers(tmp_path, capsys):
     from fp8serve.benchmarks.sweep import run
-    from fp8serve.entrypoints.cli import build_parser
+    from fp8serve.entrypoints.cli import build_parser, main
     from fp8serve.errors import UserError
 
-    args = build_parser().parse_args(["bench", "sweep", "--random-prefix-len", "-1", "--out-dir", str(tmp_path / "o")])
+    # At parsing, as every count flag of bench serve and sweep...
+    assert _exit_code(main, ["bench", "sweep", "--random-prefix-len", "-1", "--out-dir", str(tmp_path / "o")]) == 2
+    assert "argument --random-prefix-len: must be >= 0, got -1" in capsys.readouterr().err
+    # ...and in run(), for arguments built without the parser.
+    args = build_parser().parse_args(["bench", "sweep", "--out-dir", str(tmp_path / "o")])
+    args.random_prefix_len = -1
     with pytest.raises(UserError, match="--random-prefix-len must be >= 0, got -1"):
         run(args)
     assert not (tmp_path / "o").exists()
+
+
+def _exit_code(main, argv: list[str]) -> int:
+    """main(argv)'s exit status, whether it returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def _bench(capsys, *argv: str) -> tuple[int, str]:
+    """`fp8serve bench serve ARGV`: its exit status and stderr."""
+    from fp8serve.entrypoints.cli import main
+
+    capsys.readouterr()
+    code = _exit_code(main, ["bench", "serve", *argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bench_serve_says_when_it_cannot_connect(capsys):
+    port = _closed_port()
+    code, err = _bench(capsys, "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1")
+    assert code == 2
+    assert err.startswith(f"error: cannot connect to http://127.0.0.1:{port}/v1/models (")
+    assert "is `fp8serve serve` running there? Check --base-url (the server's host and --port)" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("url", ["notaurl", "127.0.0.1:8000", "ftp://127.0.0.1:8000", "http://host:port", "http://"])
+def test_bench_serve_rejects_a_base_url_without_scheme_and_host(capsys, url):
+    code, err = _bench(capsys, "--base-url", url)
+    assert code == 2
+    assert f"argument --base-url: expected http(s)://host:port, e.g. http://127.0.0.1:8000, got {url!r}" in err
+
+
+def test_base_url_may_end_in_v1():
+    """An OpenAI client's base URL (what vLLM's users pass) names /v1; the requests add it themselves."""
+    from fp8serve.benchmarks.serve import normalize_base_url
+
+    for url in ("http://127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1",
+                "http://127.0.0.1:8000/v1/", " http://127.0.0.1:8000/v1 "):
+        assert normalize_base_url(url) == "http://127.0.0.1:8000"
+    assert normalize_base_url("https://example.com/proxy/v1") == "https://example.com/proxy"
+
+
+def test_bench_serve_against_a_v1_base_url(server_url):
+    s = asyncio.run(benchmark(f"{server_url}/v1/", None, request_rate=float("inf"), num_prompts=1, input_len=4,
+                              output_len=2))
+    assert s["completed"] == 1 and s["config"]["base_url"] == server_url
+
+
+def test_bench_serve_names_the_served_models_for_an_unknown_model(server_url, capsys):
+    served = httpx.get(f"{server_url}/v1/models").json()["data"][0]["id"]
+    code, err = _bench(capsys, "--base-url", server_url, "--model", "no-such-model", "--num-prompts", "1")
+    assert code == 2
+    assert err == f"error: --model 'no-such-model' is not served by {server_url}; it serves: {served}\n"
+
+
+@pytest.mark.parametrize("rate", ["0", "-1", "nan", "-inf"])
+def test_bench_serve_rejects_a_request_rate_that_is_not_positive(capsys, rate):
+    code, err = _bench(capsys, "--base-url", "http://127.0.0.1:9", f"--request-rate={rate}")  # = for -inf
+    assert code == 2
+    assert f"argument --request-rate: must be > 0 (requests/s) or inf (all at once), got {float(rate):g}" in err
+
+
+def test_request_rate_inf_and_positive_are_accepted():
+    from fp8serve.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "serve", "--base-url", "http://h:1"]).request_rate == float("inf")
+    assert parser.parse_args(["bench", "serve", "--base-url", "http://h:1", "--request-rate", "inf"]).request_rate \
+        == float("inf")
+    assert parser.parse_args(["bench", "serve", "--base-url", "http://h:1", "--request-rate", "0.5"]).request_rate \
+        == 0.5
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--num-prompts", "0", "must be >= 1, got 0"), ("--num-prompts", "-2", "must be >= 1, got -2"),
+    ("--input-len", "0", "must be >= 1, got 0"), ("--output-len", "-1", "must be >= 1, got -1"),
+    ("--random-prefix-len", "-1", "must be >= 0, got -1"), ("--num-prompts", "x", "expected an integer, got 'x'")])
+def test_bench_serve_rejects_bad_counts_at_parsing(capsys, flag, value, message):
+    code, err = _bench(capsys, "--base-url", "http://127.0.0.1:9", flag, value)
+    assert code == 2 and f"argument {flag}: {message}" in err
+
+
+@pytest.mark.parametrize("where, message", [
+    ("missing/x.json", "folder '{d}/missing' of '{d}/missing/x.json' does not exist"),
+    ("file/x.json", "'{d}/file' in '{d}/file/x.json' is a file, not a folder"),
+    ("", "'{d}/' is a folder; give a file path such as '{d}/result.json'")])
+def test_bench_serve_checks_the_json_path_before_the_run(tmp_path, capsys, where, message):
+    (tmp_path / "file").write_text("")
+    # Port 9 would fail the run: the path is checked first, at parsing.
+    code, err = _bench(capsys, "--base-url", "http://127.0.0.1:9", "--json", f"{tmp_path}/{where}")
+    assert code == 2 and f"argument --json: {message.format(d=tmp_path)}" in err
+
+
+def test_bench_serve_checks_the_lengths_against_max_model_len(server_url, capsys):
+    data = httpx.get(f"{server_url}/v1/models").json()["data"][0]
+    limit = data["max_model_len"]
+    code, err = _bench(capsys, "--base-url", server_url, "--input-len", str(limit), "--output-len", "2",
+                       "--random-prefix-len", "1")
+    assert code == 2
+    assert err == (f"error: --random-prefix-len 1 + --input-len {limit} + --output-len 2 = {limit + 3} tokens is more "
+                   f"than the max_model_len {limit} of {data['id']!r} at {server_url}; lower them or start the server "
+                   f"with --max-model-len {limit + 3} or more\n")
+    # Exactly the limit is fine (the server's own check: prompt + max_tokens <= max_model_len).
+    s = asyncio.run(benchmark(server_url, None, request_rate=float("inf"), num_prompts=1, input_len=limit - 2,
+                              output_len=2))
+    assert s["completed"] == 1
+
+
+def test_failed_requests_show_na_and_the_first_whole_error(capsys):
+    """No successful request: no latency to report (N/A, not 0.00), and the server's whole message."""
+    from fp8serve.benchmarks.serve import RequestResult, _error_text, summarize
+
+    long = "This model's maximum context length is 256 tokens. However, your prompt has 300 tokens. " * 4
+    body = '{"error": {"message": "%s", "type": "BadRequestError", "param": "prompt", "code": 400}}' % long
+    assert _error_text(400, body) == f"HTTP 400: {long}"  # whole (it used to be cut at 200 characters)
+    assert _error_text(502, "Bad Gateway\n") == "HTTP 502: Bad Gateway"
+    s = summarize([RequestResult(error=_error_text(400, body)), RequestResult(error="HTTP 500: later")], 1.0, {})
+    assert s["completed"] == 0 and s["failed"] == 2 and s["first_error"] == f"HTTP 400: {long}"
+    assert s["ttft_ms"]["mean"] is None and s["e2el_ms"]["p99"] is None
+    text = format_results(s)
+    assert f"{'Mean TTFT (ms):':<40}N/A" in text and f"{'P99 E2EL (ms):':<40}N/A" in text
+    assert "0.00" not in text.split("Time to First Token")[1]
+
+
+def test_bench_serve_reports_the_failures(monkeypatch, capsys):
+    """run() prints the table, then one line with the count and the first error in full; exit status 1."""
+    from fp8serve.benchmarks import serve
+    from fp8serve.benchmarks.serve import RequestResult, summarize
+
+    long = "x" * 300
+
+    async def fake_benchmark(*args, **kwargs):
+        ok = RequestResult(success=True, prompt_len=4, output_len=2, ttft=0.1, latency=0.2, itl=[0.1])
+        return summarize([ok, RequestResult(error=f"HTTP 400: {long}"), RequestResult(error="HTTP 400: b")], 1.0, {})
+
+    monkeypatch.setattr(serve, "benchmark", fake_benchmark)
+    code, err = _bench(capsys, "--base-url", "http://127.0.0.1:9")
+    assert code == 1
+    assert err == f"error: 2 of 3 requests failed; the first: HTTP 400: {long}\n"
