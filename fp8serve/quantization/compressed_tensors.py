@@ -110,6 +110,17 @@ class CompressedTensorsConfig(QuantizationConfig):
     def from_hf(cls, cfg: dict, where: str,
                 checkpoint_modules: Callable[[str], list[str]] | None = None) -> "CompressedTensorsConfig":
         top_format = cfg.get("format")
+        status = cfg.get("quantization_status", "compressed")
+        if status != "compressed":
+            # Saved before compression (llm-compressor's save_compressed=False): 16-bit weights
+            # that only simulate the scheme, with no FP8 codes to load.
+            raise ConfigError(f"{where}.quantization_status is {status!r}: only 'compressed' checkpoints (FP8 "
+                              "weights on disk) are supported")
+        sparsity = cfg.get("sparsity_config") or {}
+        if not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense":
+            fmt = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
+            raise ConfigError(f"{where}.sparsity_config has format {fmt!r}: sparse-compressed weights are not "
+                              "supported (only 'dense' storage)")
         groups_cfg = cfg.get("config_groups")
         if not isinstance(groups_cfg, dict) or not groups_cfg:
             raise ConfigError(f"{where}.config_groups must be a non-empty object")

@@ -144,6 +144,24 @@ def test_unsupported_schemes_are_refused(base_checkpoints, tmp_path, change, wor
     assert f"{fp8_dir}/config.json: quantization_config" in error and words in error, error
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"quantization_status": "frozen"}, "quantization_status is 'frozen': only 'compressed' checkpoints"),
+    ({"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}},
+     "sparsity_config has format 'sparse-24-bitmask': sparse-compressed weights are not supported"),
+])
+def test_uncompressed_and_sparse_checkpoints_are_refused(base_checkpoints, tmp_path, change, words):
+    config = {**compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)}, ["lm_head"]), **change}
+    assert words in _load_error(_write(base_checkpoints["llama"], tmp_path, config))
+
+
+def test_dense_sparsity_config_loads(base_checkpoints, tmp_path):
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)}, ["lm_head"])
+    config["sparsity_config"] = {"format": "dense", "global_sparsity": 0.5, "sparsity_structure": "2:4"}
+    layer = LLM(str(_write(base_checkpoints["llama"], tmp_path, config)), dtype="float32",
+                kv_cache_memory="4MiB").llm_engine.model_runner.model.model.layers[0]
+    assert layer.mlp.down_proj.fp8_backend == "cpu_kernel"
+
+
 def test_fused_projections_quantized_differently_are_refused(base_checkpoints, tmp_path):
     config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)},
                                        ["lm_head", "model.layers.0.self_attn.q_proj"])
