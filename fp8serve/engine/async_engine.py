@@ -54,6 +54,10 @@ class _Abort:
     request_id: str
 
 
+class _AbortAll:
+    """Abort every request the engine holds (a drain that ran out of time)."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Scheduler and cache numbers, copied by the engine thread after every
@@ -109,7 +113,7 @@ class AsyncLLMEngine:
         self._stats_logger = StatsLogger(log_stats_interval, engine.block_manager.enable_prefix_caching,
                                                  spec_decode=engine.proposer is not None) \
             if log_stats else None
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | None] = queue.SimpleQueue()
         # Touched only by the engine thread.
         self._streams: dict[str, _RequestStream] = {}
         self._ids = itertools.count()
@@ -202,6 +206,17 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """Abort every running and waiting request: each caller of generate() gets its last
+        output with finish_reason "abort", so a client sees its response end, not a cut."""
+        self._commands.put(_AbortAll())
+
+    async def abort_in_flight(self, timeout: float = 5.0) -> bool:
+        """abort_all, then wait up to `timeout` s for the callers to take their last outputs
+        (the server writes the final chunks); False if some are still in flight."""
+        self.abort_all()
+        return await self.wait_idle(timeout)
+
     async def wait_idle(self, timeout: float) -> bool:
         """Waits until no request is in flight; False on timeout."""
         deadline = time.monotonic() + timeout
@@ -221,6 +236,7 @@ class AsyncLLMEngine:
         if not await self.wait_idle(drain_timeout):
             logger.warning("shutdown: %d requests still running after %.0f s; aborting them",
                            self._num_in_flight, drain_timeout)
+            await self.abort_in_flight()
         self._stop.set()
         self._commands.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
@@ -288,6 +304,9 @@ class AsyncLLMEngine:
                 return
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _AbortAll):
+                for request_id in list(self._streams):
+                    self._abort(request_id)
             else:
                 self._abort(cmd.request_id)
             try:

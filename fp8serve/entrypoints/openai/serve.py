@@ -21,6 +21,9 @@ from fp8serve.utils.memory import parse_size
 # The server stack (uvicorn, FastAPI, the async engine) is imported in run():
 # `fp8serve --help` and every other command build this parser too.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+# Seconds the handlers get to send aborted requests' last chunks, within uvicorn's own
+# graceful-shutdown limit (timeout_graceful_shutdown below).
+_ABORT_GRACE_S = 3.0
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,11 @@ class _DrainingMixin:
         self._engine.stop_accepting()
         if not await self._engine.wait_idle(self._drain_timeout):
             logger.warning("drain timeout: %d requests still running are aborted", self._engine.num_in_flight)
+            # Before uvicorn stops: its own graceful limit would cancel the handlers mid-response
+            # (streams cut without [DONE], bare 500s) while the engine went on generating.
+            if not await self._engine.abort_in_flight(timeout=_ABORT_GRACE_S):
+                logger.warning("%d requests did not finish their responses after the abort",
+                               self._engine.num_in_flight)
         self.should_exit = True
 
 

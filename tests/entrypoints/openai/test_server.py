@@ -573,3 +573,57 @@ def test_speculative_decoding_server_streams_what_the_offline_engine_generates(m
         rc, out = s.stop()
     assert rc == 0, out
     assert "Speculative decoding: ngram, up to 4 draft tokens per step" in out
+
+
+# ------------------------------------------------------------------ shutdown
+def test_drain_timeout_aborts_requests_and_ends_every_response(model_dir):
+    """SIGTERM with --shutdown-timeout 0 and ~12 s of queued work (40 streams of 110 tokens, one at a
+    time): the requests still running are aborted at once, each stream ends with a finish_reason
+    and `data: [DONE]`, each whole response is a 200 JSON with its choice, and the process exits
+    0 within seconds. Before, the engine kept generating until uvicorn's own 5 s limit cancelled
+    the handlers: streams cut without [DONE], bare 500s, CancelledError tracebacks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = ServerProcess(model_dir, "--max-num-seqs", "1", "--shutdown-timeout", "0", "--served-model-name", MODEL)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 110, "ignore_eos": True}
+    first_chunk = __import__("threading").Event()
+
+    def stream(_) -> list[str]:
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line.removeprefix("data: "))
+                    first_chunk.set()
+            return lines
+
+    def whole(_) -> httpx.Response:
+        return httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+
+    try:
+        with ThreadPoolExecutor(44) as pool:
+            streams = [pool.submit(stream, i) for i in range(40)]
+            wholes = [pool.submit(whole, i) for i in range(4)]
+            assert first_chunk.wait(60)
+            deadline = time.monotonic() + 30
+            while (_metric(s, "fp8serve:num_requests_running") + _metric(s, "fp8serve:num_requests_waiting") < 44
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)  # every request in the engine before the signal (later ones get a 503)
+            t0 = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            rc, out = s.stop()
+            exit_s = time.monotonic() - t0
+            stream_lines = [f.result() for f in streams]
+            responses = [f.result() for f in wholes]
+    finally:
+        s.stop()
+    assert rc == 0 and "drain timeout" in out and "Traceback" not in out, out
+    assert exit_s < 4.5, exit_s  # uvicorn's own limit (5 s) never had to cancel a handler
+    reasons = []
+    for lines in stream_lines:
+        assert lines and lines[-1] == "[DONE]", lines[-3:]
+        reasons.append(json.loads(lines[-2])["choices"][0]["finish_reason"])
+    for r in responses:
+        assert r.status_code == 200, r.text
+        reasons.append(r.json()["choices"][0]["finish_reason"])
+    assert set(reasons) <= {"length", "abort"} and reasons.count("abort") >= 30, reasons
