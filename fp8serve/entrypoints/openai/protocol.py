@@ -73,10 +73,17 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
 
     def _check_supported(self) -> None:
         """Refuse what would change the output's meaning and is not built:
-        structured output (response_format other than text, vLLM's guided_*)."""
+        structured output (response_format other than text, vLLM's guided_*);
+        and, as vLLM, stream options without a stream and prompt logprobs
+        with one (they are returned in the whole response only)."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameterError("stream_options can only be set when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidParameterError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise InvalidParameterError(
@@ -131,10 +138,12 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """`max_tokens` is the resolved budget (>= 1); prompt logprobs are
         computed when echo and logprobs are both asked for."""
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        wanted = [k for k in (echoed, self.prompt_logprobs) if k is not None]
         return SamplingParams(
             max_tokens=max_tokens,
             logprobs=self.logprobs,
-            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+            prompt_logprobs=max(wanted) if wanted else None,
             **self._sampling_kwargs(),
         )
 
@@ -184,7 +193,8 @@ class ChatCompletionRequest(_SamplingFields):
             k = self.top_logprobs or 0
         elif self.top_logprobs:
             raise InvalidParameterError("top_logprobs requires logprobs=true", "top_logprobs")
-        return SamplingParams(max_tokens=max_tokens, logprobs=k, **self._sampling_kwargs())
+        return SamplingParams(max_tokens=max_tokens, logprobs=k, prompt_logprobs=self.prompt_logprobs,
+                              **self._sampling_kwargs())
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 
 from fp8serve.entrypoints.openai.protocol import ChatCompletionRequest
 from fp8serve.entrypoints.openai.serving_common import (
-    RequestError, RequestTimer, check_prompt, random_id, resolve_max_tokens, sse, stream_safe_len, usage,
+    RequestError, RequestTimer, check_prompt, prompt_logprobs_json, random_id, resolve_max_tokens, sse,
+    stream_safe_len, usage,
 )
 from fp8serve.sampling_params import SamplingParams
 
@@ -55,9 +56,13 @@ class ChatServer:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.state.model_name, "choices": choices,
-                "usage": usage(len(ids), sum(len(c.token_ids) for c in final.outputs))}
+        response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": self.state.model_name, "choices": choices,
+                    "usage": usage(len(ids), sum(len(c.token_ids) for c in final.outputs))}
+        if request.prompt_logprobs is not None:  # vLLM's place for them in a chat response
+            response["prompt_logprobs"] = prompt_logprobs_json(ids, final.prompt_logprobs,
+                                                               self.state.engine.tokenizer)
+        return response
 
     async def stream(self, request: ChatCompletionRequest, prepared) -> AsyncIterator[str]:
         ids, params = prepared

@@ -114,6 +114,22 @@ class RequestTimer:
                 self.metrics.e2e.observe(now - self.start)
 
 
+def prompt_logprobs_json(token_ids: list[int], per_position: list | None, tokenizer) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` field: per prompt position null (the first token, predicted from
+    nothing) or {token id: {"logprob", "rank", "decoded_token"}} for the prompt's own token and
+    the top-k (token ids as JSON object keys, i.e. strings)."""
+    result: list[dict | None] = []
+    for entry in per_position or [None] * len(token_ids):
+        if entry is None:
+            result.append(None)
+            continue
+        result.append({str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                "decoded_token": lp.decoded_token if lp.decoded_token is not None
+                                else tokenizer.decode([t]) if tokenizer is not None else str(t)}
+                       for t, lp in entry.items()})
+    return result
+
+
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}

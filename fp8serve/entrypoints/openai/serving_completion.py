@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from fp8serve.entrypoints.openai.protocol import CompletionRequest
 from fp8serve.entrypoints.openai.serving_common import (
-    RequestError, RequestTimer, check_prompt, merge, random_id, resolve_max_tokens, sse, stream_safe_len, usage,
+    RequestError, RequestTimer, check_prompt, merge, prompt_logprobs_json, random_id, resolve_max_tokens, sse,
+    stream_safe_len, usage,
 )
 from fp8serve.outputs import RequestOutput
 from fp8serve.sampling_params import SamplingParams
@@ -90,9 +91,12 @@ class CompletionServer:
                     logprobs = self._logprobs(p, out, c, request.echo, hide_output)
                 if request.echo:
                     text = self._prompt_text(p) + text
-                choices.append({"index": i * n + c.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": "length" if hide_output else c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                choice = {"index": i * n + c.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": "length" if hide_output else c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs_json(p, out, request.prompt_logprobs)
+                choices.append(choice)
                 num_completion += len(token_ids)
             num_prompt += len(p.token_ids)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -165,6 +169,13 @@ class CompletionServer:
     def _prompt_logprobs(self, p: _Prompt, out: RequestOutput) -> dict:
         per_pos = out.prompt_logprobs or [None] * len(p.token_ids)
         return _legacy_logprobs(p.token_ids, per_pos, self.state.engine.tokenizer)
+
+    def _prompt_logprobs_json(self, p: _Prompt, out: RequestOutput, k: int) -> list:
+        # The engine computed max(k, echo's logprobs) per position: keep the prompt token and the top k.
+        per_pos = [None if e is None else {t: lp for t, lp in e.items()
+                                           if t == tid or (lp.rank is not None and lp.rank <= k)}
+                   for tid, e in zip(p.token_ids, out.prompt_logprobs or [None] * len(p.token_ids))]
+        return prompt_logprobs_json(p.token_ids, per_pos, self.state.engine.tokenizer)
 
     def _logprobs(self, p: _Prompt, out: RequestOutput, c, echo: bool, hide_output: bool) -> dict:
         gen = _legacy_logprobs([] if hide_output else c.token_ids, [] if hide_output else (c.logprobs or []),

@@ -143,6 +143,46 @@ def test_completion_prompt_forms(client, llm):
     assert batch.usage.prompt_tokens == len(ids) + 2
 
 
+def _check_prompt_logprobs(got: list, ref, k: int) -> None:
+    assert len(got) == len(ref.prompt_token_ids) and got[0] is None
+    for i in range(1, len(got)):
+        tid = ref.prompt_token_ids[i]
+        want = ref.prompt_logprobs[i]
+        # The prompt token and the top k, each with its rank and text (token ids as string keys).
+        assert set(got[i]) == {str(t) for t, lp in want.items() if t == tid or lp.rank <= k}
+        for t, entry in got[i].items():
+            assert entry["logprob"] == pytest.approx(want[int(t)].logprob, abs=1e-4)
+            assert entry["rank"] == want[int(t)].rank and isinstance(entry["decoded_token"], str)
+
+
+def test_prompt_logprobs(server, llm):
+    """vLLM's prompt_logprobs: per choice on /v1/completions (also next to echo logprobs of a larger k),
+    at the top of a /v1/chat/completions response; refused with stream, as stream_options without it.
+    It was ignored (logged as an unknown field)."""
+    prompt = "The capital of France is Paris"
+    ref = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    _check_prompt_logprobs(r.json()["choices"][0]["prompt_logprobs"], ref, 2)
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True,
+                                          "logprobs": 5, "prompt_logprobs": 1})
+    choice = r.json()["choices"][0]
+    _check_prompt_logprobs(choice["prompt_logprobs"], ref, 1)
+    want = [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ref.prompt_token_ids) if i > 0]
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)  # echo's k = 5 unchanged
+    messages = [{"role": "user", "content": "hi"}]
+    chat = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                  "prompt_logprobs": 0}).json()
+    ids = _post(server, "/tokenize", {"model": MODEL, "messages": messages}).json()["tokens"]
+    chat_ref = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                            use_tqdm=False)[0]
+    _check_prompt_logprobs(chat["prompt_logprobs"], chat_ref, 0)
+    for body, param in [({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+                        ({"stream_options": {"include_usage": True}}, "stream_options")]:
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_echo_logprobs_for_loglikelihood(client, llm):
     """lm-evaluation-harness local-completions: echo, max_tokens=0, logprobs=k."""
     prompt = "The capital of France is Paris"
