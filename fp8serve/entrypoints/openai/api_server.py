@@ -194,6 +194,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
             return Response(status_code=503, content="draining")
         return Response(status_code=200 if engine.is_healthy() else 503)
 
+    # vLLM's /ping (the SageMaker health check, GET or POST): /health's answer.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version():
+        from fp8serve import __version__
+
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

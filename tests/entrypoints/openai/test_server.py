@@ -465,6 +465,15 @@ def test_models_tokenize_detokenize(server, client, llm):
     assert chat.json()["tokens"] == ref and chat.json()["count"] == len(ref)
 
 
+def test_ping_and_version(server):
+    """vLLM's /ping (GET and POST, as /health) and /version."""
+    import fp8serve
+
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    assert httpx.post(f"{server.url}/ping").status_code == 200
+    assert httpx.get(f"{server.url}/version").json() == {"version": fp8serve.__version__}
+
+
 def test_metrics_names(server, client):
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=3)
     text = httpx.get(f"{server.url}/metrics").text
