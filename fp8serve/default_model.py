@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from fp8serve.utils.paths import file_in_the_way
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -137,12 +139,9 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass --overwrite (overwrite=True) to replace it")
-    # mkdir would fail later with a bare "[Errno 17] File exists" naming only the blocking file.
-    for ancestor in out_dir.parents:
-        if ancestor.exists():
-            if not ancestor.is_dir():
-                raise FileExistsError(f"cannot create {out_dir}: {ancestor} is a file, not a directory")
-            break
+    blocking = file_in_the_way(out_dir)
+    if blocking is not None:
+        raise FileExistsError(f"cannot create {out_dir}: {blocking} is a file, not a directory")
 
 
 @contextlib.contextmanager

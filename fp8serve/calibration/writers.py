@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fp8serve.errors import UserError
+from fp8serve.utils.paths import file_in_the_way
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,9 @@ def check_output_file(path: str | Path, flag: str) -> None:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{flag} {path} is a directory; expected a file path")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"{flag} {path}: {parent} is a file, not a directory")
-            break
+    blocking = file_in_the_way(path)
+    if blocking is not None:
+        raise UserError(f"{flag} {path}: {blocking} is a file, not a directory")
 
 
 def check_new_directory(path: str | Path, flag: str) -> None:
@@ -81,11 +80,9 @@ def check_new_directory(path: str | Path, flag: str) -> None:
     path = Path(path)
     if path.exists() or path.is_symlink():
         raise UserError(f"{flag} {path} already exists; choose a new directory")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"{flag} {path}: {parent} is a file, not a directory")
-            break
+    blocking = file_in_the_way(path)
+    if blocking is not None:
+        raise UserError(f"{flag} {path}: {blocking} is a file, not a directory")
 
 
 def write_kv_scales_json(path: str | Path, model_type: str, k_scales: Sequence[float],
