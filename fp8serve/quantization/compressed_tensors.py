@@ -52,6 +52,10 @@ def _matches(entry: str, module: str) -> bool:
     return entry == "Linear" or module == entry or module.endswith("." + entry)
 
 
+def _target_kind(target: str) -> str:
+    return "regex" if target.startswith("re:") else "class" if target == "Linear" else "name"
+
+
 def _weights_scheme(weights, where: str) -> str:
     if not isinstance(weights, dict):
         raise ConfigError(f"{where}.weights must be an object, got {weights!r}")
@@ -150,11 +154,12 @@ class CompressedTensorsConfig(QuantizationConfig):
     def _scheme_of(self, module: str) -> Fp8Scheme | None:
         if any(_matches(entry, module) for entry in self.ignore):
             return None
-        # compressed-tensors prefers a group naming the module (or a regex) over a class target.
-        named = [g for g in self.groups if any(t != "Linear" and _matches(t, module) for t in g.targets)]
-        by_class = [g for g in self.groups if "Linear" in g.targets]
-        matched = named or by_class
-        return matched[0].scheme if matched else None
+        # compressed-tensors' precedence: a target naming the module, then a regex, then the class.
+        for kind in ("name", "regex", "class"):
+            for group in self.groups:
+                if any(_target_kind(t) == kind and _matches(t, module) for t in group.targets):
+                    return group.scheme
+        return None
 
     def get_linear_method(self, prefix: str) -> LinearMethod:
         modules = self.checkpoint_modules(prefix)

@@ -93,6 +93,23 @@ def test_mixed_groups_regex_targets_and_ignored_layers(base_checkpoints, tmp_pat
     assert layers[1].mlp.gate_up_proj.weight.dtype == torch.float32  # ignored
 
 
+def test_target_precedence_name_then_regex_then_class(base_checkpoints, tmp_path):
+    """A group naming a module wins over a regex group listed before it, a regex over "Linear"."""
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    down0 = "model.layers.0.mlp.down_proj"
+
+    def strategy_of(module: str) -> str:
+        return "tensor" if module == down0 or ".mlp." not in module else "channel"
+
+    config = compressed_tensors_config(
+        {"all": fp8_group(["Linear"], "tensor", None),
+         "mlp": fp8_group([r"re:.*mlp\..*_proj$"], "channel", None),
+         "one": fp8_group([down0], "tensor", None)}, ["lm_head"])
+    quantize_to_compressed_tensors_checkpoint(base_checkpoints["llama"], fp8_dir, ref_dir, strategy_of=strategy_of,
+                                              quantization_config=config)
+    _check_against_references(base_checkpoints["llama"], fp8_dir, ref_dir)
+
+
 def test_bfloat16_compute_and_dequantized_path(base_checkpoints, tmp_path, monkeypatch):
     """Per-channel scales on the bf16 kernels and on the decode-at-load path (no C++ kernel):
     both compute with codes x row scale."""
