@@ -38,6 +38,9 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ConfigError(f"{index}: cannot read 'weight_map' ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ConfigError(f"{index}: 'weight_map' must be an object of tensor name -> file name, "
+                              f"got {type(weight_map).__name__}")
         files = [d / f for f in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

@@ -37,6 +37,9 @@ class Fp8Scheme:
     weight_strategy: str  # "tensor" | "channel"
     activation_scheme: str  # "static" | "dynamic" (dynamic also stands for 16-bit activations)
 
+    def __str__(self) -> str:
+        return f"FP8 weights per {self.weight_strategy}, {self.activation_scheme} activations"
+
 
 @dataclass(frozen=True)
 class _Group:
@@ -95,6 +98,12 @@ def _activation_scheme(activations, where: str) -> str:
 def _string_list(value, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
         raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    for entry in value:
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as e:
+                raise ConfigError(f"{where}: {entry!r} is not a valid regular expression ({e})") from None
     return tuple(value)
 
 

@@ -76,3 +76,16 @@ def test_a_damaged_safetensors_file_is_named(copy_dir, damage):
 def test_the_intact_copy_loads(copy_dir):
     """The edits above are what fails, not the copy."""
     assert _load(copy_dir).generate("hi", use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("weight_map, words", [
+    ('["model.safetensors"]', "'weight_map' must be an object of tensor name -> file name, got list"),
+    ('{"a": 5}', "'weight_map' must be an object of tensor name -> file name, got dict"),
+    ('{"a": "model-00009.safetensors"}', "lists shard(s) that do not exist"),
+])
+def test_a_broken_index_is_named(copy_dir, weight_map, words):
+    """A weight_map that is a list was an AttributeError traceback (found by probing)."""
+    (copy_dir / "model.safetensors.index.json").write_text(f'{{"metadata": {{}}, "weight_map": {weight_map}}}')
+    with pytest.raises(ConfigError, match="model.safetensors.index.json") as info:
+        _load(copy_dir)
+    assert words in str(info.value)

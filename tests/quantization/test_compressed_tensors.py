@@ -152,6 +152,8 @@ def _load_error(model_dir) -> str:
     (lambda g: g.update(input_activations={**FP8_STATIC_TENSOR, "strategy": "token"}),
      "input_activations (dynamic False, strategy 'token') is not supported"),
     (lambda g: g.update(targets="Linear"), "config_groups.group_0.targets must be a list of strings"),
+    (lambda g: g.update(targets=["re:*proj"]), "config_groups.group_0.targets: 're:*proj' is not a valid regular "
+                                               "expression (nothing to repeat at position 0)"),
 ])
 def test_unsupported_schemes_are_refused(base_checkpoints, tmp_path, change, words):
     group = fp8_group(["Linear"], "channel", FP8_DYNAMIC_TOKEN)
@@ -186,7 +188,8 @@ def test_fused_projections_quantized_differently_are_refused(base_checkpoints, t
                      strategy_of=lambda m: None if m == "model.layers.0.self_attn.q_proj" else "channel")
     error = _load_error(fp8_dir)
     assert "the projections fused into model.layers.0.self_attn.qkv_proj are quantized differently" in error
-    assert "model.layers.0.self_attn.q_proj: not quantized" in error
+    assert ("model.layers.0.self_attn.q_proj: not quantized, model.layers.0.self_attn.k_proj: FP8 weights per "
+            "channel, dynamic activations") in error
 
 
 def test_unquantized_weights_under_an_fp8_config_are_refused(base_checkpoints, tmp_path):
