@@ -177,7 +177,8 @@ def fp8_group(targets: list[str], weight_strategy: str, input_activations: dict 
         "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": weight_strategy,
                     "dynamic": False, "group_size": None, "block_structure": None, "actorder": None,
                     "observer": "minmax", "observer_kwargs": {}},
-        "input_activations": input_activations,
+        # A copy: tests edit the group they get.
+        "input_activations": dict(input_activations) if input_activations is not None else None,
         "output_activations": None,
         "format": "float-quantized",
     }

@@ -86,6 +86,9 @@ def _activation_scheme(activations, where: str) -> str:
     if kind != "float" or bits != 8:
         raise ConfigError(f"{where}.input_activations is {bits}-bit {kind}: only 8-bit float (FP8) activations "
                           "are supported")
+    if activations.get("symmetric", True) is not True:
+        raise ConfigError(f"{where}.input_activations.symmetric is {activations.get('symmetric')!r}: FP8 "
+                          "activations are symmetric")
     dynamic, strategy = activations.get("dynamic", False), activations.get("strategy")
     if dynamic is True and strategy in ("token", "tensor"):
         return "dynamic"
@@ -134,6 +137,11 @@ class CompressedTensorsConfig(QuantizationConfig):
             fmt = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
             raise ConfigError(f"{where}.sparsity_config has format {fmt!r}: sparse-compressed weights are not "
                               "supported (only 'dense' storage)")
+        if cfg.get("transform_config"):
+            # Rotations (SpinQuant / QuIP Hadamards) the model must apply to its activations at run
+            # time: loading the weights without them would run a different model.
+            raise ConfigError(f"{where}.transform_config is set: weight/activation transforms (Hadamard "
+                              "rotations) are not supported")
         groups_cfg = cfg.get("config_groups")
         if not isinstance(groups_cfg, dict) or not groups_cfg:
             raise ConfigError(f"{where}.config_groups must be a non-empty object")

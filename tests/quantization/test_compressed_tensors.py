@@ -151,6 +151,7 @@ def _load_error(model_dir) -> str:
     (lambda g: g.update(output_activations=dict(FP8_DYNAMIC_TOKEN)), "output_activations is set"),
     (lambda g: g.update(input_activations={**FP8_STATIC_TENSOR, "strategy": "token"}),
      "input_activations (dynamic False, strategy 'token') is not supported"),
+    (lambda g: g["input_activations"].update(symmetric=False), "input_activations.symmetric is False"),
     (lambda g: g.update(targets="Linear"), "config_groups.group_0.targets must be a list of strings"),
     (lambda g: g.update(targets=["re:*proj"]), "config_groups.group_0.targets: 're:*proj' is not a valid regular "
                                                "expression (nothing to repeat at position 0)"),
@@ -164,6 +165,8 @@ def test_unsupported_schemes_are_refused(base_checkpoints, tmp_path, change, wor
 
 
 @pytest.mark.parametrize("change, words", [
+    ({"transform_config": {"config_groups": {"u": {"type": "hadamard", "apply": [{"location": "input"}]}}}},
+     "transform_config is set: weight/activation transforms (Hadamard rotations) are not supported"),
     ({"quantization_status": "frozen"}, "quantization_status is 'frozen': only 'compressed' checkpoints"),
     ({"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}},
      "sparsity_config has format 'sparse-24-bitmask': sparse-compressed weights are not supported"),
