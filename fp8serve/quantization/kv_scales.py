@@ -85,6 +85,27 @@ def is_fp8_checkpoint(hf_config: dict) -> bool:
     return method == "fp8" or (method == "compressed-tensors" and qc.get("kv_cache_scheme") is not None)
 
 
+def _check_kv_cache_scheme(hf_config: dict, model_dir: str | Path) -> None:
+    """A compressed-tensors `kv_cache_scheme` must describe what the checkpoint's scales are:
+    static per-tensor symmetric FP8 (amax / 448). An int8 or 4-bit scheme's scales (amax / 127,
+    amax / 6) would saturate an e4m3 cache; per-head ones are not scalars; dynamic ones are not
+    on disk. vLLM refuses the same."""
+    qc = hf_config.get("quantization_config") or {}
+    scheme = qc.get("kv_cache_scheme") if qc.get("quant_method") == "compressed-tensors" else None
+    if scheme is None:
+        return
+    where = f"{Path(model_dir) / 'config.json'}: quantization_config.kv_cache_scheme"
+    if not isinstance(scheme, dict):
+        raise ConfigError(f"{where} must be an object, got {scheme!r}")
+    want = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True}
+    wrong = {k: scheme.get(k, v if k == "symmetric" else None) for k, v in want.items()
+             if scheme.get(k, v if k == "symmetric" else None) != v}
+    if wrong:
+        raise ConfigError(f"{where} has {', '.join(f'{k} {v!r}' for k, v in wrong.items())}: only static "
+                          "per-tensor symmetric 8-bit float KV scales are supported (type float, num_bits 8, "
+                          "strategy tensor, dynamic false)")
+
+
 def _find_scale_tensors(model_dir: str | Path, mapper: WeightsMapper) -> list[_ScaleTensor]:
     """KV-scale tensor names from the safetensors headers; reads no data."""
     found = []
@@ -364,6 +385,7 @@ def resolve_kv_scales(
         return defaults
 
     if ckpt_tensors:
+        _check_kv_cache_scheme(hf_config, model_dir)
         scales = _checkpoint_scales(model_dir, ckpt_tensors, num_layers)
         log.info(
             "fp8_e4m3 KV cache: per-layer scales from the checkpoint (k_scale %s, v_scale %s)%s",

@@ -233,6 +233,25 @@ def test_e4m3_fp8_checkpoint_scales(tmp_path, log, caplog, cfg, family, num_shar
     assert len(records(caplog, logging.INFO)) == 1 and not records(caplog, logging.WARNING)
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"num_bits": 8, "type": "int"}, "type 'int'"),
+    ({"num_bits": 4}, "num_bits 4"),
+    ({"strategy": "attn_head"}, "strategy 'attn_head'"),
+    ({"dynamic": True}, "dynamic True"),
+    ({"symmetric": False}, "symmetric False"),
+])
+def test_e4m3_refuses_scales_of_another_kv_cache_scheme(tmp_path, log, change, words):
+    """An int8 scheme's scales (amax / 127) used for e4m3 (amax / 448) would saturate the cache:
+    they loaded silently (found by probing). Refused, as vLLM does; a 16-bit cache ignores them."""
+    scheme = {**CT_CONFIG["quantization_config"]["kv_cache_scheme"], **change}
+    cfg = {**CT_CONFIG, "quantization_config": {**CT_CONFIG["quantization_config"], "kv_cache_scheme": scheme}}
+    d = write_checkpoint(tmp_path / "m", output_scale_family(), cfg)
+    with pytest.raises(ConfigError, match="quantization_config.kv_cache_scheme has") as info:
+        resolve(d, cfg, "fp8_e4m3", logger=log)
+    assert words in str(info.value) and "only static per-tensor symmetric 8-bit float KV scales" in str(info.value)
+    assert [s.k_scale for s in resolve(d, cfg, "auto", logger=log)] == [1.0] * NUM_LAYERS
+
+
 def test_e4m3_checkpoint_scales_win_over_json(tmp_path, log, caplog):
     d = write_checkpoint(tmp_path / "m", k_v_scale_family(), FP8_CONFIG)
     json_path = write_json(tmp_path / "s.json", scale_json())
