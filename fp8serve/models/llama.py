@@ -162,7 +162,9 @@ class LlamaForCausalLM(nn.Module):
             MappingRule("mlp.gate_proj", ("mlp.gate_up_proj",), 0),
             MappingRule("mlp.up_proj", ("mlp.gate_up_proj",), 1),
         ]
-        ignored = ("rotary_emb.inv_freq",) + (("lm_head",) if cfg.tie_word_embeddings else ())
+        # `self_attn.q_scale`: llm-compressor's FP8 attention quantizes queries too; here queries
+        # stay in the compute dtype (as activations do on CPU), so the scale has no use.
+        ignored = ("rotary_emb.inv_freq", "self_attn.q_scale") + (("lm_head",) if cfg.tie_word_embeddings else ())
         return WeightsMapper(rules, ignored=ignored)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

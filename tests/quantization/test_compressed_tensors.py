@@ -255,3 +255,15 @@ def test_autofp8_ignored_layers_name_checkpoint_modules(base_checkpoints, tmp_pa
     error = _load_error(fp8_dir)
     assert ("ignored_layers lists model.layers.1.block_sparse_moe.experts.2.w3 but not the projections fused with it "
             "into model.layers.1.mlp.experts.2.gate_up_proj") in error
+
+
+def test_fp8_attention_q_scale_is_ignored(base_checkpoints, tmp_path):
+    """llm-compressor's FP8 attention adds self_attn.q_scale: queries stay unquantized here, so the
+    checkpoint loads (it was refused as an unknown tensor) and computes as without it."""
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)}, ["lm_head"])
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, config)
+    without = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB").llm_engine.prompt_logits(PROMPT)
+    add_tensors(fp8_dir, {f"model.layers.{i}.self_attn.q_scale": torch.tensor([0.02])
+                          for i in range(read_config(fp8_dir)["num_hidden_layers"])})
+    with_q = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB").llm_engine.prompt_logits(PROMPT)
+    assert torch.equal(with_q, without)
