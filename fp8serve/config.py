@@ -190,6 +190,11 @@ class ModelArchConfig:
             quantization_config=cfg.get("quantization_config"),
             checkpoint_dtype=_DTYPES.get(str(dtype_name), torch.bfloat16),
         )
+        qc = arch_cfg.quantization_config
+        if qc is not None and not isinstance(qc, dict):
+            # Checked here, before transformers reads config.json for the tokenizer and fails on it
+            # with an AttributeError about `to_dict`.
+            raise ConfigError(f"{path}: quantization_config must be a JSON object, got {type(qc).__name__}")
         if arch == "MixtralForCausalLM":
             if arch_cfg.num_local_experts < 1:
                 raise ConfigError(f"{path}: required field 'num_local_experts' is missing or < 1")

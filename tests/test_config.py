@@ -294,6 +294,7 @@ def test_heads_must_be_a_multiple_of_kv_heads(model_dir):
     ("rope_theta", "abc", "'rope_theta' must be a finite number > 0, got 'abc'"),
     ("hidden_act", "gelu", "hidden_act 'gelu' is not supported (supported: silu"),
     ("torch_dtype", "float99", "must name a torch dtype (e.g. \"bfloat16\"), got 'float99'"),
+    ("quantization_config", ["fp8"], "quantization_config must be a JSON object, got list"),
 ])
 def test_out_of_range_fields_name_the_field_and_file(model_dir, field, value, words):
     """A value the model cannot be built from is config.json's error, not a failure
