@@ -102,14 +102,14 @@ def run_once(engine, prompts: list[list[int]], output_len: int, kv: str, rnd: in
     sat_s, sat_tokens = 0.0, 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        prompt_tokens = engine.stats.prompt_tokens_total
+        prompt_tokens = engine.stats.prefill_tokens_total
         t = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t
         firsts = [o.request_id for o in outs if o.request_id not in seen_first]
         tokens += len(outs)
         # A prefill step (first or after a preemption) counts the tokens it prefilled.
-        if outs and engine.stats.prompt_tokens_total == prompt_tokens:
+        if outs and engine.stats.prefill_tokens_total == prompt_tokens:
             decode_s += dt
             decode_steps += 1
             decode_seqs += len(outs)

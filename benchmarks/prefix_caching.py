@@ -67,7 +67,8 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
 def run_workload(engine, workload: str, args, rng_seed: int) -> dict:
     engine.reset_prefix_cache()
     bm, stats = engine.block_manager, engine.stats
-    q0, h0, p0, g0 = bm.prefix_cache_queries, bm.prefix_cache_hits, stats.prompt_tokens_total, stats.generation_tokens_total
+    q0, h0 = bm.prefix_cache_queries, bm.prefix_cache_hits
+    p0, g0 = stats.prefill_tokens_total, stats.generation_tokens_total
     draw = token_source(engine, args.tokens)
     rng = random.Random(rng_seed)
     t = time.perf_counter()
@@ -89,7 +90,7 @@ def run_workload(engine, workload: str, args, rng_seed: int) -> dict:
     wall = time.perf_counter() - t
     queries, hits = bm.prefix_cache_queries - q0, bm.prefix_cache_hits - h0
     generated = stats.generation_tokens_total - g0
-    return {"wall_s": wall, "prefill_s": prefill_s, "prefilled": stats.prompt_tokens_total - p0,
+    return {"wall_s": wall, "prefill_s": prefill_s, "prefilled": stats.prefill_tokens_total - p0,
             "hit_rate": hits / queries if queries else 0.0, "ttft_s": statistics.mean(ttft),
             "tok_s": generated / wall, "outputs": outputs}
 

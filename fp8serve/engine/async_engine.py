@@ -69,6 +69,7 @@ class EngineSnapshot:
     num_blocks: int = 0
     num_free_blocks: int = 0
     prompt_tokens_total: int = 0
+    prompt_tokens_cached_total: int = 0
     generation_tokens_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -286,6 +287,7 @@ class AsyncLLMEngine:
             num_blocks=e.block_manager.num_blocks,
             num_free_blocks=e.block_manager.num_free_blocks,
             prompt_tokens_total=e.stats.prompt_tokens_total,
+            prompt_tokens_cached_total=e.stats.prompt_tokens_cached_total,
             generation_tokens_total=e.stats.generation_tokens_total,
             prefix_cache_queries=e.block_manager.prefix_cache_queries,
             prefix_cache_hits=e.block_manager.prefix_cache_hits,

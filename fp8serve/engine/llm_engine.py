@@ -18,6 +18,7 @@ from fp8serve.config import EngineConfig
 from fp8serve.engine.block_manager import BlockManager
 from fp8serve.engine.detokenizer import IncrementalDetokenizer
 from fp8serve.engine.model_runner import ModelRunner, ModelRunnerOutput, PromptLogprobs
+from fp8serve.engine.request_stats import IterationStats, StatLogger, report
 from fp8serve.engine.scheduler import Scheduler
 from fp8serve.engine.sequence import ParentRequest, Sequence
 from fp8serve.engine.tokenizer import check_text, eos_token_ids, load_tokenizer
@@ -33,7 +34,15 @@ PromptInput = str | list[int] | dict
 
 @dataclass
 class EngineStats:
+    # As vLLM counts them: each sequence's prompt length once, when its first
+    # token comes (a sample of an n > 1 request is a sequence; prefix-cached
+    # tokens count).
     prompt_tokens_total: int = 0
+    # The part of those found in the prefix cache (vLLM's prompt_tokens_cached).
+    prompt_tokens_cached_total: int = 0
+    # Prompt tokens the model computed: cached ones left out, a preempted
+    # sequence's recomputation included (what prefill cost).
+    prefill_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
     # Speculative decoding (vLLM's spec_decode_* counters): verify passes of a
@@ -71,6 +80,10 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.parents: dict[str, ParentRequest] = {}  # requests for n > 1 samples, by request id
         self.stats = EngineStats()
+        # Called with each step's IterationStats (and an abort's), on the thread
+        # that steps the engine: the server's Prometheus metrics.
+        self.stat_loggers: list[StatLogger] = []
+        self._iteration: IterationStats | None = None
         self._ids = itertools.count()
 
     @classmethod
@@ -216,8 +229,21 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         seq.finish_reason = "abort"
-        self.scheduler.finish(seq)
+        self._finish(seq)
         return True
+
+    def _finish(self, seq: Sequence) -> None:
+        """Release a sequence that just got its finish_reason; its stats go
+        to the current step's report (or to an abort's own)."""
+        self.scheduler.finish(seq)
+        if not self.stat_loggers:
+            return
+        if self._iteration is not None:
+            self._iteration.record_finish(seq)
+        else:
+            stats = IterationStats()
+            stats.record_finish(seq)
+            report(self.stat_loggers, stats)
 
     def reset_prefix_cache(self) -> None:
         """Forget the prefix cache: later requests share nothing computed before (benchmarks)."""
@@ -266,10 +292,16 @@ class LLMEngine:
             self.block_manager.reset_prefix_cache()
             raise
         self.stats.num_steps += 1
-        self.stats.prompt_tokens_total += sched.num_prefill_tokens
-        advanced = self._process(sched.decode_seqs, decode_out) if decode_out is not None else []
-        if out is not None:
-            advanced += self._process(sched.seqs, out, sched.num_new_tokens)
+        self.stats.prefill_tokens_total += sched.num_prefill_tokens
+        self._iteration = IterationStats(num_batched_tokens=sched.num_batched_tokens) if self.stat_loggers else None
+        try:
+            advanced = self._process(sched.decode_seqs, decode_out) if decode_out is not None else []
+            if out is not None:
+                advanced += self._process(sched.seqs, out, sched.num_new_tokens)
+        finally:
+            iteration, self._iteration = self._iteration, None
+        if iteration is not None:
+            report(self.stat_loggers, iteration)
         if self.proposer is not None:
             self._propose_drafts(advanced)
         return self._outputs(advanced)
@@ -362,11 +394,13 @@ class LLMEngine:
             seq.num_computed_tokens = seq.num_tokens - 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                self.stats.prompt_tokens_total += seq.num_prompt_tokens
+                self.stats.prompt_tokens_cached_total += min(seq.num_cached_tokens, seq.num_prompt_tokens)
             seq.last_token_time = now
             if cache_blocks:  # before a finish frees them
                 self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 self.seqs.pop(seq.request_id, None)
             advanced.append(seq)
         return advanced

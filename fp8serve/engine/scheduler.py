@@ -54,6 +54,7 @@ time to first token rose 1.09-1.5x and throughput stayed the same
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -183,6 +184,9 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, cached=cached)
             seq.status = SequenceStatus.RUNNING
+            seq.num_cached_tokens = len(cached) * bm.block_size
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             scheduled.append(seq)
             num_tokens += new_tokens
             growth += self.expected_growth(seq, ratio) if self.reserve_growth else 0
@@ -227,6 +231,9 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, cached=cached, num_new_tokens=chunk)
             seq.status = SequenceStatus.RUNNING
+            seq.num_cached_tokens = len(cached) * bm.block_size
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             admitted.append(seq)
             prefills.append(seq)
             chunks.append(chunk)

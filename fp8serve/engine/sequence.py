@@ -33,6 +33,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_preemptions: int = 0
+    # Tokens its latest admission found in the prefix cache (not computed).
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # Per generated token: {token_id: Logprob}; None unless requested.
@@ -42,6 +44,9 @@ class Sequence:
     prompt_logprob_parts: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     detokenizer: object | None = None
+    # When the scheduler first ran it (kept through preemptions: vLLM's
+    # queue time ends there), and when its first and newest tokens came.
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     # Parallel sampling (n > 1): the request this sequence is sample `index` of.

@@ -100,6 +100,7 @@ def test_chunked_prefill_generates_what_whole_prefills_do(model_dir, kv_cache_dt
     # that noise. So FP8 tokens may part where both runs rank the two within the tolerance.
     fp8 = kv_cache_dtype != "auto"
     assert_same(got, ref, 3e-2 if fp8 else 1e-5, allow_tie_splits=fp8)
+    assert chunked.stats.prefill_tokens_total == sum(len(p) for _, p, _ in requests)
     assert chunked.stats.prompt_tokens_total == sum(len(p) for _, p, _ in requests)
     assert chunked.scheduler.num_preemptions == 0
 

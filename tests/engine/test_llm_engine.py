@@ -272,7 +272,9 @@ def test_n_samples_prefill_the_prompt_once(model_dir, prefix_caching):
     params = SamplingParams(n=4, temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1)
     engine.add_request("p", {"prompt_token_ids": prompt}, params)
     outs = run_to_end_outputs(engine)
-    assert engine.stats.prompt_tokens_total == 21 + 3 * 1
+    assert engine.stats.prefill_tokens_total == 21 + 3 * 1
+    # As vLLM counts prompt tokens: each sample's prompt, the shared part apart.
+    assert (engine.stats.prompt_tokens_total, engine.stats.prompt_tokens_cached_total) == (4 * 21, 3 * 20)
     samples = outs["p"].outputs
     assert len({tuple(c.token_ids) for c in samples}) == 1  # greedy: the same sample four times
     lps = [[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in samples]
@@ -282,7 +284,9 @@ def test_n_samples_prefill_the_prompt_once(model_dir, prefix_caching):
     # Another request with the same prompt: shares them only with prefix caching.
     engine.add_request("q", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
     run_to_end_outputs(engine)
-    assert engine.stats.prompt_tokens_total == 24 + (1 if prefix_caching else 21)
+    assert engine.stats.prefill_tokens_total == 24 + (1 if prefix_caching else 21)
+    assert engine.stats.prompt_tokens_total == 5 * 21
+    assert engine.stats.prompt_tokens_cached_total == 3 * 20 + (20 if prefix_caching else 0)
     assert bm.num_free_blocks == 64
 
 

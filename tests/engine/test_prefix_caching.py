@@ -76,8 +76,11 @@ def test_requests_after_a_shared_prefix_generate_what_an_uncached_engine_does(mo
     # 13 shared tokens: 3 full blocks of 4 for each of the 5 later requests.
     assert bm.prefix_cache_hits == 5 * 12, seed
     assert bm.prefix_cache_queries == sum(len(p) for p in prompts)
-    assert engine.stats.prompt_tokens_total == sum(len(p) for p in prompts) - 5 * 12
-    assert plain.stats.prompt_tokens_total == sum(len(p) for p in prompts)
+    assert engine.stats.prefill_tokens_total == sum(len(p) for p in prompts) - 5 * 12
+    assert plain.stats.prefill_tokens_total == sum(len(p) for p in prompts)
+    # vLLM's prompt_tokens counts whole prompts; the cached part is counted apart.
+    assert engine.stats.prompt_tokens_total == plain.stats.prompt_tokens_total == sum(len(p) for p in prompts)
+    assert (engine.stats.prompt_tokens_cached_total, plain.stats.prompt_tokens_cached_total) == (5 * 12, 0)
     assert plain.block_manager.prefix_cache_queries == 0
     # Same stored K/V (FP8 codes included), other kernels: float32 rounding only.
     assert_same_generation(cached, reference, 2e-5, seed)

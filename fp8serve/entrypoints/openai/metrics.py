@@ -2,16 +2,21 @@
 
 Each app gets its own `CollectorRegistry`, so two servers in one process do
 not collide. Gauges and counters are read at scrape time from the engine's
-snapshot (copied by the engine thread); latency histograms are observed by
-the serving code as requests finish.
+snapshot (copied by the engine thread). Histograms of what the client sees
+(TTFT, inter-token latency, E2E) are observed by the serving code; those of
+the engine's steps and finished requests (tokens, queue / prefill / decode
+time, finish reasons) by `ServerMetrics.record`, a stat logger the engine
+thread calls after each step.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from fp8serve.engine.async_engine import AsyncLLMEngine
+from fp8serve.engine.request_stats import IterationStats
+from fp8serve.outputs import FINISH_REASONS
 
 PREFIX = "fp8serve:"
 
@@ -21,6 +26,23 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0)
+# vLLM's: request phases share one set of buckets, up to two hours.
+_REQUEST_TIME_BUCKETS = _E2E_BUCKETS + (7680.0,)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets,
+    sized by the model's context)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > limit:
+                return tuple(out)
+            out.append(v)
+        exp += 1
 
 
 class _EngineCollector:
@@ -53,8 +75,17 @@ class _EngineCollector:
         yield gauge("num_requests_running", "Number of requests in the running batch.", snap.num_running)
         yield gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", snap.num_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", snap.kv_cache_usage)
-        yield counter("prompt_tokens", "Prefilled prompt tokens (recomputed ones included).",
-                      snap.prompt_tokens_total)
+        yield counter("prompt_tokens", "Prompt tokens of requests that got their first token (prefix-cached ones "
+                      "included, as vLLM counts them).", snap.prompt_tokens_total)
+        cached = snap.prompt_tokens_cached_total
+        by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source",
+                                        "Prompt tokens by where their K/V came from: computed, or the prefix cache.",
+                                        labels=labels + ["source"])
+        by_source.add_metric(value + ["local_compute"], snap.prompt_tokens_total - cached)
+        by_source.add_metric(value + ["local_cache_hit"], cached)
+        yield by_source
+        yield counter("prompt_tokens_cached", "Prompt tokens whose K/V were shared, not computed (prefix cache, or "
+                      "the samples of an n > 1 request).", cached)
         yield counter("generation_tokens", "Generated tokens.", snap.generation_tokens_total)
         yield counter("num_preemptions", "Preemptions by recompute.", snap.num_preemptions)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -72,6 +103,8 @@ class _EngineCollector:
 
 class ServerMetrics:
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        # As vLLM: no `_created` series next to every counter and histogram (they double the page).
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(engine, model_name))
         kw = dict(labelnames=["model_name"], registry=self.registry)
@@ -81,6 +114,55 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, **kw).labels(model_name)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to finish.",
                              buckets=_E2E_BUCKETS, **kw).labels(model_name)
+        max_len = engine.engine.config.model_config.max_model_len
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, buckets=buckets, **kw).labels(model_name)
+
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                          _ITERATION_TOKEN_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests.",
+                                               buckets_1_2_5(max_len))
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens of finished requests.", buckets_1_2_5(max_len))
+        self.request_params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of finished "
+                                                   "requests that set it.", buckets_1_2_5(max_len))
+        self.request_params_n = histogram("request_params_n", "The n of finished requests.", _N_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                    _REQUEST_TIME_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                      _REQUEST_TIME_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.",
+                                     _REQUEST_TIME_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token.",
+                                        _REQUEST_TIME_BUCKETS)
+        self.time_per_output_token = histogram("request_time_per_output_token_seconds",
+                                               "Mean time between a finished request's output tokens.", _ITL_BUCKETS)
+        success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                          labelnames=["model_name", "finished_reason"], registry=self.registry)
+        # Every reason from the start, as vLLM: a rate over a series that does not exist yet is empty, not 0.
+        self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        engine.engine.stat_loggers.append(self.record)
+
+    def record(self, stats: IterationStats) -> None:
+        """The engine's report of one step (or abort); runs on the engine thread
+        (prometheus_client's metrics take their own locks)."""
+        if stats.num_batched_tokens is not None:
+            self.iteration_tokens.observe(stats.num_batched_tokens)
+        for r in stats.finished_requests:
+            self.request_success[r.finish_reason].inc()
+            self.request_prompt_tokens.observe(r.num_prompt_tokens)
+            self.request_generation_tokens.observe(r.num_generation_tokens)
+            if r.max_tokens_param is not None:
+                self.request_params_max_tokens.observe(r.max_tokens_param)
+            for hist, v in ((self.queue_time, r.queued_time), (self.prefill_time, r.prefill_time),
+                            (self.decode_time, r.decode_time), (self.inference_time, r.inference_time)):
+                if v is not None:
+                    hist.observe(v)
+            if r.decode_time is not None and r.num_generation_tokens > 1:
+                self.time_per_output_token.observe(r.decode_time / (r.num_generation_tokens - 1))
+        for n in stats.finished_params_n:
+            self.request_params_n.observe(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

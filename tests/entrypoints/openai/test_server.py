@@ -490,6 +490,66 @@ def test_metrics_names(server, client):
     assert _metric(server, "fp8serve:generation_tokens_total") >= 3
 
 
+def _scrape(server) -> dict[str, float]:
+    """Every series of /metrics by its name and labels as printed (`name{a="x",b="y"}`)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+\}?) (\S+)$", text, re.M)}
+
+
+def test_metrics_of_finished_requests(server, client, llm):
+    """vLLM's per-request metrics, from what the engine did: finish reasons, prompt / generated /
+    max_tokens / n histograms, queue, prefill, decode and inference time, and the tokens each
+    engine step computed, checked exactly against four known requests (one an n = 2)."""
+    def series(name, **labels):  # labels as prometheus_client prints them: sorted by name
+        labels = sorted({**labels, "model_name": MODEL}.items())
+        return f"fp8serve:{name}{{{','.join(f'{k}={chr(34)}{v}{chr(34)}' for k, v in labels)}}}"
+
+    prompt = "Metrics count what the engine really did, token by token, request by request."
+    _wait_kv_free(server)
+    before = _scrape(server)
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    b = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, n=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    p = a.usage.prompt_tokens
+    # Greedy again (the offline engine's first token is the server's): that token is made a
+    # stop token, so the request finishes "stop" after 1 token.
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True,
+                                              "stop_token_ids": [greedy.outputs[0].token_ids[0]]})
+    assert c.choices[0].finish_reason == "stop" and c.usage.completion_tokens == 1
+    after = _scrape(server)
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta(series("request_success_total", finished_reason="length")) == 3
+    assert delta(series("request_success_total", finished_reason="stop")) == 1
+    assert delta(series("request_success_total", finished_reason="abort")) == 0
+    assert delta(series("request_prompt_tokens_count")) == 4
+    assert delta(series("request_prompt_tokens_sum")) == 4 * p
+    assert delta(series("request_generation_tokens_sum")) == 4 + 3 + 3 + 1
+    assert delta(series("request_params_max_tokens_sum")) == 4 + 3 + 3 + 10
+    assert (delta(series("request_params_n_count")), delta(series("request_params_n_sum"))) == (3, 4)
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(series(f"request_{phase}_time_seconds_count")) == 4, phase
+    assert delta(series("request_time_per_output_token_seconds_count")) == 3  # c has one token: no gap
+    assert delta(series("request_prefill_time_seconds_sum")) + delta(series("request_decode_time_seconds_sum")) \
+        == pytest.approx(delta(series("request_inference_time_seconds_sum")), abs=1e-6)
+    # Prompt tokens as vLLM counts them (every sample's whole prompt); b's second sample shares
+    # the full blocks of 16 before the prompt's last token with its first one.
+    shared = (p - 1) // 16 * 16
+    assert delta(series("prompt_tokens_total")) == 4 * p
+    assert delta(series("prompt_tokens_cached_total")) == shared
+    assert delta(series("prompt_tokens_by_source_total", source="local_cache_hit")) == shared
+    assert delta(series("prompt_tokens_by_source_total", source="local_compute")) == 4 * p - shared
+    # Tokens the steps computed: 4 prompts less the shared part, and one per decoded token
+    # (each sample's first token comes from its prefill).
+    assert delta(series("iteration_tokens_total_sum")) == 4 * p - shared + 3 + 2 * 2
+    assert delta(series("generation_tokens_total")) == 11
+
+
 def _wait_kv_free(server, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while _metric(server, "fp8serve:kv_cache_usage_perc") != 0.0 and time.monotonic() < deadline:
@@ -506,6 +566,7 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "stream": True, "ignore_eos": True}
     before = _metric(server, "fp8serve:generation_tokens_total")
+    start = _scrape(server)
     with httpx.Client(timeout=60, headers=headers) as http:
         streams = [http.stream("POST", server.url + "/v1/completions", json=body) for _ in range(8)]
         responses = [s.__enter__() for s in streams]
@@ -522,6 +583,12 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
         next(line for line in r.iter_lines() if line.startswith("data: "))
     _wait_kv_free(server)
     assert httpx.get(f"{server.url}/health").status_code == 200
+    # Each of the nine requests counts once, the dropped ones (at least one: fewer tokens came
+    # than asked for) as "abort", vLLM's finished_reason.
+    end = _scrape(server)
+    reasons = {r: end[k] - start[k] for r in ("abort", "length", "stop")
+               for k in [f'fp8serve:request_success_total{{finished_reason="{r}",model_name="{MODEL}"}}']}
+    assert reasons["abort"] >= 1 and sum(reasons.values()) == 9, reasons
 
 
 def test_disconnect_non_streaming_aborts(server):
