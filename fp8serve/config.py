@@ -257,6 +257,9 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
+    # vLLM's --quantization: "fp8" quantizes a 16/32-bit checkpoint's weights at load
+    # (quantization/fp8_online.py); None: the checkpoint's own weights.
+    quantization: str | None = None
     # Always run the model eagerly: no recorded decode or prefill forwards (vLLM's
     # --enforce-eager, which turns off its CUDA graphs; see decode_capture.py
     # and prefill_capture.py).
@@ -273,6 +276,12 @@ class ModelConfig:
             raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ConfigError(f"--seed must be an integer in [-2^63, 2^64) (default 0), got {self.seed!r}")
+        if self.quantization is not None:
+            from fp8serve.quantization.registry import QUANTIZATION_METHODS
+
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ConfigError(f"--quantization {self.quantization!r} is not supported (supported: "
+                                  f"{', '.join(QUANTIZATION_METHODS)}; FP8 checkpoints need no flag)")
         self.model = str(self.model)
         self.hf_config, cfg_path = read_hf_config(self.model)
         self.arch = ModelArchConfig.from_dict(self.hf_config, cfg_path)
@@ -504,6 +513,7 @@ class EngineConfig:
         enable_prefix_caching: bool = False,
         enable_chunked_prefill: bool = False,
         speculative_config: SpeculativeConfig | dict | str | None = None,
+        quantization: str | None = None,
     ) -> "EngineConfig":
         if model is None:
             from fp8serve.default_model import ensure_default_model
@@ -520,7 +530,7 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching,
         )
         model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
-                                   enforce_eager=enforce_eager)
+                                   enforce_eager=enforce_eager, quantization=quantization)
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

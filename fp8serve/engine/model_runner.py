@@ -95,7 +95,7 @@ class ModelRunner:
         model_cls = get_model_class(arch)
         self.weights_mapper = model_cls.weights_mapper(arch)
         quant_config = get_quantization_config(arch.quantization_config, mc.model,
-                                               self.weights_mapper.checkpoint_modules)
+                                               self.weights_mapper.checkpoint_modules, mc.quantization)
         if quant_config is None:
             quant_config = narrow_weights.select(mc.model, self.dtype, self.device)  # None: compute-dtype weights
         with torch.device(self.device):

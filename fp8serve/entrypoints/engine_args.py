@@ -39,6 +39,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="compute dtype; auto = float32 on CPUs without fast bf16, the checkpoint's dtype on CUDA")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="KV cache storage; auto = compute dtype, fp8 = fp8_e4m3")
+    g.add_argument("--quantization", "-q", default=None, metavar="fp8",
+                   help="quantize a 16/32-bit checkpoint's linear weights at load: fp8 = float8_e4m3 with a "
+                        "per-tensor scale (vLLM's dynamic FP8; on CPU the fastest decode). FP8 checkpoints "
+                        "need no flag")
     g.add_argument("--quantization-param-path", default=None,
                    help="JSON with per-layer KV scales (vLLM schema), for 16-bit checkpoints")
     g.add_argument("--calculate-kv-scales", action="store_true",
@@ -82,6 +86,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         quantization_param_path=args.quantization_param_path,
         calculate_kv_scales=args.calculate_kv_scales,
         kv_cache_memory=kv_cache_memory,
