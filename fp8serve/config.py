@@ -249,6 +249,20 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dty
     return platform.fastest_cpu_compute_dtype()
 
 
+def _json_object(value: dict | str | None, flag: str) -> dict | None:
+    """A flag's JSON object text (or a dict from the Python API) as a dict; ConfigError naming the flag."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} must be a JSON object such as '{{\"temperature\": 0.7}}', got {value!r} "
+                          f"({e})") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {value!r}")
+    return parsed
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -260,6 +274,11 @@ class ModelConfig:
     # vLLM's --quantization: "fp8" quantizes a 16/32-bit checkpoint's weights at load
     # (quantization/fp8_online.py); None: the checkpoint's own weights.
     quantization: str | None = None
+    # vLLM's --generation-config ("auto": the model's generation_config.json gives the
+    # default temperature / top_p / ...; "vllm": none; or a directory) and
+    # --override-generation-config: engine/generation_defaults.py.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     # Always run the model eagerly: no recorded decode or prefill forwards (vLLM's
     # --enforce-eager, which turns off its CUDA graphs; see decode_capture.py
     # and prefill_capture.py).
@@ -269,6 +288,8 @@ class ModelConfig:
     hf_config: dict = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
+    # SamplingParams fields -> defaults for requests that leave them unset (from the above).
+    default_sampling_params: dict = field(init=False)
 
     def __post_init__(self) -> None:
         # A string such as "false" would otherwise read as true.
@@ -285,6 +306,10 @@ class ModelConfig:
         self.model = str(self.model)
         self.hf_config, cfg_path = read_hf_config(self.model)
         self.arch = ModelArchConfig.from_dict(self.hf_config, cfg_path)
+        from fp8serve.engine.generation_defaults import default_sampling_params
+
+        self.default_sampling_params = default_sampling_params(self.model, self.generation_config,
+                                                               self.override_generation_config)
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device, self.arch.checkpoint_dtype)
         limit = self.arch.max_position_embeddings
@@ -514,6 +539,8 @@ class EngineConfig:
         enable_chunked_prefill: bool = False,
         speculative_config: SpeculativeConfig | dict | str | None = None,
         quantization: str | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict | str | None = None,
     ) -> "EngineConfig":
         if model is None:
             from fp8serve.default_model import ensure_default_model
@@ -530,7 +557,10 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching,
         )
         model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
-                                   enforce_eager=enforce_eager, quantization=quantization)
+                                   enforce_eager=enforce_eager, quantization=quantization,
+                                   generation_config=generation_config,
+                                   override_generation_config=_json_object(override_generation_config,
+                                                                           "--override-generation-config"))
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -77,6 +77,10 @@ class LLMEngine:
             logger.info("Speculative decoding: %s, up to %d draft tokens per step from earlier occurrences of the "
                         "last %d-%d tokens", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
                         spec.prompt_lookup_max)
+        if mc.default_sampling_params:
+            logger.info("Default sampling parameters from the model's generation config: %s (for requests that "
+                        "leave them unset, as vLLM; --generation-config vllm: the engine's own)",
+                        mc.default_sampling_params)
         self.seqs: dict[str, Sequence] = {}
         self.parents: dict[str, ParentRequest] = {}  # requests for n > 1 samples, by request id
         self.stats = EngineStats()

@@ -43,6 +43,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="quantize a 16/32-bit checkpoint's linear weights at load: fp8 = float8_e4m3 with a "
                         "per-tensor scale (vLLM's dynamic FP8; on CPU the fastest decode). FP8 checkpoints "
                         "need no flag")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens) for requests that leave them unset: auto = the model's "
+                        "generation_config.json (vLLM's default), vllm = none, or a directory holding one")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='defaults on top of --generation-config, e.g. \'{"temperature": 0.5}\'')
     g.add_argument("--quantization-param-path", default=None,
                    help="JSON with per-layer KV scales (vLLM schema), for 16-bit checkpoints")
     g.add_argument("--calculate-kv-scales", action="store_true",
@@ -87,6 +93,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         quantization_param_path=args.quantization_param_path,
         calculate_kv_scales=args.calculate_kv_scales,
         kv_cache_memory=kv_cache_memory,

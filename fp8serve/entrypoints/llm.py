@@ -27,6 +27,10 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.llm_engine = LLMEngine.from_args(model, **kwargs)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation-config defaults (--generation-config)."""
+        return SamplingParams(**self.llm_engine.config.model_config.default_sampling_params)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -43,7 +47,7 @@ class LLM:
         """Outputs in the order of `prompts`."""
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

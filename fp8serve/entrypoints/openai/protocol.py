@@ -105,21 +105,28 @@ class _SamplingFields(OpenAIBaseModel):
                 raise InvalidParameterError(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
         return bias
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """`defaults`: the model's generation-config values for fields the request leaves unset
+        (ModelConfig.default_sampling_params), else the engine's own."""
         self._check_supported()
+
+        def unset(field: str, own):
+            value = getattr(self, field)
+            return value if value is not None else defaults.get(field, own)
+
         return dict(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=unset("temperature", 1.0),
+            top_p=unset("top_p", 1.0),
+            top_k=unset("top_k", 0),
+            min_p=unset("min_p", 0.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=unset("repetition_penalty", 1.0),
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -135,16 +142,16 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`max_tokens` is the resolved budget (>= 1); prompt logprobs are
-        computed when echo and logprobs are both asked for."""
+        computed when echo and logprobs are both asked for; `defaults` as in _sampling_kwargs."""
         echoed = self.logprobs if self.echo and self.logprobs is not None else None
         wanted = [k for k in (echoed, self.prompt_logprobs) if k is not None]
         return SamplingParams(
             max_tokens=max_tokens,
             logprobs=self.logprobs,
             prompt_logprobs=max(wanted) if wanted else None,
-            **self._sampling_kwargs(),
+            **self._sampling_kwargs(defaults or {}),
         )
 
 
@@ -182,7 +189,7 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.tool_choice not in (None, "none"):
             raise InvalidParameterError(
                 f"tool_choice {self.tool_choice!r} is not supported: fp8serve parses no tool calls; send "
@@ -194,7 +201,7 @@ class ChatCompletionRequest(_SamplingFields):
         elif self.top_logprobs:
             raise InvalidParameterError("top_logprobs requires logprobs=true", "top_logprobs")
         return SamplingParams(max_tokens=max_tokens, logprobs=k, prompt_logprobs=self.prompt_logprobs,
-                              **self._sampling_kwargs())
+                              **self._sampling_kwargs(defaults or {}))
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -61,9 +61,11 @@ class CompletionServer:
         params = []
         for p in prompts:
             check_prompt(p.token_ids, mc.arch.vocab_size, mc.max_model_len)
-            budget = resolve_max_tokens(request.max_tokens, len(p.token_ids), mc.max_model_len)
+            defaults = mc.default_sampling_params
+            budget = resolve_max_tokens(request.max_tokens, len(p.token_ids), mc.max_model_len,
+                                        cap=defaults.get("max_tokens"))
             try:
-                params.append(request.to_sampling_params(max(budget, 1)))
+                params.append(request.to_sampling_params(max(budget, 1), defaults))
             except ValueError as e:
                 raise RequestError(str(e), param=getattr(e, "parameter", None)) from None
         return prompts, params, hide_output

@@ -465,6 +465,34 @@ def test_models_tokenize_detokenize(server, client, llm):
     assert chat.json()["tokens"] == ref and chat.json()["count"] == len(ref)
 
 
+def test_generation_config_defaults_fill_unset_fields(tmp_path):
+    """As vLLM's --generation-config auto: the model's generation_config.json (temperature 0,
+    max_new_tokens 6) fills the fields a request leaves unset (greedy, 6 tokens: the offline
+    engine's greedy tokens) and caps max_tokens; a request's own temperature wins."""
+    import json as _json
+
+    model = write_tiny_llama(tmp_path / "llama")
+    (model / "generation_config.json").write_text(_json.dumps({"eos_token_id": 2, "temperature": 0.0,
+                                                                "max_new_tokens": 6}))
+    ref = LLM(str(model), **ENGINE_ARGS).generate("Once upon", SamplingParams(temperature=0, max_tokens=6,
+                                                                             ignore_eos=True), use_tqdm=False)
+    s = ServerProcess(model, "--served-model-name", MODEL)
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=60)
+        for r in (c.completions.create(model=MODEL, prompt="Once upon", extra_body={"ignore_eos": True}),
+                  c.completions.create(model=MODEL, prompt="Once upon", max_tokens=50,
+                                       extra_body={"ignore_eos": True})):
+            assert r.choices[0].text == ref[0].outputs[0].text and r.usage.completion_tokens == 6
+        sampled = {c.completions.create(model=MODEL, prompt="Once upon", temperature=2.0, seed=i,
+                                        extra_body={"ignore_eos": True}).choices[0].text for i in range(6)}
+        assert len(sampled) > 1  # temperature 2: not the greedy text six times
+    finally:
+        rc, out = s.stop()
+    assert rc == 0, out
+    assert "Default sampling parameters from the model's generation config: {'temperature': 0.0, 'max_tokens': 6}" \
+        in out
+
+
 def test_ping_and_version(server):
     """vLLM's /ping (GET and POST, as /health) and /version."""
     import fp8serve
