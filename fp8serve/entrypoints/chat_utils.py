@@ -53,3 +53,35 @@ def conversation_for_template(messages: Any, where: str = "messages") -> list[di
             raise InvalidParameterError(str(e), "messages") from None
         out.append({**m, "content": text})
     return out
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the path of a Jinja file, or the template itself (with
+    backslash escapes such as \\n decoded, as vLLM does). UserError naming the file or the
+    line when it cannot be read or does not parse: at start-up, not in every chat request."""
+    import codecs
+    from pathlib import Path
+
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from fp8serve.errors import UserError
+
+    path = Path(value)
+    if path.is_file():
+        try:
+            template, where = path.read_text(encoding="utf-8"), f"--chat-template file '{value}'"
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--chat-template: cannot read '{value}' ({e})") from None
+    elif "{" not in value:
+        # No Jinja tag or expression: meant as a file, not a template that prints itself.
+        what = "is a directory" if path.is_dir() else "not found"
+        raise UserError(f"--chat-template '{value}': {what} (expected a Jinja template file or the template "
+                        "text itself)")
+    else:
+        template, where = codecs.decode(value, "unicode_escape"), "--chat-template"
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise UserError(f"{where}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return template

@@ -31,3 +31,31 @@ def test_conversation_keeps_other_keys_and_names_the_message():
     with pytest.raises(ValueError) as e:
         conversation_for_template([{"role": "user", "content": 3}])
     assert e.value.parameter == "messages"
+
+
+def test_load_chat_template_from_a_file_or_the_text(tmp_path):
+    from fp8serve.entrypoints.chat_utils import load_chat_template
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}")
+    assert load_chat_template(str(f)) == f.read_text()
+    # The text itself, with backslash escapes decoded as vLLM does.
+    assert load_chat_template("{{ messages[0].content }}\\n") == "{{ messages[0].content }}\n"
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "syntax-file", "syntax-text"])
+def test_load_chat_template_names_what_is_wrong(tmp_path, kind):
+    from fp8serve.entrypoints.chat_utils import load_chat_template
+    from fp8serve.errors import UserError
+
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("line one\n{% for m in messages %}{{ m.content }}")
+    value, message = {
+        "missing": (str(tmp_path / "nope.jinja"), "nope.jinja': not found (expected a Jinja template file"),
+        "directory": (str(tmp_path), "': is a directory"),
+        "syntax-file": (str(bad), f"--chat-template file '{bad}': not a valid Jinja template (line 2: "),
+        "syntax-text": ("{% if x %}", "--chat-template: not a valid Jinja template (line 1: "),
+    }[kind]
+    with pytest.raises(UserError) as e:
+        load_chat_template(value)
+    assert message in str(e.value)

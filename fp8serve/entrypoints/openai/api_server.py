@@ -42,6 +42,8 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     api_key: str | None = None
+    # --chat-template: used where a chat request names none (None: the tokenizer's).
+    chat_template: str | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     # Tokenization and chat templates run here, off the event loop: a prompt
@@ -123,8 +125,9 @@ class _GuardMiddleware:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    state = ServerState(engine, served_model_name, ServerMetrics(engine, served_model_name), api_key)
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None) -> FastAPI:
+    state = ServerState(engine, served_model_name, ServerMetrics(engine, served_model_name), api_key,
+                        chat_template=chat_template)
     completions, chat = CompletionServer(state), ChatServer(state)
     app = FastAPI(title="fp8serve OpenAI-compatible server")
     app.state.server = state

@@ -14,6 +14,7 @@ import math
 import signal
 
 from fp8serve.default_model import DEFAULT_MODEL_NAME
+from fp8serve.entrypoints.chat_utils import load_chat_template
 from fp8serve.entrypoints.engine_args import add_engine_args, engine_kwargs
 from fp8serve.errors import UserError
 from fp8serve.utils.memory import parse_size
@@ -41,6 +42,9 @@ def register(subparsers) -> None:
                    help="the model name clients use (default: MODEL as given, or the built-in model's name)")
     g.add_argument("--max-request-body-size", default=str(DEFAULT_MAX_BODY_BYTES),
                    help="larger request bodies get 413 (bytes, or e.g. 8MiB)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template (a file, or the template text) for chat requests that name none, "
+                        "instead of the tokenizer's (which base models lack)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM")
     g.add_argument("--stall-timeout", type=float, default=120.0,
@@ -118,10 +122,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-request-body-size: {e}") from None
     if max_body < 1:
         raise UserError(f"--max-request-body-size must be at least 1 byte, got {args.max_request_body_size!r}")
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     engine = AsyncLLMEngine.from_args(model, stall_timeout=args.stall_timeout, log_stats=not args.disable_log_stats,
                                       **engine_kwargs(args))
     name = args.served_model_name or model or DEFAULT_MODEL_NAME
-    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
+    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=max_body, chat_template=chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5, access_log=False)
     server = _draining_server_class()(config, app, engine, args.shutdown_timeout)

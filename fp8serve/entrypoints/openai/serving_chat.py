@@ -19,12 +19,15 @@ class ChatServer:
 
     def apply_chat_template(self, request) -> list[int]:
         tok = self.state.engine.tokenizer
-        if tok is None or (getattr(tok, "chat_template", None) is None and request.chat_template is None):
-            raise RequestError("this model has no chat template", param="messages")
+        # The request's own template, then the server's --chat-template, then the tokenizer's (as vLLM).
+        template = request.chat_template if request.chat_template is not None else self.state.chat_template
+        if tok is None or (getattr(tok, "chat_template", None) is None and template is None):
+            raise RequestError("this model has no chat template (the server takes one with --chat-template)",
+                               param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                          tokenize=True, chat_template=request.chat_template,
+                                          tokenize=True, chat_template=template,
                                           tools=getattr(request, "tools", None))
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"chat template failed: {e}", param="messages") from None

@@ -493,6 +493,35 @@ def test_generation_config_defaults_fill_unset_fields(tmp_path):
         in out
 
 
+def test_chat_template_flag(tmp_path, model_dir, llm):
+    """vLLM's serve --chat-template FILE: chat requests (and /tokenize with messages) that name no
+    template use it instead of the tokenizer's; a request's own chat_template still wins. A
+    template that does not parse stops the server before the model loads, naming the file."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Hello there"}]
+    s = ServerProcess(model_dir, "--served-model-name", MODEL, "--chat-template", str(template))
+    try:
+        got = httpx.post(f"{s.url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=60).json()
+        assert got["tokens"] == tok.encode("user: Hello there\nassistant:")
+        own = httpx.post(f"{s.url}/tokenize", json={"model": MODEL, "messages": messages,
+                                                    "chat_template": "[{{ messages[0].content }}]"}, timeout=60)
+        assert own.json()["tokens"] == tok.encode("[Hello there]")
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        assert r.usage.prompt_tokens == len(got["tokens"])
+    finally:
+        rc, out = s.stop()
+    assert rc == 0, out
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    run = subprocess.run([sys.executable, "-m", "fp8serve.entrypoints.cli", "serve", str(model_dir),
+                          "--chat-template", str(bad)], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and f"--chat-template file '{bad}': not a valid Jinja template" in run.stderr
+    assert "Loaded" not in run.stderr + run.stdout
+
+
 def test_ping_and_version(server):
     """vLLM's /ping (GET and POST, as /health) and /version."""
     import fp8serve
