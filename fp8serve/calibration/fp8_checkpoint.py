@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 from fp8serve.calibration.observers import MIN_SCALE, scale_from_amax
 from fp8serve.calibration.writers import copy_side_files, fp8_kv_quantization_config, save_safetensors
 from fp8serve.quantization.fp8 import FP8_E4M3, quantize_fp8
+# The loader's list: a strategy written here must be one Fp8LinearMethod loads.
+from fp8serve.quantization.fp8_linear import WEIGHT_STRATEGIES
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +45,6 @@ def is_quantized_linear(name: str) -> bool:
         return False
     module = name.removesuffix(".weight")
     return module.rsplit(".", 1)[-1] in QUANTIZED_PROJECTIONS and not module.endswith("lm_head")
-
-
-WEIGHT_STRATEGIES = ("tensor", "channel")
 
 
 def quantize_weight(weight: torch.Tensor, strategy: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:

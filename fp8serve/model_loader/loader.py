@@ -101,17 +101,54 @@ def iterate_checkpoint(model_dir: str | Path, desc: str = "Loading weights") -> 
                 bar.update(1)
 
 
-def _shard_checkpoint_name(mapper: WeightsMapper, layer: nn.Module, param_name: str, index: int) -> str | None:
-    """The checkpoint name a fused parameter's shard `index` loads from
-    (model.layers.5.mlp.gate_up_proj.weight, 1 -> ...mlp.up_proj.weight), where
-    a rule without wildcards says so."""
-    for rule in mapper.rules:
-        if rule.shard_id is None or len(rule.params) != 1 or "*" in rule.params[0] + rule.checkpoint:
-            continue
-        fused = rule.params[0]
-        if f".{fused}." in f".{param_name}." and layer.shard_index(rule.shard_id) == index:
-            return param_name.replace(fused, rule.checkpoint, 1)
-    return None
+def _checkpoint_tensor(mapper: WeightsMapper, param_name: str, shard_ids: tuple = (None,)) -> str:
+    """The checkpoint tensor a parameter (or, by `shard_ids`, one shard of a fused parameter)
+    loads from, as the checkpoint names it: model.layers.5.mlp.gate_up_proj.weight, shard 1 ->
+    ...mlp.up_proj.weight; ...mlp.experts.0.down_proj.weight_scale ->
+    ...block_sparse_moe.experts.0.w2.weight_scale. The parameter's own name where the
+    rules do not say."""
+    module, _, suffix = param_name.rpartition(".")
+    for shard_id in shard_ids:
+        ckpt = mapper.checkpoint_module(module, shard_id) if module else None
+        if ckpt is not None:
+            return f"{ckpt}.{suffix}"
+    return param_name if shard_ids == (None,) else f"{param_name} (shard {shard_ids[-1]!r})"
+
+
+def _is_float8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _quant_configs(model: nn.Module) -> list:
+    """The quantization configs the model's layers were built from (a quantized layer's
+    method keeps its config), each once."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(getattr(module, "quant_method", None), "config", None)
+        if config is not None:
+            configs.setdefault(id(config), config)
+    return list(configs.values())
+
+
+def _explain(model: nn.Module, model_dir: str | Path, ckpt_name: str, dtype: torch.dtype) -> str | None:
+    """Why the checkpoint's quantization config has no place for tensor `ckpt_name` (a zero
+    point of an asymmetric scheme, a static scale under a dynamic one, FP8 codes of a 16-bit
+    layer), naming the config field; None when nothing is known about it. The configs know
+    their fields: the loader only asks them."""
+    for config in _quant_configs(model):
+        explain = getattr(config, "explain_checkpoint_tensor", None)
+        detail = explain(ckpt_name, dtype) if explain is not None else None
+        if detail is not None:
+            return detail
+    # No config that declares quantized weights: config.json itself says what it lacks.
+    config_json = f"{model_dir}/config.json"
+    try:
+        hf_quant_config = json.loads(Path(config_json).read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    from fp8serve.quantization.compressed_tensors import explain_without_weight_config
+
+    return explain_without_weight_config(ckpt_name, dtype, hf_quant_config, config_json)
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper) -> None:
@@ -128,10 +165,20 @@ def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper)
                 continue  # resolved by quantization.kv_scales
             param = params.get(target.param_name)
             if param is None:
+                detail = _explain(model, model_dir, ckpt_name, tensor.dtype)
+                if detail is not None:
+                    raise ConfigError(f"{file}: tensor '{ckpt_name}' {detail}")
                 raise ConfigError(
                     f"{file}: tensor '{ckpt_name}' does not match any parameter of "
                     f"{type(model).__name__} (mapped to '{target.param_name}')"
                 )
+            if _is_float8(tensor.dtype) and not _is_float8(param.dtype):
+                # FP8 codes copied into a 16/32-bit parameter would become floats without their
+                # scale: wrong weights that still run.
+                detail = _explain(model, model_dir, ckpt_name, tensor.dtype) or (
+                    f"holds FP8 ({tensor.dtype}) codes for '{target.param_name}' ({param.dtype} here): "
+                    "config.json's quantization_config does not declare this layer FP8")
+                raise ConfigError(f"{file}: tensor '{ckpt_name}' {detail}")
             if param.is_floating_point() and not tensor.is_floating_point():
                 # An integer tensor would be cast to floats without a word: not a
                 # checkpoint this model reads.
@@ -161,7 +208,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper)
     }
     # A tied LM head shares the embedding Parameter: loaded under either name.
     loaded_ids = {id(params[n]) for n in loaded}
-    missing = sorted(n for n in required if id(params[n]) not in loaded_ids)
+    missing = [_checkpoint_tensor(mapper, n) for n in sorted(required) if id(params[n]) not in loaded_ids]
     # A fused parameter (qkv_proj, gate_up_proj) loaded shard by shard needs
     # every shard: a missing one would leave its rows as they were allocated.
     for name, got in sorted(shards_loaded.items()):
@@ -172,9 +219,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, mapper: WeightsMapper)
         have = {layer.shard_index(s) for s in got}
         for index in range(len(sizes)):
             if index not in have:
-                ckpt = _shard_checkpoint_name(mapper, layer, name, index)
-                shard = layer.shard_names[index] if layer.shard_names else index
-                missing.append(ckpt if ckpt is not None else f"{name} (shard {shard!r})")
+                # A rule may name the shard by its index or by its name ('k').
+                ids = (index,) + ((layer.shard_names[index],) if layer.shard_names else ())
+                missing.append(_checkpoint_tensor(mapper, name, ids))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ConfigError(f"{model_dir}: checkpoint is missing tensors for {shown}")

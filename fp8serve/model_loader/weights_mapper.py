@@ -84,18 +84,33 @@ class WeightsMapper:
         fused module's shards in order): ``model.layers.0.mlp.experts.3.gate_up_proj``
         -> ``[...block_sparse_moe.experts.3.w1, ...block_sparse_moe.experts.3.w3]``.
         Quantization configs name checkpoint modules, the model fused ones."""
-        found: list[str] = []
-        for rule in self.rules:
-            for param in rule.params:
-                body = r"\.".join("([^.]+)" if c == "*" else re.escape(c) for c in param.split("."))
-                m = re.search(r"(?:^|\.)" + body + "$", module)
-                if m is None:
-                    continue
-                head = module[:m.start() + (1 if module[m.start()] == "." else 0)]
-                wildcards = iter(m.groups())
-                tail = ".".join(next(wildcards) if c == "*" else c for c in rule.checkpoint.split("."))
-                found.append(head + tail)
+        found = [m for rule in self.rules for param in rule.params if (m := _invert(rule, param, module)) is not None]
         return found or [module]
+
+    def checkpoint_module(self, module: str, shard_id: str | int | None = None) -> str | None:
+        """The one checkpoint module whose tensors load into shard `shard_id` of model
+        module `module` (None: into the whole of it), for naming a missing tensor as the
+        checkpoint spells it: ``model.layers.0.mlp.experts.3.down_proj`` ->
+        ``model.layers.0.block_sparse_moe.experts.3.w2``. A module no rule names is its
+        own; None where no rule, or more than one, gives that part."""
+        found = [(rule, m) for rule in self.rules for param in rule.params
+                 if (m := _invert(rule, param, module)) is not None]
+        if not found:
+            return module if shard_id is None else None
+        exact = [m for rule, m in found if rule.shard_id == shard_id and len(rule.params) == 1]
+        return exact[0] if len(exact) == 1 else None
+
+
+def _invert(rule: MappingRule, param: str, module: str) -> str | None:
+    """The checkpoint module `rule` maps onto model module `module` through its
+    replacement `param`, wildcards carried back; None where `param` does not name it."""
+    body = r"\.".join("([^.]+)" if c == "*" else re.escape(c) for c in param.split("."))
+    m = re.search(r"(?:^|\.)" + body + "$", module)
+    if m is None:
+        return None
+    head = module[:m.start() + (1 if module[m.start()] == "." else 0)]
+    wildcards = iter(m.groups())
+    return head + ".".join(next(wildcards) if c == "*" else c for c in rule.checkpoint.split("."))
 
 
 def layer_index(param_name: str) -> int | None:

@@ -25,7 +25,13 @@ import torch
 
 from fp8serve.errors import ConfigError
 from fp8serve.quantization.base import LinearMethod, QuantizationConfig
-from fp8serve.quantization.fp8_linear import Fp8LinearMethod, fp8_checkpoint_vocab_dtype
+from fp8serve.quantization.fp8_linear import (
+    DISAGREE,
+    KV_ZERO_POINT,
+    Fp8LinearMethod,
+    checkpoint_tensor_kind,
+    fp8_checkpoint_vocab_dtype,
+)
 from fp8serve.quantization.unquantized import UnquantizedLinearMethod
 
 # Formats whose FP8 weights are stored as float8_e4m3fn tensors, as they are used.
@@ -46,6 +52,9 @@ class _Group:
     name: str
     targets: tuple[str, ...]
     scheme: Fp8Scheme
+    format: str = "float-quantized"
+    # input_activations as the config spells it: "null" (16-bit), "dynamic" or "static".
+    activations: str = "dynamic"
 
 
 def _matches(entry: str, module: str) -> bool:
@@ -70,6 +79,13 @@ def _weights_scheme(weights, where: str) -> str:
         extra = f" (block_structure {weights.get('block_structure')})" if strategy == "block" else ""
         raise ConfigError(f"{where}.weights.strategy is {strategy!r}{extra}: only 'tensor' and 'channel' FP8 "
                           "weight scales are supported")
+    group_size = weights.get("group_size")
+    if group_size is not None and (not isinstance(group_size, int) or group_size != -1):
+        # compressed-tensors' QuantizationArgs refuses a positive group_size without strategy
+        # 'group' (-1 is its spelling of per channel): a scale per group of columns that this
+        # config does not describe.
+        raise ConfigError(f"{where}.weights.group_size is {group_size!r} with strategy {strategy!r}: "
+                          "compressed-tensors uses a positive group_size only with strategy 'group'")
     if weights.get("symmetric", True) is not True:
         raise ConfigError(f"{where}.weights.symmetric is {weights.get('symmetric')!r}: FP8 weights are symmetric")
     if weights.get("dynamic", False):
@@ -114,10 +130,12 @@ class CompressedTensorsConfig(QuantizationConfig):
     name = "compressed-tensors"
 
     def __init__(self, groups: list[_Group], ignore: tuple[str, ...], where: str,
-                 checkpoint_modules: Callable[[str], list[str]] | None = None) -> None:
+                 checkpoint_modules: Callable[[str], list[str]] | None = None,
+                 kv_cache_scheme: dict | None = None) -> None:
         self.groups = groups
         self.ignore = ignore
         self.where = where
+        self.kv_cache_scheme = kv_cache_scheme  # only named in errors: kv_scales.py reads it
         self.checkpoint_modules = checkpoint_modules or (lambda module: [module])
         self.activation_scheme = "dynamic"  # per group; read by Fp8LinearMethod only as a default
         self._warned_cpu = False
@@ -159,24 +177,65 @@ class CompressedTensorsConfig(QuantizationConfig):
             targets = _string_list(group.get("targets"), f"{gwhere}.targets")
             if not targets:
                 raise ConfigError(f"{gwhere}.targets is empty")
-            scheme = Fp8Scheme(_weights_scheme(group.get("weights"), gwhere),
-                               _activation_scheme(group.get("input_activations"), gwhere))
-            groups.append(_Group(name, targets, scheme))
+            activations = group.get("input_activations")
+            scheme = Fp8Scheme(_weights_scheme(group.get("weights"), gwhere), _activation_scheme(activations, gwhere))
+            spelled = "null" if activations is None else scheme.activation_scheme
+            groups.append(_Group(name, targets, scheme, fmt, spelled))
         ignore = _string_list(cfg.get("ignore") or [], f"{where}.ignore")
-        return cls(groups, ignore, where, checkpoint_modules)
+        return cls(groups, ignore, where, checkpoint_modules, cfg.get("kv_cache_scheme"))
 
     def vocab_weight_dtype(self, compute_dtype: torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
         return fp8_checkpoint_vocab_dtype(compute_dtype, checkpoint_dtype)
 
-    def _scheme_of(self, module: str) -> Fp8Scheme | None:
+    def _group_of(self, module: str) -> _Group | None:
         if any(_matches(entry, module) for entry in self.ignore):
             return None
         # compressed-tensors' precedence: a target naming the module, then a regex, then the class.
         for kind in ("name", "regex", "class"):
             for group in self.groups:
                 if any(_target_kind(t) == kind and _matches(t, module) for t in group.targets):
-                    return group.scheme
+                    return group
         return None
+
+    def _scheme_of(self, module: str) -> Fp8Scheme | None:
+        group = self._group_of(module)
+        return group.scheme if group is not None else None
+
+    def explain_checkpoint_tensor(self, name: str, dtype: torch.dtype) -> str | None:
+        """Which field of this config rules out checkpoint tensor `name` that the model has
+        no place for (targets and ignore name checkpoint modules, as `name` does); None when
+        it has nothing to say (the loader's generic message)."""
+        kind = checkpoint_tensor_kind(name, dtype)
+        if kind is None:
+            return None
+        if kind == KV_ZERO_POINT:
+            # kv_scales.py has already refused any KV scheme but symmetric FP8.
+            state = "says symmetric" if self.kv_cache_scheme else "is not set"
+            return f"{kind}, but {self.where}.kv_cache_scheme {state}{DISAGREE}"
+        module, _, suffix = name.rpartition(".")
+        group = self._group_of(module)
+        if group is None:
+            why = (f"it matches {self.where}.ignore" if any(_matches(e, module) for e in self.ignore)
+                   else f"no group of {self.where}.config_groups targets it")
+            return f"{kind}, but {self.where} leaves {module} unquantized ({why}){DISAGREE}"
+        field = f"{self.where}.config_groups.{group.name}"
+        if suffix == "weight_zero_point":
+            field += ".weights says symmetric"
+        elif suffix in ("input_scale", "input_zero_point") and group.activations == "null":
+            field += ".input_activations is null (16-bit activations)"
+        elif suffix == "input_scale" and group.activations == "dynamic":
+            field += ".input_activations says dynamic"
+        elif suffix == "input_zero_point":
+            field += ".input_activations says symmetric"
+        elif suffix.startswith("output_"):
+            field += ".output_activations is null"  # from_hf refuses any other
+        elif suffix in ("weight_packed", "weight_shape"):
+            field += f".format is {group.format!r} (FP8 weights)"
+        elif suffix == "weight_g_idx":
+            field += f".weights.strategy is {group.scheme.weight_strategy!r}"
+        else:
+            return None
+        return f"{kind}, but {field}{DISAGREE}"
 
     def get_linear_method(self, prefix: str) -> LinearMethod:
         modules = self.checkpoint_modules(prefix)
@@ -190,3 +249,20 @@ class CompressedTensorsConfig(QuantizationConfig):
         if scheme is None:
             return UnquantizedLinearMethod()
         return Fp8LinearMethod(self, scheme.weight_strategy, scheme.activation_scheme)
+
+
+def explain_without_weight_config(name: str, dtype: torch.dtype, hf_quant_config, config_json: str) -> str | None:
+    """`CompressedTensorsConfig.explain_checkpoint_tensor` for a checkpoint whose config.json
+    declares no quantized weights (no quantization_config, or compressed-tensors with only a
+    kv_cache_scheme), so that there is no config to ask: FP8 weights and their scales have
+    no place in its 16-bit layers. None for a config that declares weights."""
+    kind = checkpoint_tensor_kind(name, dtype)
+    if kind is None or kind == KV_ZERO_POINT:
+        return None
+    if not hf_quant_config:
+        return f"{kind}, but {config_json} has no quantization_config{DISAGREE}"
+    if (isinstance(hf_quant_config, dict) and hf_quant_config.get("quant_method") == "compressed-tensors"
+            and not hf_quant_config.get("config_groups")):
+        return (f"{kind}, but {config_json}: quantization_config.config_groups is not set (without it "
+                f"compressed-tensors quantizes only the KV cache){DISAGREE}")
+    return None

@@ -84,6 +84,24 @@ class Fp8Config(QuantizationConfig):
     def vocab_weight_dtype(self, compute_dtype: torch.dtype, checkpoint_dtype: torch.dtype) -> torch.dtype:
         return fp8_checkpoint_vocab_dtype(compute_dtype, checkpoint_dtype)
 
+    def explain_checkpoint_tensor(self, name: str, dtype: torch.dtype) -> str | None:
+        """Which field of this config rules out checkpoint tensor `name` that the model has
+        no place for; None when it has nothing to say (the loader's generic message)."""
+        kind = checkpoint_tensor_kind(name, dtype)
+        if kind is None:
+            return None
+        module, _, suffix = name.rpartition(".")
+        if kind != KV_ZERO_POINT and self._is_ignored(module):
+            return (f"{kind}, but {self.where} leaves {module} unquantized (lm_head, MoE routers and "
+                    f"{self.where}.ignored_layers are){DISAGREE}")
+        if suffix == "input_scale" and self.activation_scheme == "dynamic":
+            return f"{kind}, but {self.where}.activation_scheme is 'dynamic'{DISAGREE}"
+        if kind == KV_ZERO_POINT or suffix.endswith("_zero_point"):
+            return f"{kind}, but {self.where}.quant_method is 'fp8': symmetric FP8, no zero points{DISAGREE}"
+        if suffix in ("output_scale", "weight_packed", "weight_shape", "weight_g_idx"):
+            return f"{kind}, but {self.where}.quant_method is 'fp8' (per-tensor FP8 weights){DISAGREE}"
+        return None
+
     def get_linear_method(self, prefix: str) -> LinearMethod:
         ignored = {module: self._is_ignored(module) for module in self.checkpoint_modules(prefix)}
         if len(set(ignored.values())) > 1:
@@ -108,6 +126,37 @@ def fp8_checkpoint_vocab_dtype(compute_dtype: torch.dtype, checkpoint_dtype: tor
 
 
 WEIGHT_STRATEGIES = ("tensor", "channel")
+
+# Quantization tensors a checkpoint may hold for a layer, by their last name component, as
+# compressed-tensors / AutoFP8 write them: named when a config field rules one out (an int
+# scheme's zero point, a static scale under a dynamic scheme).
+_TENSOR_KINDS = {
+    "weight_scale": "is an FP8 weight scale",
+    "input_scale": "is a static activation scale",
+    "output_scale": "is an output activation scale",
+    "weight_zero_point": "is a zero point of asymmetric weights",
+    "input_zero_point": "is a zero point of asymmetric activations",
+    "output_zero_point": "is a zero point of asymmetric output activations",
+    "weight_packed": "holds packed integer weights (compressed-tensors' pack-quantized format)",
+    "weight_shape": "is a packed weight's shape (compressed-tensors' pack-quantized format)",
+    "weight_g_idx": "is a GPTQ group index (activation ordering of grouped int weights)",
+}
+# An asymmetric KV cache's zero points: on the attention, or as k/v_proj output zero points.
+_KV_ZERO_POINTS = (".self_attn.k_zero_point", ".self_attn.v_zero_point", ".self_attn.k_proj.output_zero_point",
+                   ".self_attn.v_proj.output_zero_point")
+KV_ZERO_POINT = "is a zero point of an asymmetric KV cache"
+DISAGREE = ": the config and the weights disagree"
+
+
+def checkpoint_tensor_kind(name: str, dtype: torch.dtype) -> str | None:
+    """What quantization tensor `name` is ("is an FP8 weight scale", ...), None for one
+    no scheme here writes."""
+    if ("." + name).endswith(_KV_ZERO_POINTS):
+        return KV_ZERO_POINT
+    suffix = name.rpartition(".")[2]
+    if suffix == "weight" and dtype.is_floating_point and dtype.itemsize == 1:
+        return f"holds FP8 ({dtype}) weights"
+    return _TENSOR_KINDS.get(suffix)
 
 
 def _use_scaled_mm(device: torch.device) -> bool:
@@ -176,8 +225,13 @@ class Fp8LinearMethod(LinearMethod):
                 which = f" of shard(s) {shards}" if len(layer.output_sizes) > 1 else ""
                 values = (f"{len(bad)} of {s.numel()} rows, e.g. row {bad[0]}: {s[bad[0]].item()}" if per_row
                           else s.tolist())
+                # And as the checkpoint spells them: an unfused expert's w2, not experts.0.down_proj.
+                modules = getattr(self.config, "checkpoint_modules", lambda m: [m])(name)
+                in_ckpt = ([f"{modules[i]}.{pname}" for i in bad_shards]
+                           if len(modules) == len(layer.output_sizes) else [])
+                tail = f"; checkpoint tensor(s) {', '.join(in_ckpt)}" if in_ckpt != [f"{name}.{pname}"] else ""
                 raise ConfigError(f"FP8 checkpoint: '{name}.{pname}'{which} is missing or not a finite number > 0 "
-                                  f"({values})")
+                                  f"({values}){tail}")
         codes = layer.weight.data.view(torch.uint8)
         # e4m3fn's only non-finite codes; the CPU kernel would read them as +-480.
         if ((codes & 0x7F) == 0x7F).any():

@@ -9,7 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import add_tensors, hf_logits, load_state_dict, read_config, write_tiny_llama, write_tiny_mixtral
+from checkpoints import (
+    add_tensors,
+    hf_logits,
+    load_state_dict,
+    read_config,
+    remove_tensors,
+    set_quantization_config,
+    write_tiny_llama,
+    write_tiny_mixtral,
+)
 from kv_scale_checkpoints import (
     FP8_DYNAMIC_TOKEN,
     FP8_STATIC_TENSOR,
@@ -267,3 +276,163 @@ def test_fp8_attention_q_scale_is_ignored(base_checkpoints, tmp_path):
                           for i in range(read_config(fp8_dir)["num_hidden_layers"])})
     with_q = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB").llm_engine.prompt_logits(PROMPT)
     assert torch.equal(with_q, without)
+
+
+_Q = "model.layers.0.self_attn.q_proj"
+_DISAGREE = "the config and the weights disagree"
+
+
+@pytest.mark.parametrize("activations, name, tensor, words", [
+    (FP8_DYNAMIC_TOKEN, f"{_Q}.weight_zero_point", torch.zeros(1, dtype=torch.int8),
+     "is a zero point of asymmetric weights, but {where}.config_groups.group_0.weights says symmetric"),
+    (FP8_DYNAMIC_TOKEN, f"{_Q}.input_scale", torch.tensor([0.01]),
+     "is a static activation scale, but {where}.config_groups.group_0.input_activations says dynamic"),
+    (None, f"{_Q}.input_scale", torch.tensor([0.01]),
+     "is a static activation scale, but {where}.config_groups.group_0.input_activations is null (16-bit "
+     "activations)"),
+    (FP8_STATIC_TENSOR, "model.layers.0.mlp.down_proj.input_zero_point", torch.zeros(1, dtype=torch.int8),
+     "is a zero point of asymmetric activations, but {where}.config_groups.group_0.input_activations says "
+     "symmetric"),
+    (FP8_DYNAMIC_TOKEN, f"{_Q}.output_scale", torch.tensor([0.01]),
+     "is an output activation scale, but {where}.config_groups.group_0.output_activations is null"),
+    (FP8_DYNAMIC_TOKEN, f"{_Q}.output_zero_point", torch.zeros(1, dtype=torch.int8),
+     "is a zero point of asymmetric output activations, but {where}.config_groups.group_0.output_activations is "
+     "null"),
+    (FP8_DYNAMIC_TOKEN, "model.layers.0.self_attn.k_zero_point", torch.zeros(1, dtype=torch.int8),
+     "is a zero point of an asymmetric KV cache, but {where}.kv_cache_scheme is not set"),
+    (FP8_DYNAMIC_TOKEN, "model.layers.1.self_attn.v_proj.output_zero_point", torch.zeros(1, dtype=torch.int8),
+     "is a zero point of an asymmetric KV cache, but {where}.kv_cache_scheme is not set"),
+    (FP8_DYNAMIC_TOKEN, "lm_head.weight_scale", torch.tensor([0.01]),
+     "is an FP8 weight scale, but {where} leaves lm_head unquantized (it matches {where}.ignore)"),
+])
+def test_tensors_the_config_contradicts_are_named(base_checkpoints, tmp_path, activations, name, tensor, words):
+    """A tensor the model has no place for, that a config field rules out, says which field: the generic
+    'does not match any parameter' left the reader to work out that the config and the weights disagree."""
+    config = compressed_tensors_config({"group_0": fp8_group(["Linear"], "channel", activations)}, ["lm_head"])
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, config)
+    add_tensors(fp8_dir, {name: tensor})
+    error = _load_error(fp8_dir)
+    where = f"{fp8_dir}/config.json: quantization_config"
+    assert error.startswith(f"{fp8_dir}/model.safetensors: tensor '{name}' "), error
+    assert words.format(where=where) + f": {_DISAGREE}" in error, error
+
+
+def test_kv_cache_zero_point_names_the_symmetric_kv_cache_scheme(base_checkpoints, tmp_path):
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)}, ["lm_head"])
+    config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                 "symmetric": True}
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, config)
+    add_tensors(fp8_dir, {"model.layers.0.self_attn.v_zero_point": torch.zeros(1, dtype=torch.int8)})
+    assert (f"tensor 'model.layers.0.self_attn.v_zero_point' is a zero point of an asymmetric KV cache, but "
+            f"{fp8_dir}/config.json: quantization_config.kv_cache_scheme says symmetric: {_DISAGREE}"
+            ) in _load_error(fp8_dir)
+
+
+def test_unknown_tensor_keeps_the_generic_message(base_checkpoints, tmp_path):
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)}, ["lm_head"])
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, config)
+    add_tensors(fp8_dir, {f"{_Q}.lora_A": torch.zeros(2, 2)})
+    assert (f"tensor '{_Q}.lora_A' does not match any parameter of LlamaForCausalLM (mapped to "
+            "'model.layers.0.self_attn.qkv_proj.lora_A')") in _load_error(fp8_dir)
+
+
+def test_fp8_weights_of_an_ignored_layer_are_refused(base_checkpoints, tmp_path):
+    """FP8 codes for a layer the config leaves in 16 bits were cast to floats without their scale (the
+    load then stopped only at the scale, with the generic line)."""
+    down = "model.layers.1.mlp.down_proj"
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)}, ["lm_head", down])
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, config)
+    where = f"{fp8_dir}/config.json: quantization_config"
+    assert (f"{fp8_dir}/model.safetensors: tensor '{down}.weight' holds FP8 (torch.float8_e4m3fn) weights, but "
+            f"{where} leaves {down} unquantized (it matches {where}.ignore): {_DISAGREE}") in _load_error(fp8_dir)
+
+
+@pytest.mark.parametrize("quantization_config, static, words", [
+    ({k: v for k, v in compressed_tensors_config({}, ["lm_head"]).items() if k != "config_groups"}, False,
+     "tensor 'model.layers.0.mlp.down_proj.weight' holds FP8 (torch.float8_e4m3fn) weights, but {where}"
+     ".config_groups is not set (without it compressed-tensors quantizes only the KV cache)"),
+    ({k: v for k, v in compressed_tensors_config({}, ["lm_head"]).items() if k != "config_groups"}, True,
+     "tensor 'model.layers.0.mlp.down_proj.input_scale' is a static activation scale, but {where}"
+     ".config_groups is not set (without it compressed-tensors quantizes only the KV cache)"),
+    (None, False, "tensor 'model.layers.0.mlp.down_proj.weight' holds FP8 (torch.float8_e4m3fn) weights, but "
+     "{config_json} has no quantization_config"),
+])
+def test_fp8_weights_without_a_weight_config_are_refused(base_checkpoints, tmp_path, quantization_config,
+                                                         static, words):
+    """float8 weights whose config.json declares none: the codes would be read as plain floats."""
+    fp8_dir = tmp_path / "fp8"
+    quantize_to_compressed_tensors_checkpoint(base_checkpoints["llama"], fp8_dir, strategy_of=lambda m: "tensor",
+                                              quantization_config={}, static_input_scales=static)
+    set_quantization_config(fp8_dir, quantization_config)
+    error = _load_error(fp8_dir)
+    config_json = f"{fp8_dir}/config.json"
+    assert words.format(where=f"{config_json}: quantization_config", config_json=config_json) + f": {_DISAGREE}" \
+        in error, error
+
+
+@pytest.mark.parametrize("projection, missing", [
+    ("w2", "model.layers.0.block_sparse_moe.experts.0.w2.weight_scale"),
+    ("w1", "model.layers.1.block_sparse_moe.experts.2.w1.weight_scale"),
+    ("w3", "model.layers.1.block_sparse_moe.experts.3.w3.weight_scale"),
+])
+def test_a_missing_expert_scale_is_named_as_in_the_checkpoint(base_checkpoints, tmp_path, projection, missing):
+    """Mixtral's unfused experts (block_sparse_moe.experts.E.w1/w2/w3) land in experts.E.gate_up_proj /
+    down_proj: the missing tensor is named as the checkpoint spells it, not as our parameter."""
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "channel", None)},
+                                       ["lm_head", "re:.*block_sparse_moe.gate$"])
+    fp8_dir = _write(base_checkpoints["mixtral"], tmp_path, config)
+    remove_tensors(fp8_dir, [missing])
+    assert f"{fp8_dir}: checkpoint is missing tensors for {missing}" in _load_error(fp8_dir)
+
+
+def test_group_size_with_channel_strategy_is_refused(base_checkpoints, tmp_path):
+    """compressed-tensors' QuantizationArgs refuses a positive group_size without strategy 'group'; here it
+    was ignored, loading a config that its own library rejects."""
+    group = fp8_group(["Linear"], "channel", None)
+    group["weights"]["group_size"] = 128
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, compressed_tensors_config({"group_0": group}, ["lm_head"]))
+    assert (f"{fp8_dir}/config.json: quantization_config.config_groups.group_0.weights.group_size is 128 with "
+            "strategy 'channel': compressed-tensors uses a positive group_size only with strategy 'group'"
+            ) in _load_error(fp8_dir)
+
+
+def test_channel_group_size_minus_one_loads(base_checkpoints, tmp_path):
+    """group_size -1 is compressed-tensors' own spelling of per-channel."""
+    group = fp8_group(["Linear"], "channel", None)
+    group["weights"]["group_size"] = -1
+    fp8_dir = _write(base_checkpoints["llama"], tmp_path, compressed_tensors_config({"group_0": group}, ["lm_head"]))
+    layer = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB").llm_engine.model_runner.model.model.layers[0]
+    assert layer.mlp.down_proj.fp8_backend == "cpu_kernel"
+
+
+@pytest.mark.parametrize("name, tensor, words", [
+    (f"{_Q}.input_scale", torch.tensor([0.01]), "is a static activation scale, but {where}.activation_scheme is "
+     "'dynamic'"),
+    (f"{_Q}.weight_zero_point", torch.zeros(1, dtype=torch.int8), "is a zero point of asymmetric weights, but "
+     "{where}.quant_method is 'fp8': symmetric FP8, no zero points"),
+    ("lm_head.weight_scale", torch.tensor([0.01]), "is an FP8 weight scale, but {where} leaves lm_head unquantized "
+     "(lm_head, MoE routers and {where}.ignored_layers are)"),
+])
+def test_fp8_tensors_the_config_contradicts_are_named(base_checkpoints, tmp_path, name, tensor, words):
+    """The same for AutoFP8's `quant_method: fp8`."""
+    from kv_scale_checkpoints import quantize_to_fp8_checkpoint
+
+    fp8_dir = tmp_path / "fp8"
+    quantize_to_fp8_checkpoint(base_checkpoints["llama"], fp8_dir)
+    add_tensors(fp8_dir, {name: tensor})
+    where = f"{fp8_dir}/config.json: quantization_config"
+    assert (f"{fp8_dir}/model.safetensors: tensor '{name}' " + words.format(where=where) + f": {_DISAGREE}"
+            ) in _load_error(fp8_dir)
+
+
+def test_a_zero_expert_scale_is_named_as_in_the_checkpoint(base_checkpoints, tmp_path):
+    """A loaded but unusable scale of an unfused expert names the checkpoint tensor too, not only
+    the parameter it landed in (experts.1.gate_up_proj)."""
+    config = compressed_tensors_config({"g": fp8_group(["Linear"], "tensor", None)},
+                                       ["lm_head", "re:.*block_sparse_moe.gate$"])
+    fp8_dir = _write(base_checkpoints["mixtral"], tmp_path, config, strategy_of=lambda m: "tensor")
+    add_tensors(fp8_dir, {"model.layers.0.block_sparse_moe.experts.1.w3.weight_scale": torch.tensor([0.0])})
+    error = _load_error(fp8_dir)
+    assert ("'model.layers.0.mlp.experts.1.gate_up_proj.weight_scale' of shard(s) [1] is missing or not a finite "
+            "number > 0") in error, error
+    assert error.endswith("; checkpoint tensor(s) model.layers.0.block_sparse_moe.experts.1.w3.weight_scale"), error

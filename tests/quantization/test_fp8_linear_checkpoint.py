@@ -311,3 +311,12 @@ def test_a_bad_or_missing_shard_scale_is_named(base_checkpoints, tmp_path):
     save_file({k: v for k, v in original.items() if k != name}, str(path), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=f"checkpoint is missing tensors for {name}"):
         LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB")
+
+
+def test_writer_and_loader_share_the_weight_strategies():
+    """The checkpoint writer and Fp8LinearMethod accept the same weight strategies: one definition, so
+    adding one to the loader cannot leave the writer refusing it (or the reverse)."""
+    from fp8serve.calibration import fp8_checkpoint
+    from fp8serve.quantization import fp8_linear
+
+    assert fp8_checkpoint.WEIGHT_STRATEGIES is fp8_linear.WEIGHT_STRATEGIES
