@@ -139,6 +139,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         self.checkpoint_modules = checkpoint_modules or (lambda module: [module])
         self.activation_scheme = "dynamic"  # per group; read by Fp8LinearMethod only as a default
         self._warned_cpu = False
+        self._warned_dequantized = False
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str,

@@ -59,6 +59,7 @@ class Fp8Config(QuantizationConfig):
         self.checkpoint_modules = checkpoint_modules or (lambda module: [module])
         self.where = where
         self._warned_cpu = False
+        self._warned_dequantized = False
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str,
@@ -157,6 +158,16 @@ def checkpoint_tensor_kind(name: str, dtype: torch.dtype) -> str | None:
     if suffix == "weight" and dtype.is_floating_point and dtype.itemsize == 1:
         return f"holds FP8 ({dtype}) weights"
     return _TENSOR_KINDS.get(suffix)
+
+
+def _why_dequantized(device: torch.device, dtype: torch.dtype, per_row: bool) -> str:
+    if device.type == "cuda":
+        return ("per-channel scales take no scaled matmul here" if per_row and _use_scaled_mm(device)
+                else "this GPU has no FP8 matmul (compute capability 8.9 or newer)")
+    if device.type == "cpu" and dtype not in (torch.float32, torch.bfloat16):
+        return (f"the CPU FP8 kernels take float32 or bfloat16 activations, not {dtype}: "
+                "--dtype bfloat16 keeps 1 byte")
+    return f"no FP8 kernels for {device.type} here (the CPU kernels did not load: see the warning above)"
 
 
 def _use_scaled_mm(device: torch.device) -> bool:
@@ -267,6 +278,12 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight_scale = nn.Parameter(row_scales, requires_grad=False)  # [N] float32
             layer.fp8_backend = "cpu_kernel"
             return
+        if not self.config._warned_dequantized:
+            # Said once: the model then holds 2-4 bytes per weight and loses FP8's decode speed.
+            self.config._warned_dequantized = True
+            logger.warning("FP8 weights dequantized to %s at load (%s): they take %d bytes per weight, not 1",
+                           str(dtype).removeprefix("torch."), _why_dequantized(codes.device, dtype, per_row),
+                           dtype.itemsize)
         # float32 products, one rounding to `dtype`: the same values the kernels compute with.
         w = torch.empty(codes.shape, dtype=dtype, device=codes.device)
         for a, b in zip(offsets, offsets[1:]):

@@ -53,6 +53,7 @@ class Fp8OnlineConfig(QuantizationConfig):
         self.weight_dtype = weight_dtype
         self.checkpoint_modules = checkpoint_modules or (lambda module: [module])
         self._warned_cpu = False  # read by Fp8LinearMethod (static input scales; none here)
+        self._warned_dequantized = False  # read by Fp8LinearMethod
 
     def is_quantized_checkpoint(self) -> bool:
         return False
@@ -81,6 +82,17 @@ class Fp8OnlineLinearMethod(Fp8LinearMethod):
         layer.register_parameter("weight", set_weight_loader(weight, load_output_shard(layer)))
         layer.input_scale = None
 
+    def _checkpoint_name(self, layer, index: int) -> str:
+        """Shard `index` of `layer` as the checkpoint names it (qkv_proj shard 1 -> ...k_proj.weight), for
+        errors; the fused name and the shard where the mapping does not give one tensor per shard."""
+        prefix = getattr(layer, "prefix", "linear")
+        modules = self.config.checkpoint_modules(prefix)
+        if len(modules) == len(layer.output_sizes):
+            return f"{modules[index]}.weight"
+        names = getattr(layer, "shard_names", None)
+        which = f" (shard {names[index] if names else index})" if len(layer.output_sizes) > 1 else ""
+        return f"{prefix}.weight{which}"
+
     def process_weights_after_loading(self, layer) -> None:
         from fp8serve.calibration.fp8_checkpoint import quantize_weight
 
@@ -91,10 +103,8 @@ class Fp8OnlineLinearMethod(Fp8LinearMethod):
             shard = w[offset:offset + size]
             amax = float(shard.abs().amax().float()) if shard.numel() else 0.0
             if not math.isfinite(amax):
-                names = getattr(layer, "shard_names", None)
-                which = f" ({names[index]})" if names and len(layer.output_sizes) > 1 else ""
-                raise ConfigError(f"--quantization fp8: '{getattr(layer, 'prefix', 'linear')}.weight'{which} holds "
-                                  "NaN or infinite values; it cannot be quantized (the checkpoint is damaged)")
+                raise ConfigError(f"--quantization fp8: checkpoint tensor '{self._checkpoint_name(layer, index)}' "
+                                  "holds NaN or infinite values; it cannot be quantized (the checkpoint is damaged)")
             c, s = quantize_weight(shard, "tensor")
             codes.append(c)
             scales.append(s.reshape(()))

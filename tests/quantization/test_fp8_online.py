@@ -77,16 +77,38 @@ def test_an_unsupported_method_is_refused_naming_the_flag(tmp_path):
         make_llm(base, quantization="awq")
 
 
-def test_a_nan_weight_is_named_not_quantized(tmp_path):
+@pytest.mark.parametrize("write, name", [
+    (write_tiny_llama, "model.layers.1.self_attn.v_proj.weight"),
+    (write_tiny_llama, "model.layers.0.mlp.up_proj.weight"),
+    (write_tiny_mixtral, "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+])
+def test_a_nan_weight_is_named_not_quantized(tmp_path, write, name):
+    """Named as the checkpoint spells it (v_proj, an expert's w3), not as the fused layer it lands in."""
     from safetensors.torch import load_file, save_file
 
-    base = write_tiny_llama(tmp_path / "base")
+    base = write(tmp_path / "base")
     path = next(base.glob("*.safetensors"))
     tensors = load_file(str(path))
-    name = "model.layers.1.self_attn.v_proj.weight"
     tensors[name][3, 5] = float("nan")
     save_file(tensors, str(path), metadata={"format": "pt"})
     with pytest.raises(ConfigError) as e:
         make_llm(base, quantization="fp8")
     msg = str(e.value)
-    assert "model.layers.1.self_attn.qkv_proj.weight' (v) holds NaN or infinite values" in msg and str(base) in msg
+    assert f"checkpoint tensor '{name}' holds NaN or infinite values" in msg and str(base) in msg
+
+
+def test_float16_compute_says_the_weights_were_dequantized(tmp_path, caplog):
+    """The CPU FP8 kernels take float32/bfloat16 activations: with --dtype float16 the codes are
+    widened back at load, which used to happen without a word (2 bytes per weight, no FP8 speed)."""
+    base = write_tiny_llama(tmp_path / "base", dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger="fp8serve.quantization.fp8_linear"):
+        llm = make_llm(base, quantization="fp8", dtype="float16")
+    assert {m.fp8_backend for m in fp8_layers(llm).values()} == {"dequantized"}
+    said = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert said == ["FP8 weights dequantized to float16 at load (the CPU FP8 kernels take float32 or bfloat16 "
+                    "activations, not torch.float16: --dtype bfloat16 keeps 1 byte): they take 2 bytes per weight, "
+                    "not 1"], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fp8serve.quantization.fp8_linear"):
+        make_llm(base, quantization="fp8", dtype="bfloat16")
+    assert not [r for r in caplog.records if "dequantized" in r.getMessage()]
