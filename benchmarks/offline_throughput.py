@@ -69,6 +69,10 @@ class Result:
     extrapolated: bool = False
     measured_requests: int | None = None
     notes: list[str] = field(default_factory=list)
+    # How the linear weights are held ("float32", "bfloat16", "fp8"): FP8 from an FP8 checkpoint or from
+    # --quantization fp8 (then `quantization` is "fp8").
+    weights: str = ""
+    quantization: str | None = None
     # Greedy output token ids of the first few prompts (to compare systems); not printed.
     sample_outputs: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -109,13 +113,14 @@ class _StepTimer:
         return out
 
 
-def run_fp8serve(args, prompts: list[list[int]], dtype: str, kv_dtype: str, keep: int) -> Result:
+def run_fp8serve(args, prompts: list[list[int]], dtype: str, kv_dtype: str, keep: int,
+                 quantization: str | None = None) -> Result:
     from fp8serve import LLM, SamplingParams
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     kwargs = dict(dtype=dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=args.kv_cache_memory,
-                  max_num_seqs=args.max_num_seqs, seed=args.seed)
+                  max_num_seqs=args.max_num_seqs, seed=args.seed, quantization=quantization)
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.max_model_len:
@@ -127,6 +132,9 @@ def run_fp8serve(args, prompts: list[list[int]], dtype: str, kv_dtype: str, keep
     record_as_a_warm_engine(llm.llm_engine)
     resolved_dtype = str(runner.dtype).removeprefix("torch.")
     resolved_kv = runner.kv_cache_spec.kv_cache_dtype
+    # FP8 where the projections kept their one-byte codes (not widened at load).
+    backends = {getattr(m, "fp8_backend", None) for m in runner.model.modules()} - {None, "dequantized"}
+    weights = "fp8" if backends else resolved_dtype
     timer = _StepTimer(runner)
 
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -155,6 +163,7 @@ def run_fp8serve(args, prompts: list[list[int]], dtype: str, kv_dtype: str, keep
         notes.append(f"mean decode step {1000 * timer.decode_s / timer.decode_steps:.1f} ms")
     res = Result(
         system="fp8serve", dtype=resolved_dtype, kv_dtype=resolved_kv, attn=runner.backend.name,
+        weights=weights, quantization=quantization,
         requests=len(prompts), input_len=args.input_len, output_len=args.output_len,
         total_s=total, prefill_s=timer.prefill_s, output_tok_s=out_tps, total_tok_s=tot_tps, notes=notes,
         sample_outputs=[list(o.outputs[0].token_ids) for o in outs[:keep]],
@@ -268,8 +277,17 @@ def match_rate(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
     return same / n, prefix / n
 
 
+def _weights_label(r: Result) -> str:
+    weights = r.weights or r.dtype
+    return f"{weights} (-q {r.quantization})" if r.quantization else weights
+
+
+def _label(r: Result) -> str:
+    return f"{r.system} {r.dtype}/{r.kv_dtype}" + (f" -q {r.quantization}" if r.quantization else "")
+
+
 def format_table(results: list[Result], baseline: Result | None) -> str:
-    head = ["system", "dtype", "kv dtype", "attn", "requests", "input len", "output len", "total s",
+    head = ["system", "dtype", "weights", "kv dtype", "attn", "requests", "input len", "output len", "total s",
             "prefill s", "output tok/s", "total tok/s", "vs transformers (out tok/s)"]
     rows = []
     for r in results:
@@ -280,7 +298,8 @@ def format_table(results: list[Result], baseline: Result | None) -> str:
             ratio = "1.00x"
         star = "*" if r.extrapolated else ""
         rows.append([
-            r.system + star, r.dtype, r.kv_dtype, r.attn, str(r.requests), str(r.input_len), str(r.output_len),
+            r.system + star, r.dtype, _weights_label(r), r.kv_dtype, r.attn, str(r.requests), str(r.input_len),
+            str(r.output_len),
             f"{r.total_s:.1f}{star}", "—" if r.prefill_s is None else f"{r.prefill_s:.1f}{star}",
             f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}", ratio,
         ])
@@ -295,22 +314,27 @@ def format_table(results: list[Result], baseline: Result | None) -> str:
 
 def _progress(r: Result) -> None:
     """One line per finished system, so that an interrupted run still leaves its numbers."""
-    print(f"  done: {r.system} {r.dtype}/{r.kv_dtype}: total {r.total_s:.1f}s, prefill "
+    print(f"  done: {_label(r)}: total {r.total_s:.1f}s, prefill "
           f"{r.prefill_s if r.prefill_s is None else round(r.prefill_s, 1)}s, {r.output_tok_s:.1f} output tok/s"
           f"{' (extrapolated)' if r.extrapolated else ''}; " + "; ".join(r.notes), file=sys.stderr, flush=True)
 
 
-def parse_configs(args) -> list[tuple[str, str]]:
+def parse_configs(args) -> list[tuple[str, str, str | None]]:
+    """(dtype, kv_cache_dtype, quantization) per fp8serve run: DTYPE:KV_DTYPE[:QUANTIZATION] items."""
     if args.configs:
         out = []
         for item in args.configs.split(","):
             item = item.strip()
             if not item:
                 continue
-            dtype, _, kv = item.partition(":")
-            out.append((dtype or "auto", kv or "auto"))
+            parts = item.split(":")
+            if len(parts) > 3:
+                raise SystemExit(f"--configs: {item!r} has {len(parts)} fields, "
+                                 "expected DTYPE:KV_DTYPE[:QUANTIZATION]")
+            dtype, kv, quant = (parts + ["", "", ""])[:3]
+            out.append((dtype or "auto", kv or "auto", quant or None))
         return out
-    return [(args.dtype, args.kv_cache_dtype)]
+    return [(args.dtype, args.kv_cache_dtype, args.quantization)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,8 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="fp8serve compute dtype (when --configs is not given)")
     p.add_argument("--kv-cache-dtype", default="auto", help="fp8serve KV dtype (when --configs is not given)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="fp8serve --quantization (when --configs is not given): fp8 quantizes the weights at load")
     p.add_argument("--configs", default=None,
-                   help="comma-separated fp8serve DTYPE:KV_DTYPE configs, e.g. float32:auto,float32:fp8,bfloat16:auto")
+                   help="comma-separated fp8serve DTYPE:KV_DTYPE[:QUANTIZATION] configs, e.g. "
+                        "float32:auto,float32:fp8,bfloat16:auto,bfloat16:fp8:fp8 (the last: FP8 weights by -q fp8)")
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -386,9 +413,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.skip_hf and args.hf_first:
         do_hf()
-    for dtype, kv in parse_configs(args):
-        print(f"running fp8serve dtype={dtype} kv_cache_dtype={kv} ...", file=sys.stderr, flush=True)
-        results.append(run_fp8serve(args, prompts, dtype, kv, keep))
+    for dtype, kv, quant in parse_configs(args):
+        print(f"running fp8serve dtype={dtype} kv_cache_dtype={kv} quantization={quant} ...", file=sys.stderr,
+              flush=True)
+        results.append(run_fp8serve(args, prompts, dtype, kv, keep, quant))
         _progress(results[-1])
     if not args.skip_hf and not args.hf_first:
         do_hf()
@@ -399,14 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(ordered, hf_result))
     print()
     for r in ordered:
-        label = f"{r.system} {r.dtype}/{r.kv_dtype}"
-        print(f"- {label}: " + "; ".join(r.notes))
+        print(f"- {_label(r)}: " + "; ".join(r.notes))
     if hf_result is not None:
         for r in ordered:
             if r is hf_result:
                 continue
             same, prefix = match_rate(r.sample_outputs, hf_result.sample_outputs)
-            print(f"- greedy agreement {r.system} {r.dtype}/{r.kv_dtype} vs transformers on the first "
+            print(f"- greedy agreement {_label(r)} vs transformers on the first "
                   f"{min(keep, len(hf_result.sample_outputs))} prompts: {same:.0%} identical rows, "
                   f"{prefix:.0%} mean matching prefix")
     try:
@@ -422,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             "args": vars(args),
             "results": [{k: v for k, v in asdict(r).items() if k != "sample_outputs"} for r in ordered],
             "ratios_output_tok_s": (
-                {f"{r.system}:{r.dtype}:{r.kv_dtype}": r.output_tok_s / hf_result.output_tok_s
+                {f"{r.system}:{r.dtype}:{r.kv_dtype}" + (f":{r.quantization}" if r.quantization else ""):
+                 r.output_tok_s / hf_result.output_tok_s
                  for r in ordered if r is not hf_result} if hf_result else None),
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)

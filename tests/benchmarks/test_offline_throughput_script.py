@@ -21,7 +21,7 @@ def test_tiny_run_against_transformers(hf_dtype, tmp_path, capsys):
                             "--configs", "float32:auto", "--hf-batch-size", "2", "--warmup-prompts", "1",
                             "--hf-dtype", hf_dtype, "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    assert f"| transformers | {hf_dtype} | {hf_dtype} | sdpa | 3 | 8 | 5 |" in table, table
+    assert f"| transformers | {hf_dtype} | {hf_dtype} | {hf_dtype} | sdpa | 3 | 8 | 5 |" in table, table
     data = json.loads(out.read_text())
     systems = {(r["system"], r["dtype"]) for r in data["results"]}
     assert systems == {("transformers", hf_dtype), ("fp8serve", "float32")}, systems
@@ -33,3 +33,24 @@ def test_unknown_hf_dtype_is_rejected(capsys):
     with loaded_script("offline_throughput.py") as script, pytest.raises(SystemExit):
         script.main(["--hf-dtype", "int8"])
     assert "--hf-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_quantization_field_runs_fp8_weights(tmp_path, capsys):
+    """DTYPE:KV_DTYPE:QUANTIZATION: the third field is --quantization, and the table says the weights
+    were FP8 (the engine's layers hold one-byte codes), beside the same run without it."""
+    model = write_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "r.json"
+    with loaded_script("offline_throughput.py") as script:
+        assert script.main(["--model", str(model), "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+                            "--configs", "float32:fp8,float32:fp8:fp8", "--warmup-prompts", "1", "--skip-hf",
+                            "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| fp8serve | float32 | float32 | fp8_e4m3 | cpu_paged | 2 | 8 | 4 |" in table, table
+    assert "| fp8serve | float32 | fp8 (-q fp8) | fp8_e4m3 | cpu_paged | 2 | 8 | 4 |" in table, table
+    runs = json.loads(out.read_text())["results"]
+    assert [(r["weights"], r["quantization"]) for r in runs] == [("float32", None), ("fp8", "fp8")]
+
+
+def test_a_config_with_too_many_fields_is_refused():
+    with loaded_script("offline_throughput.py") as script, pytest.raises(SystemExit, match="expected DTYPE:KV_DTYPE"):
+        script.main(["--configs", "float32:fp8:fp8:x", "--skip-hf"])
