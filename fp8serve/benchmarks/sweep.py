@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fp8serve.benchmarks.serve import benchmark, format_results, non_negative_int, positive_int
 from fp8serve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
-from fp8serve.entrypoints.engine_args import human_readable_int
+from fp8serve.entrypoints.engine_args import add_quantization_arg, human_readable_int
 from fp8serve.errors import UserError
 
 # The seed PR's workload (QPS 1, 30 requests, 512 in / 256 out), and one that
@@ -54,6 +54,7 @@ def register(subparsers) -> None:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu")
     p.add_argument("--kv-cache-memory", default="128MiB", help="the same budget for every configuration")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="compute dtype passed to every server")
+    add_quantization_arg(p, scope="Passed to every server")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="override the workload's request count")
     p.add_argument("--max-model-len", type=human_readable_int, default=None,
                    help="passed to every server (default: the workload's, that of its published results); "
@@ -146,7 +147,9 @@ def num_preemptions(base_url: str) -> int | None:
 
 
 def _weights_dtype(log_path: Path) -> str:
-    m = re.search(r"Loaded .*\(\w+, (\S+) weights\)", log_path.read_text())
+    """The server's "Loaded DIR (ARCH, WEIGHTS weights)" line's WEIGHTS: "float32", "fp8",
+    "fp8 (quantized at load)" (--quantization fp8), "bfloat16 (float32 compute)", ..."""
+    m = re.search(r"Loaded .*\(\w+, (.+) weights\)", log_path.read_text())
     return m.group(1) if m else "?"
 
 
@@ -238,6 +241,8 @@ def server_command(model: str, kv_dtype: str, workload: dict, args, port: int) -
     max_model_len = max_model_len_of(workload, args)
     cmd += ["--kv-cache-dtype", kv_dtype, "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype,
             "--max-model-len", str(max_model_len), "--port", str(port), "--seed", str(args.seed)]
+    if args.quantization is not None:
+        cmd += ["--quantization", args.quantization]
     if args.enable_prefix_caching:
         cmd.append("--enable-prefix-caching")
     if args.enable_chunked_prefill:
@@ -364,8 +369,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--out-dir {args.out_dir!r}: cannot create it ({e.strerror})") from None
     max_model_len = max_model_len_of(workload, args)
     prefix = f"{args.random_prefix_len} shared prefix + " if args.random_prefix_len else ""
-    engine_flags = "".join(f", --{name.replace('_', '-')}"
-                           for name in ("enable_prefix_caching", "enable_chunked_prefill") if getattr(args, name))
+    engine_flags = f", --quantization {args.quantization}" if args.quantization is not None else ""
+    engine_flags += "".join(f", --{name.replace('_', '-')}"
+                            for name in ("enable_prefix_caching", "enable_chunked_prefill") if getattr(args, name))
     if args.max_num_batched_tokens is not None:
         engine_flags += f", --max-num-batched-tokens {args.max_num_batched_tokens}"
     if args.speculative_config is not None:
@@ -381,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
     (out_dir / "sweep.md").write_text(f"{desc}\n\n{table}\n")
     with open(out_dir / "sweep.json", "w") as f:
         json.dump({"workload": args.workload, **workload, "max_model_len": max_model_len,
-                   "kv_cache_memory": args.kv_cache_memory,
+                   "kv_cache_memory": args.kv_cache_memory, "quantization": args.quantization,
                    "random_prefix_len": args.random_prefix_len, "enable_prefix_caching": args.enable_prefix_caching,
                    "enable_chunked_prefill": args.enable_chunked_prefill,
                    "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -6,6 +6,7 @@ import argparse
 import re
 
 from fp8serve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from fp8serve.quantization.registry import QUANTIZATION_METHODS
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -27,6 +28,16 @@ def human_readable_int(text: str) -> int:
     return int(number) * _BINARY.get(suffix, 1)
 
 
+def add_quantization_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, scope: str = "") -> None:
+    """-q/--quantization (vLLM's), for every command that builds an engine: serve and generate
+    through add_engine_args, and the tools that take a few engine flags of their own.
+    `scope`: a sentence appended to the help where the flag applies to part of a command's runs."""
+    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                        help="quantize a 16/32-bit checkpoint's linear weights at load: fp8 = float8_e4m3 with a "
+                             "per-tensor scale (vLLM's dynamic FP8; on CPU the fastest decode). FP8 checkpoints "
+                             "need no flag" + (f". {scope}" if scope else ""))
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
         parser.add_argument("model", nargs="?", default=None,
@@ -39,10 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="compute dtype; auto = float32 on CPUs without fast bf16, the checkpoint's dtype on CUDA")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="KV cache storage; auto = compute dtype, fp8 = fp8_e4m3")
-    g.add_argument("--quantization", "-q", default=None, metavar="fp8",
-                   help="quantize a 16/32-bit checkpoint's linear weights at load: fp8 = float8_e4m3 with a "
-                        "per-tensor scale (vLLM's dynamic FP8; on CPU the fastest decode). FP8 checkpoints "
-                        "need no flag")
+    add_quantization_arg(g)
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens) for requests that leave them unset: auto = the model's "

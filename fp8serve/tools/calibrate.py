@@ -18,6 +18,8 @@ _DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from fp8serve.entrypoints.engine_args import add_quantization_arg
+
     p = subparsers.add_parser(
         "calibrate",
         help="compute per-layer FP8 KV cache scales from sample text",
@@ -26,10 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "absolute maximum of K (after RoPE) and V, and turn them into FP8 e4m3 scales "
             "(scale = margin * amax / 448). Writes vLLM's --quantization-param-path JSON "
             "(one scale per layer: max of K and V) and/or a copy of the checkpoint with per-layer "
-            "self_attn.k_scale / v_scale tensors that fp8serve reads with no flags."
+            "self_attn.k_scale / v_scale tensors that fp8serve reads with no flags. With -q fp8 the model "
+            "runs with its weights quantized at load, so the scales describe that model's K and V: serve it "
+            "with -q fp8 too."
         ),
     )
     add_calibration_args(p)
+    # Not in add_calibration_args: `quantize` makes FP8 weights itself.
+    add_quantization_arg(p)
     p.add_argument("--margin", type=float, default=1.0,
                    help="safety factor on the observed amax (default 1.0; e.g. 1.2 leaves 20%% headroom)")
     p.add_argument("--out-json", default=None, metavar="FILE",
@@ -124,14 +130,18 @@ def run(args: argparse.Namespace) -> int:
         check_new_directory(args.out_checkpoint, "--out-checkpoint")
     model, seq_len, source, chunks = calibration_inputs(args)
     llm = build_llm(model, seq_len=seq_len, dtype=args.dtype, device=args.device,
-                    kv_cache_memory=args.kv_cache_memory)
+                    kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
     engine = llm.llm_engine
     with KVAmaxObserver(engine.model_runner.attn_layers) as observer:
         num_tokens = run_chunks(llm, chunks, "Calibrating KV")
     stats = observer.stats
     model_dir = engine.config.model_config.model
+    quantization = engine.config.model_config.quantization
+    # The scales fit the model that ran: one with FP8 weights made at load is served with the same flag.
+    serve_flags = f"--quantization {quantization} " if quantization else ""
+    weights = f"weights: quantized to {quantization} at load ({serve_flags.strip()}), " if quantization else ""
     print(f"model: {model_dir}\ntext: {source.description}, {num_tokens} tokens in {len(chunks)} chunks "
-          f"of <= {seq_len}\ncompute dtype: {engine.config.model_config.dtype_name}, KV cache: "
+          f"of <= {seq_len}\ncompute dtype: {engine.config.model_config.dtype_name}, {weights}KV cache: "
           f"{engine.model_runner.kv_cache_spec.kv_cache_dtype} (unquantized while calibrating)")
     print(format_kv_table(stats, args.margin))
 
@@ -140,12 +150,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out_json:
         model_type = engine.config.model_config.hf_config.get("model_type", "llama")
         path = write_kv_scales_json(args.out_json, model_type, k_scales, v_scales)
-        print(f"wrote {path}  (use: --kv-cache-dtype fp8 --quantization-param-path {path})")
+        print(f"wrote {path}  (use: {serve_flags}--kv-cache-dtype fp8 --quantization-param-path {path})")
     if args.out_checkpoint:
         path = write_kv_scale_checkpoint(model_dir, args.out_checkpoint, k_scales, v_scales,
                                          kv_scale_format=args.kv_scale_format,
                                          is_kv_scale_tensor=is_kv_scale_tensor_fn(llm))
-        print(f"wrote {path}  (use: --kv-cache-dtype fp8; check with: fp8serve scales {path} --kv-cache-dtype fp8)")
+        print(f"wrote {path}  (use: {serve_flags}--kv-cache-dtype fp8; check with: fp8serve scales {path} "
+              "--kv-cache-dtype fp8)")
     if not (args.out_json or args.out_checkpoint):
         print("nothing written: pass --out-json FILE and/or --out-checkpoint DIR to keep the scales")
     return 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp8serve.calibration.kv_config import SPEC_HELP
-from fp8serve.entrypoints.engine_args import human_readable_int
+from fp8serve.entrypoints.engine_args import add_quantization_arg, human_readable_int
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +36,20 @@ EXAMPLE_PROMPTS = [
     "Translate the proverb 'The early bird catches the worm' into Japanese, French and Swahili.",
 ]
 
+# A SPEC's last field: the weights quantized at load, as -q/--quantization METHOD.
+_QUANTIZATION_KEYS = ("q=", "quantization=")
+
 _EPILOG = f"""\
 configurations:
-  MODEL [MODEL ...] --kv-cache-dtype D [D ...]   every model with every KV cache dtype
-  MODEL@SPEC                                       one configuration; SPEC = {SPEC_HELP}
+  MODEL [MODEL ...] --kv-cache-dtype D [D ...]   every model with every KV cache dtype (and -q if given)
+  MODEL@SPEC[:q=fp8]                               one configuration; SPEC = {SPEC_HELP};
+                                                   :q=fp8 (or :quantization=fp8) quantizes the weights at load,
+                                                   as -q fp8 does for MODELs without @SPEC (MODEL@q=fp8 =
+                                                   MODEL@auto:q=fp8)
   MODEL may be 'default' for the built-in model. The seed's four configurations in one command:
     fp8serve compare BF16_DIR@auto FP8_DIR@auto FP8_DIR@fp8_e4m3:scale1 FP8_DIR@fp8_e4m3
+  A 16-bit model against its weights quantized at load, with an FP8 KV cache:
+    fp8serve compare BF16_DIR@auto BF16_DIR@auto:q=fp8 BF16_DIR@fp8_e4m3:q=fp8
 """
 
 
@@ -58,11 +66,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("models", nargs="*", metavar="MODEL[@SPEC]",
-                   help="checkpoint directories ('default' = built-in model), optionally with @KV-SPEC")
+                   help="checkpoint directories ('default' = built-in model), optionally with @KV-SPEC[:q=fp8]")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], metavar="D",
                    help="KV cache dtypes for every MODEL given without @SPEC (default: auto)")
     p.add_argument("--quantization-param-path", default=None, metavar="FILE",
                    help="JSON scales for every MODEL given without @SPEC")
+    add_quantization_arg(p, scope="For every MODEL given without @SPEC (a SPEC ends in :q=fp8 instead)")
     p.add_argument("--max-tokens", type=int, default=20, help="greedy tokens per prompt (default 20)")
     p.add_argument("--prompt", action="append", default=None,
                    help="a prompt (repeatable; default: eight examples on the seed PR's subjects)")
@@ -81,10 +90,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 class RunConfig:
     model: str
     kv: object  # KVConfig
+    quantization: str | None = None  # --quantization: the weights quantized at load
 
     @property
     def label(self) -> str:
-        return f"{Path(self.model).name} @ {self.kv.label}"
+        q = f":q={self.quantization}" if self.quantization else ""
+        return f"{Path(self.model).name} @ {self.kv.label}{q}"
 
 
 def _resolve_model(name: str) -> str:
@@ -95,16 +106,36 @@ def _resolve_model(name: str) -> str:
     return name
 
 
-def parse_run_configs(models: list[str], kv_cache_dtypes: list[str], json_path: str | None) -> list[RunConfig]:
+def split_quantization(item: str, spec: str) -> tuple[str, str | None]:
+    """(KV part, method) of MODEL@SPEC's SPEC: a last field q=METHOD (or quantization=METHOD) names the
+    weights' quantization at load, None without one; a SPEC of that field alone has KV cache 'auto'."""
+    from fp8serve.errors import UserError
+    from fp8serve.quantization.registry import QUANTIZATION_METHODS
+
+    kv, _, last = spec.rpartition(":")
+    if not last.startswith(_QUANTIZATION_KEYS):
+        return spec, None
+    method = last.partition("=")[2]
+    if method not in QUANTIZATION_METHODS:
+        raise UserError(f"'{item}': quantization '{method}' is not one of {', '.join(QUANTIZATION_METHODS)} "
+                        "(as -q/--quantization)")
+    return kv or "auto", method
+
+
+def parse_run_configs(models: list[str], kv_cache_dtypes: list[str], json_path: str | None,
+                      quantization: str | None = None) -> list[RunConfig]:
+    """`quantization` (-q) is for MODELs without @SPEC, as `kv_cache_dtypes` and `json_path` are."""
     from fp8serve.calibration.kv_config import KVConfig
 
     out = []
     for item in models or ["default"]:
         model, at, spec = item.rpartition("@")
         if at and not Path(item).exists():
-            out.append(RunConfig(_resolve_model(model), KVConfig.parse(spec)))
+            kv_spec, spec_quantization = split_quantization(item, spec)
+            out.append(RunConfig(_resolve_model(model), KVConfig.parse(kv_spec), spec_quantization))
         else:
-            out += [RunConfig(_resolve_model(item), kv) for kv in KVConfig.for_dtypes(kv_cache_dtypes, json_path)]
+            out += [RunConfig(_resolve_model(item), kv, quantization)
+                    for kv in KVConfig.for_dtypes(kv_cache_dtypes, json_path)]
     return out
 
 
@@ -120,11 +151,13 @@ def check_args(args: argparse.Namespace) -> None:
     # Flags for MODELs without @SPEC would otherwise be dropped without a word.
     models = args.models or ["default"]
     if all("@" in m and not Path(m).exists() for m in models):
-        for flag, given in (("--kv-cache-dtype", args.kv_cache_dtype != ["auto"]),
-                            ("--quantization-param-path", args.quantization_param_path is not None)):
+        for flag, given, spec in (("--kv-cache-dtype", args.kv_cache_dtype != ["auto"], "MODEL@fp8_e4m3"),
+                                  ("--quantization-param-path", args.quantization_param_path is not None,
+                                   "MODEL@fp8_e4m3:json=FILE"),
+                                  ("--quantization", args.quantization is not None, "MODEL@auto:q=fp8")):
             if given:
                 raise UserError(f"{flag} applies to MODELs given without @SPEC, and every MODEL has one; "
-                                "put it in the SPEC (MODEL@fp8_e4m3:json=FILE) or drop it")
+                                f"put it in the SPEC ({spec}) or drop it")
     if args.out:
         check_output_file(args.out, "--out")
 
@@ -176,16 +209,16 @@ def render_marked(pieces: list[str], diff_at: int | None) -> str:
 def format_markdown(configs: list[RunConfig], summaries: list[dict], prompts: list[str],
                     pieces: list[list[list[str]]]) -> str:
     """pieces[c][p]: the output pieces of configuration c on prompt p."""
-    lines = ["| # | model | KV cache | scales | prompts identical to #1 | first difference (token index) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| # | model | quantization | KV cache | scales | prompts identical to #1 "
+             "| first difference (token index) |", "|---|---|---|---|---|---|---|"]
     diffs = [[first_difference(pieces[c][p], pieces[0][p]) for p in range(len(prompts))] for c in range(len(configs))]
     for c, (cfg, s) in enumerate(zip(configs, summaries)):
         k0, k1 = s["k_scale_range"]
         scales = f"{s['scale_source']} k {k0:.3g}..{k1:.3g}" if k0 != k1 else f"{s['scale_source']} {k0:.3g}"
         same = sum(d is None for d in diffs[c])
         where = ", ".join("=" if d is None else str(d) for d in diffs[c])
-        lines.append(f"| {c + 1} | {Path(cfg.model).name} | {s['kv_cache_dtype']} ({cfg.kv.label}) | {scales} | "
-                     f"{same}/{len(prompts)} | {where} |")
+        lines.append(f"| {c + 1} | {Path(cfg.model).name} | {s['quantization'] or '-'} | {s['kv_cache_dtype']} "
+                     f"({cfg.kv.label}) | {scales} | {same}/{len(prompts)} | {where} |")
     lines += ["", "| prompt | " + " | ".join(f"#{c + 1}" for c in range(len(configs))) + " |",
               "|---" * (len(configs) + 1) + "|"]
     for p, prompt in enumerate(prompts):
@@ -205,7 +238,7 @@ def generate_all(configs: list[RunConfig], prompts: list[str], *, max_tokens: in
     summaries, pieces = [], []
     for cfg in configs:
         llm = LLM(cfg.model, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
-                  max_model_len=max_model_len, **cfg.kv.engine_kwargs())
+                  max_model_len=max_model_len, quantization=cfg.quantization, **cfg.kv.engine_kwargs())
         cfg.kv.apply_after_load(llm)
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -216,6 +249,7 @@ def generate_all(configs: list[RunConfig], prompts: list[str], *, max_tokens: in
         # after generation: calculated scales exist only once a prefill ran
         summaries.append({"kv_cache_dtype": llm.llm_engine.model_runner.kv_cache_spec.kv_cache_dtype,
                           "dtype": llm.llm_engine.config.model_config.dtype_name,
+                          "quantization": llm.llm_engine.config.model_config.quantization,
                           "device": str(llm.llm_engine.config.model_config.torch_device), **scale_summary(llm)})
         del llm
         gc.collect()
@@ -224,7 +258,7 @@ def generate_all(configs: list[RunConfig], prompts: list[str], *, max_tokens: in
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    configs = parse_run_configs(args.models, args.kv_cache_dtype, args.quantization_param_path)
+    configs = parse_run_configs(args.models, args.kv_cache_dtype, args.quantization_param_path, args.quantization)
     prompts = args.prompt or EXAMPLE_PROMPTS
     summaries, pieces = generate_all(configs, prompts, max_tokens=args.max_tokens, chat=not args.no_chat,
                                      dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,

@@ -43,12 +43,16 @@ configurations:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from fp8serve.entrypoints.engine_args import add_quantization_arg
+
     p = subparsers.add_parser(
         "eval-kv",
         help="measure the accuracy cost of FP8 KV cache configurations (KL, top-1, perplexity)",
         description=(
             "Teacher-force text through the model with an unquantized KV cache (reference) and with each "
-            "KV cache configuration, and report mean KL divergence per token, top-1 agreement and perplexity."
+            "KV cache configuration, and report mean KL divergence per token, top-1 agreement and perplexity. "
+            "With -q fp8 the reference and every configuration run with the weights quantized at load, so the "
+            "numbers are the KV cache's cost on that model."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -70,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=_DTYPE_CHOICES,
                    help="compute dtype of reference and configurations (default float32: a clean reference)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    add_quantization_arg(p)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 256MiB")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write a bar chart of the results (matplotlib)")
@@ -93,8 +98,9 @@ def configs_from_args(args) -> list:
 
 
 def evaluate(model, chunks, configs, *, dtype="float32", device="auto", kv_cache_memory=None,
-             seq_len=512, tmp_dir=None, on_result=None) -> dict:
+             seq_len=512, quantization=None, tmp_dir=None, on_result=None) -> dict:
     """{"reference": {...}, "configs": [...]} for `configs` over token `chunks`.
+    `quantization` (--quantization) applies to the reference and every configuration alike.
 
     `on_result(partial document)` is called after each configuration, so a
     long run leaves its finished results behind even if it is stopped."""
@@ -105,7 +111,8 @@ def evaluate(model, chunks, configs, *, dtype="float32", device="auto", kv_cache
     from fp8serve.calibration.metrics import KLStats
     from fp8serve.calibration.runner import build_llm, iter_prompt_logits
 
-    build = dict(seq_len=seq_len, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory)
+    build = dict(seq_len=seq_len, dtype=dtype, device=device, kv_cache_memory=kv_cache_memory,
+                 quantization=quantization)
     offsets = [0]
     for c in chunks:
         offsets.append(offsets[-1] + len(c))
@@ -122,7 +129,8 @@ def evaluate(model, chunks, configs, *, dtype="float32", device="auto", kv_cache
 
         results = []
         ref_stats = None
-        reference = {"kv_cache_dtype": ref_kv, "dtype": dtype, "num_tokens": offsets[-1]}
+        reference = {"kv_cache_dtype": ref_kv, "dtype": dtype, "quantization": quantization,
+                     "num_tokens": offsets[-1]}
         for cfg in configs:
             llm = build_llm(model, **cfg.engine_kwargs(), **build)
             cfg.apply_after_load(llm)
@@ -160,7 +168,8 @@ def format_table(doc: dict) -> str:
         rows.append((r["label"], scales, f"{r['kld_mean']:.3e}", f"{r['top1_agreement']:.2f}",
                      f"{r['ppl']:.4f}", f"{100 * r['ppl_rel_change']:+.3f}%"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [f"reference: {ref['dtype']} compute, {ref['kv_cache_dtype']} KV cache, ppl {ref['ppl']:.4f} "
+    weights = f"{ref['quantization']} weights quantized at load, " if ref.get("quantization") else ""
+    lines = [f"reference: {ref['dtype']} compute, {weights}{ref['kv_cache_dtype']} KV cache, ppl {ref['ppl']:.4f} "
              f"over {ref['num_predicted_tokens']} predicted tokens"]
     lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(rows[0], widths)) + " |")
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -248,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
             write_json({**header, **partial, "complete": False})
 
     doc = evaluate(model, chunks, configs, dtype=args.dtype, device=args.device,
-                   kv_cache_memory=args.kv_cache_memory, seq_len=seq_len, on_result=save_partial)
+                   kv_cache_memory=args.kv_cache_memory, seq_len=seq_len, quantization=args.quantization,
+                   on_result=save_partial)
     doc = {**header, **doc, "complete": True}
     print(f"model: {model}\ntext: {source.description}; {doc['reference']['num_tokens']} tokens in "
           f"{len(chunks)} chunks of <= {seq_len}")
@@ -258,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        write_plot(doc, args.plot, f"{Path(model).name}: FP8 KV cache vs {doc['reference']['kv_cache_dtype']} "
-                                   f"KV ({doc['reference']['num_predicted_tokens']} tokens)")
+        weights = f" (--quantization {args.quantization})" if args.quantization else ""
+        write_plot(doc, args.plot, f"{Path(model).name}{weights}: FP8 KV cache vs "
+                                   f"{doc['reference']['kv_cache_dtype']} KV "
+                                   f"({doc['reference']['num_predicted_tokens']} tokens)")
         print(f"wrote {args.plot}")
     return 0

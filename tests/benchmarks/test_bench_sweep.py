@@ -59,7 +59,8 @@ def test_sweep_checks_the_server_flags_before_starting_a_server(tmp_path, capsys
     (["--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),
     (["--num-prompts", "-4"], "argument --num-prompts: must be >= 1, got -4"),
     (["--max-num-batched-tokens", "0"], "argument --max-num-batched-tokens: must be >= 1, got 0"),
-    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'")])
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["-q", "awq"], "argument --quantization/-q: invalid choice: 'awq' (choose from 'fp8')")])
 def test_sweep_rejects_bad_numbers_at_parsing(tmp_path, capsys, argv, message):
     code, err = _sweep(capsys, tmp_path, *argv)
     assert code == 2 and f"fp8serve bench sweep: error: {message}" in err
@@ -141,6 +142,38 @@ def test_sweep_reports_a_server_that_exits_in_one_line(tmp_path, capsys):
     log_path = tmp_path / "out" / "server_0_auto.log"
     assert err.startswith(f"error: [{model_dir}@auto] server exited with 2 before becoming healthy: KV cache of ")
     assert err.endswith(f"(log: {log_path})\n") and "--max-model-len 200 needs" in err
+
+
+def test_sweep_passes_quantization_to_every_server(tmp_path):
+    """-q fp8 reaches each server's command line, which serve's own parser takes; the table's Model dtype
+    column reads the server's weights from its "Loaded" line, which names FP8 weights made at load."""
+    from fp8serve.benchmarks.sweep import _weights_dtype
+
+    parser = build_parser()
+    cmd = server_command("default", "auto", WORKLOADS["cpu"], parser.parse_args(["bench", "sweep", "-q", "fp8"]), 8125)
+    assert cmd[cmd.index("--quantization") + 1] == "fp8"
+    assert parser.parse_args(cmd[3:]).quantization == "fp8"
+    cmd = server_command("default", "auto", WORKLOADS["cpu"], parser.parse_args(["bench", "sweep"]), 8125)
+    assert "--quantization" not in cmd and parser.parse_args(cmd[3:]).quantization is None
+    log = tmp_path / "server.log"
+    for weights in ("float32", "fp8", "fp8 (quantized at load)", "bfloat16 (float32 compute)"):
+        log.write_text(f"INFO 12-05 08:57:07 [fp8serve.engine.model_runner] Loaded /m (LlamaForCausalLM, {weights} "
+                       "weights) in 0.1 s\nINFO 12-05 08:57:07 [x] Attention backend: cpu_paged (C++ decode)\n")
+        assert _weights_dtype(log) == weights
+
+
+def test_sweep_servers_load_fp8_weights_with_quantization(tmp_path, capsys):
+    """End to end: the server the sweep starts with -q fp8 quantizes the weights at load (its log says so)
+    before it stops at the KV budget, as in test_sweep_reports_a_server_that_exits_in_one_line."""
+    model_dir = write_tiny_llama(tmp_path / "llama")
+    capsys.readouterr()
+    code = main(["bench", "sweep", "--configs", f"{model_dir}@auto", "--kv-cache-memory", "1KiB", "--dtype", "float32",
+                 "--max-model-len", "200", "--out-dir", str(tmp_path / "out"), "--startup-timeout", "300", "-q", "fp8"])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert out.startswith("workload 'cpu': ") and out.splitlines()[0].endswith(", --quantization fp8")
+    log = (tmp_path / "out" / "server_0_auto.log").read_text()
+    assert f"Loaded {model_dir} (LlamaForCausalLM, fp8 (quantized at load) weights)" in log
 
 
 def test_wait_healthy_says_when_the_startup_timeout_runs_out(tmp_path):

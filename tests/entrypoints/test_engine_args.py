@@ -79,3 +79,43 @@ def test_max_model_len_and_kv_cache_memory_bytes_take_vllm_syntax():
 
 def test_dtype_takes_vllm_aliases():
     assert parse("--dtype", "half")["dtype"] == "half" and parse("--dtype", "float")["dtype"] == "float"
+
+
+# Every command that builds an engine or model: (its subcommand names, the other arguments it needs).
+ENGINE_COMMANDS = [(["generate"], []), (["serve"], []), (["calibrate"], []), (["eval-kv"], ["--text", "t.txt"]),
+                   (["compare"], []), (["bench", "sweep"], [])]
+
+
+def _subparser(names: list[str]) -> argparse.ArgumentParser:
+    from fp8serve.entrypoints import cli
+
+    parser = cli.build_parser()
+    for name in names:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return parser
+
+
+def test_quantization_takes_vllm_choices(capsys):
+    assert parse("-q", "fp8")["quantization"] == parse("--quantization", "fp8")["quantization"] == "fp8"
+    assert parse()["quantization"] is None
+    with pytest.raises(SystemExit):
+        parse("-q", "awq")
+    assert "argument --quantization/-q: invalid choice: 'awq' (choose from 'fp8')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("names, extra", ENGINE_COMMANDS, ids=lambda v: " ".join(v))
+def test_every_engine_command_takes_quantization_as_serve_does(names, extra, capsys):
+    """One flag, one help text, one set of choices: -q/--quantization through add_quantization_arg."""
+    from fp8serve.entrypoints import cli
+
+    parser = cli.build_parser()
+    assert parser.parse_args([*names, *extra, "-q", "fp8"]).quantization == "fp8"
+    assert parser.parse_args([*names, *extra, "--quantization", "fp8"]).quantization == "fp8"
+    assert parser.parse_args([*names, *extra]).quantization is None
+    with pytest.raises(SystemExit):
+        parser.parse_args([*names, *extra, "-q", "awq"])
+    assert "argument --quantization/-q: invalid choice: 'awq' (choose from 'fp8')" in capsys.readouterr().err
+    [served] = [a for a in _subparser(["serve"])._actions if a.dest == "quantization"]
+    [action] = [a for a in _subparser(names)._actions if a.dest == "quantization"]
+    assert action.option_strings == served.option_strings and action.choices == served.choices
+    assert action.help.startswith(served.help)

@@ -118,3 +118,35 @@ def test_outputs_and_seq_len_are_checked_before_the_model_runs(calibrated, capsy
         err = capsys.readouterr().err
         assert words in err and "--max-model-len" not in err, err
     assert runs == []
+
+
+def test_quantization_calibrates_the_fp8_weight_model_and_says_so(calibrated, capsys, monkeypatch):
+    """-q fp8: the engine that runs the text has FP8 projections, so the amax are that model's, not the
+    16-bit one's; the output says the weights were quantized at load and to serve the scales with the flag."""
+    import fp8serve.calibration.runner as runner
+
+    model, text, root = calibrated
+    real_build_llm = runner.build_llm
+    num_fp8_layers = []
+
+    def build_llm(*args, **kwargs):
+        llm = real_build_llm(*args, **kwargs)
+        modules = llm.llm_engine.model_runner.model.modules()
+        num_fp8_layers.append(sum(getattr(m, "fp8_backend", None) is not None for m in modules))
+        return llm
+
+    monkeypatch.setattr(runner, "build_llm", build_llm)
+    outputs, amax = {}, {}
+    for flags in ([], ["-q", "fp8"]):
+        out_json = root / f"scales{''.join(flags)}.json"
+        assert main(["calibrate", str(model), "--text", str(text), "--num-tokens", "128", "--seq-len", "64",
+                     "--out-json", str(out_json), *flags]) == 0
+        out = outputs[bool(flags)] = capsys.readouterr().out
+        amax[bool(flags)] = [line.split()[1:3] for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert num_fp8_layers[0] == 0 and num_fp8_layers[1] > 0
+    assert amax[True] != amax[False]
+    plain, quantized = outputs[False], outputs[True]
+    assert "compute dtype: float32, weights: quantized to fp8 at load (--quantization fp8), KV cache: " in quantized
+    assert "weights:" not in plain and "--quantization fp8" not in plain
+    assert (f"(use: --quantization fp8 --kv-cache-dtype fp8 --quantization-param-path {root / 'scales-qfp8.json'})"
+            in quantized)

@@ -10,6 +10,7 @@ from checkpoints import make_tokenizer, write_tiny_llama
 from fp8serve.calibration.kv_config import KVConfig
 from fp8serve.engine.tokenizer import load_tokenizer
 from fp8serve.entrypoints.cli import main
+from fp8serve.errors import UserError
 from fp8serve.tools.compare import first_difference, parse_run_configs, render_marked, token_pieces
 
 
@@ -37,6 +38,26 @@ def test_parse_run_configs(tmp_path):
     configs = parse_run_configs([a, f"{b}@fp8_e4m3:scale1"], ["auto", "fp8_e5m2"], None)
     assert [(c.model, c.kv) for c in configs] == [
         (a, KVConfig("auto")), (a, KVConfig("fp8_e5m2")), (b, KVConfig("fp8_e4m3", "scale1"))]
+
+
+def test_parse_run_configs_quantization(tmp_path):
+    """-q is for MODELs without @SPEC, as --kv-cache-dtype is; a SPEC says it in a last field q=fp8
+    (or quantization=fp8), after the KV cache's own fields."""
+    a = str(tmp_path / "a")
+    scales = tmp_path / "s:1.json"  # a ':' in the scale file's path is still the file's
+    scales.write_text("{}")
+    configs = parse_run_configs([a, f"{a}@auto", f"{a}@auto:q=fp8", f"{a}@fp8_e4m3:scale1:quantization=fp8",
+                                 f"{a}@fp8_e4m3:json={scales}:q=fp8", f"{a}@q=fp8"], ["auto"], None, "fp8")
+    assert [(c.kv, c.quantization) for c in configs] == [
+        (KVConfig("auto"), "fp8"), (KVConfig("auto"), None), (KVConfig("auto"), "fp8"),
+        (KVConfig("fp8_e4m3", "scale1"), "fp8"), (KVConfig("fp8_e4m3", "json", str(scales)), "fp8"),
+        (KVConfig("auto"), "fp8")]
+    assert [c.label for c in configs[1:3]] == ["a @ auto", "a @ auto:q=fp8"]
+    assert parse_run_configs([a], ["auto"], None)[0].quantization is None
+    for spec, words in (("auto:q=awq", "quantization 'awq' is not one of fp8"),
+                        ("auto:quantization=", "quantization '' is not one of fp8")):
+        with pytest.raises(UserError, match=words):
+            parse_run_configs([f"{a}@{spec}"], ["auto"], None)
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +106,39 @@ def test_arguments_are_checked_before_any_model_loads(models, tmp_path, capsys, 
         ([f"{a}@auto", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype applies to MODELs given without @SPEC"),
         ([str(a), "--kv-cache-dtype", "auto", "fp8", "--quantization-param-path", str(a_file)],
          "--quantization-param-path applies to FP8 KV caches only"),
+        ([f"{a}@auto", "-q", "fp8"], "--quantization applies to MODELs given without @SPEC, and every MODEL has one; "
+                                     "put it in the SPEC (MODEL@auto:q=fp8)"),
+        ([f"{a}@auto:q=awq"], f"'{a}@auto:q=awq': quantization 'awq' is not one of fp8"),
     ]
     for argv, words in cases:
         assert main(["compare", *argv]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_quantization_reaches_the_engines_it_is_given_for(models, tmp_path, monkeypatch):
+    """-q fp8 for the MODEL without @SPEC, :q=fp8 in a SPEC: those engines, and only those, have FP8 projections,
+    and the table says which configuration ran with them."""
+    import fp8serve
+
+    real_llm = fp8serve.LLM
+    num_fp8_layers = []
+
+    def llm(*args, **kwargs):
+        engine = real_llm(*args, **kwargs)
+        modules = engine.llm_engine.model_runner.model.modules()
+        num_fp8_layers.append(sum(getattr(m, "fp8_backend", None) is not None for m in modules))
+        return engine
+
+    monkeypatch.setattr(fp8serve, "LLM", llm)
+    a, _ = models
+    out = tmp_path / "cmp.md"
+    assert main(["compare", str(a), f"{a}@auto", f"{a}@fp8_e4m3:q=fp8", "-q", "fp8", "--max-tokens", "3",
+                 "--prompt", "Hi", "--dtype", "float32", "--kv-cache-memory", "4MiB", "--out", str(out)]) == 0
+    assert num_fp8_layers[0] > 0 and num_fp8_layers[1] == 0 and num_fp8_layers[2] == num_fp8_layers[0]
+    md = out.read_text()
+    assert "| # | model | quantization | KV cache |" in md
+    assert "| 1 | a | fp8 | float32 (auto) |" in md and "| 2 | a | - | float32 (auto) |" in md
+    assert "| 3 | a | fp8 | fp8_e4m3 (fp8_e4m3) |" in md
 
 
 def test_max_model_len_fits_a_small_kv_budget(models, capsys):

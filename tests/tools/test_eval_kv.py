@@ -120,3 +120,36 @@ def test_default_seq_len_fits_a_short_context_model(setup, capsys, tmp_path):
                  "--num-tokens", "300", "--json", str(out)]) == 0
     assert "chunks of <= 256" in capsys.readouterr().out
     assert json.loads(out.read_text())["seq_len"] == 256
+
+
+def test_quantization_applies_to_the_reference_and_every_configuration(setup, capsys, monkeypatch):
+    """-q fp8: every engine, the reference's included, has FP8 projections, so an unquantized KV cache is
+    still exactly the reference (KL 0) and the numbers are the KV cache's cost on the FP8-weight model; the
+    JSON and the table say so."""
+    import fp8serve.calibration.runner as runner
+
+    model, text, _, _, root = setup
+    real_build_llm = runner.build_llm
+    num_fp8_layers = []
+
+    def build_llm(*args, **kwargs):
+        llm = real_build_llm(*args, **kwargs)
+        modules = llm.llm_engine.model_runner.model.modules()
+        num_fp8_layers.append(sum(getattr(m, "fp8_backend", None) is not None for m in modules))
+        return llm
+
+    monkeypatch.setattr(runner, "build_llm", build_llm)
+    docs, stdout = {}, {}
+    for flags in ([], ["-q", "fp8"]):
+        out_json = root / f"r{''.join(flags)}.json"
+        assert main(["eval-kv", str(model), "--text", str(text), "--seq-len", "64", "--num-tokens", "128",
+                     "--config", "auto", "--config", "fp8_e5m2", "--json", str(out_json), *flags]) == 0
+        stdout[bool(flags)] = capsys.readouterr().out
+        docs[bool(flags)] = json.loads(out_json.read_text())
+    assert num_fp8_layers[:3] == [0, 0, 0] and min(num_fp8_layers[3:]) > 0 and len(num_fp8_layers) == 6
+    plain, quantized = docs[False], docs[True]
+    assert plain["reference"]["quantization"] is None and quantized["reference"]["quantization"] == "fp8"
+    assert quantized["reference"]["ppl"] != plain["reference"]["ppl"]
+    assert quantized["configs"][0]["kld_mean"] == 0.0 and quantized["configs"][1]["kld_mean"] > 0
+    assert "reference: float32 compute, fp8 weights quantized at load, float32 KV cache" in stdout[True]
+    assert "reference: float32 compute, float32 KV cache" in stdout[False]
