@@ -263,6 +263,19 @@ def _json_object(value: dict | str | None, flag: str) -> dict | None:
     return parsed
 
 
+def _tokenizer_dir(tokenizer) -> str:
+    """--tokenizer checked before anything loads: a directory holding tokenizer files."""
+    from fp8serve.engine.tokenizer import TOKENIZER_FILES
+
+    path = Path(str(tokenizer)).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"--tokenizer {str(tokenizer)!r}: no such directory (a local directory with "
+                          f"{' or '.join(TOKENIZER_FILES)}; nothing is downloaded)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"--tokenizer {str(tokenizer)!r}: the directory has none of {', '.join(TOKENIZER_FILES)}")
+    return str(path)
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -270,6 +283,8 @@ class ModelConfig:
     max_model_len: int | None = None
     device: str = "auto"
     seed: int = 0
+    # vLLM's --tokenizer: a directory with the tokenizer files, where the checkpoint ships
+    # none (or another); None: the model's directory. Local only: no hub here.
     tokenizer: str | None = None
     # vLLM's --quantization: "fp8" quantizes a 16/32-bit checkpoint's weights at load
     # (quantization/fp8_online.py); None: the checkpoint's own weights.
@@ -304,6 +319,8 @@ class ModelConfig:
                 raise ConfigError(f"--quantization {self.quantization!r} is not supported (supported: "
                                   f"{', '.join(QUANTIZATION_METHODS)}; FP8 checkpoints need no flag)")
         self.model = str(self.model)
+        if self.tokenizer is not None:
+            self.tokenizer = _tokenizer_dir(self.tokenizer)
         self.hf_config, cfg_path = read_hf_config(self.model)
         self.arch = ModelArchConfig.from_dict(self.hf_config, cfg_path)
         from fp8serve.engine.generation_defaults import default_sampling_params
@@ -541,6 +558,7 @@ class EngineConfig:
         quantization: str | None = None,
         generation_config: str = "auto",
         override_generation_config: dict | str | None = None,
+        tokenizer: str | None = None,
     ) -> "EngineConfig":
         if model is None:
             from fp8serve.default_model import ensure_default_model
@@ -557,7 +575,7 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching,
         )
         model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
-                                   enforce_eager=enforce_eager, quantization=quantization,
+                                   enforce_eager=enforce_eager, quantization=quantization, tokenizer=tokenizer,
                                    generation_config=generation_config,
                                    override_generation_config=_json_object(override_generation_config,
                                                                            "--override-generation-config"))

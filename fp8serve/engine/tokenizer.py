@@ -11,14 +11,14 @@ from fp8serve.errors import ConfigError, InvalidParameterError
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def load_tokenizer(model_dir: str):
     """A transformers tokenizer from `model_dir`, or None if it ships none."""
     d = Path(model_dir)
-    if not any((d / f).is_file() for f in _TOKENIZER_FILES):
-        logger.warning("%s has no tokenizer files: only token-id prompts can be used", d)
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files: only token-id prompts can be used (or pass --tokenizer DIR)", d)
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer

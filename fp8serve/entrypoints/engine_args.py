@@ -46,6 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         parser.add_argument("--model", default=None,
                             help="Hugging Face checkpoint directory (default: the built-in SmolLM2-135M-Instruct)")
     g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory with the tokenizer files (default: the model's directory; local only)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="compute dtype; auto = float32 on CPUs without fast bf16, the checkpoint's dtype on CUDA")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
@@ -101,6 +103,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        tokenizer=args.tokenizer,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
         quantization_param_path=args.quantization_param_path,

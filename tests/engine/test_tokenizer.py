@@ -21,3 +21,51 @@ def test_check_text_raises_a_parameter_error():
     with pytest.raises(InvalidParameterError) as info:
         check_text("\udfff", "prompt.text", parameter="prompt")
     assert info.value.parameter == "prompt"
+
+
+def test_tokenizer_flag_gives_a_checkpoint_without_one_its_tokenizer(tmp_path):
+    """vLLM's --tokenizer: a checkpoint that ships no tokenizer files takes text prompts with another
+    directory's tokenizer, and tokenizes as that directory's tokenizer does."""
+    from checkpoints import write_tiny_llama
+    from fp8serve import LLM, SamplingParams
+    from fp8serve.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+    bare = write_tiny_llama(tmp_path / "bare", with_tokenizer=False)
+    with_tok = write_tiny_llama(tmp_path / "with_tok")
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with pytest.raises(UserError, match="has no tokenizer"):
+        LLM(str(bare), dtype="float32", kv_cache_memory="4MiB").generate("Hello there", params, use_tqdm=False)
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", str(bare), "--tokenizer", str(with_tok), "--dtype", "float32",
+                              "--kv-cache-memory", "4MiB"])
+    llm = LLM(args.model, **engine_kwargs(args))
+    out = llm.generate("Hello there", params, use_tqdm=False)[0]
+    # The same weights (the factory is seeded) with the tokenizer in the model's own directory.
+    reference = LLM(str(with_tok), dtype="float32", kv_cache_memory="4MiB")
+    ref = reference.generate("Hello there", params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == reference.get_tokenizer().encode("Hello there", add_special_tokens=True)
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ref.prompt_token_ids, ref.outputs[0].token_ids)
+    assert out.outputs[0].text == ref.outputs[0].text and out.outputs[0].text
+    assert llm.llm_engine.config.model_config.tokenizer == str(with_tok)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: d / "nowhere", "no such directory (a local directory with tokenizer.json or"),
+    (lambda d: d, "the directory has none of tokenizer.json, tokenizer.model"),
+])
+def test_bad_tokenizer_flag_is_named(tmp_path, make, words):
+    from checkpoints import write_tiny_llama
+    from fp8serve import LLM
+    from fp8serve.errors import ConfigError
+
+    model = write_tiny_llama(tmp_path / "model")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    path = make(empty)
+    with pytest.raises(ConfigError) as e:
+        LLM(str(model), tokenizer=str(path), dtype="float32", kv_cache_memory="4MiB")
+    assert str(e.value).startswith(f"--tokenizer '{path}': {words}"), str(e.value)
