@@ -266,11 +266,11 @@ class AsyncLLMEngine:
                     if out.finished:
                         del self._streams[out.request_id]
                     stream.put(out)
-            self._abort_all(EngineDeadError("the engine was shut down"))
+            self._abort_all(EngineDeadError("the engine was shut down"), "abort")
         except BaseException as e:  # noqa: BLE001 - any failure must reach the clients
             logger.exception("engine loop failed; failing %d requests", len(self._streams))
             self.errored = e
-            self._abort_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
+            self._abort_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"), "error")
         finally:
             self.has_work = False
 
@@ -337,10 +337,12 @@ class AsyncLLMEngine:
             else:
                 stream.put(EngineDeadError(f"request {request_id} was aborted"))
 
-    def _abort_all(self, error: BaseException) -> None:
+    def _abort_all(self, error: BaseException, finish_reason: str) -> None:
+        """Ends every request with `error` for its caller; `finish_reason` ("abort" at shutdown,
+        "error" after a failure) is what the stat loggers record for it."""
         for request_id in list(self._streams):
             try:
-                self.engine.abort_request(request_id)
+                self.engine.abort_request(request_id, finish_reason)
             except Exception:  # noqa: BLE001 - the engine may be broken; the clients matter more
                 pass
             self._streams.pop(request_id).put(error)

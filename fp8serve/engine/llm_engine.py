@@ -215,24 +215,27 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, finish_reason: str = "abort") -> bool:
         """Stop a request (every sample of an n > 1 one) and free its KV blocks;
-        False if it is unknown or done."""
+        False if it is unknown or done. `finish_reason` "error": an engine
+        failure ended it (vLLM's FinishReason.ERROR), not its caller."""
+        if finish_reason not in ("abort", "error"):
+            raise ValueError(f"finish_reason must be 'abort' or 'error', got {finish_reason!r}")
         parent = self.parents.pop(request_id, None)
         if parent is not None:
-            aborted = [self._abort_sequence(c.request_id) for c in parent.children]
+            aborted = [self._abort_sequence(c.request_id, finish_reason) for c in parent.children]
             return any(aborted)
-        return self._abort_sequence(request_id)
+        return self._abort_sequence(request_id, finish_reason)
 
     def get_request(self, request_id: str) -> Sequence | ParentRequest | None:
         """The running or waiting request with this id (for make_output), or None."""
         return self.parents.get(request_id) or self.seqs.get(request_id)
 
-    def _abort_sequence(self, request_id: str) -> bool:
+    def _abort_sequence(self, request_id: str, finish_reason: str) -> bool:
         seq = self.seqs.pop(request_id, None)
         if seq is None or seq.is_finished:
             return False
-        seq.finish_reason = "abort"
+        seq.finish_reason = finish_reason
         self._finish(seq)
         return True
 
@@ -357,6 +360,7 @@ class LLMEngine:
         rows = out.sampled_rows if num_new_tokens is not None else range(len(seqs))
         counts = out.num_sampled_tokens
         i = 0  # into the sampler output's tokens
+        num_generated = 0
         for row, seq in enumerate(sampled):
             if num_new_tokens is not None:
                 self._finish_prompt_logprobs(seq)
@@ -373,7 +377,7 @@ class LLMEngine:
             for j in range(i, i + count):
                 token = token_ids[j]
                 seq.output_token_ids.append(token)
-                self.stats.generation_tokens_total += 1
+                num_generated += 1
                 if want_lp:
                     seq.cumulative_logprob += lps[j]
                     if seq.logprobs is not None:
@@ -407,6 +411,9 @@ class LLMEngine:
                 self._finish(seq)
                 self.seqs.pop(seq.request_id, None)
             advanced.append(seq)
+        self.stats.generation_tokens_total += num_generated
+        if self._iteration is not None:
+            self._iteration.num_generation_tokens += num_generated
         return advanced
 
     def _propose_drafts(self, seqs: list[Sequence]) -> None:

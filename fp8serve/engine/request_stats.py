@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 class FinishedRequestStats:
     """One finished sequence (a sample of an n > 1 request is one, as in vLLM)."""
 
-    finish_reason: str  # "stop" | "length" | "abort"
+    request_id: str  # the request's (every sample of an n > 1 request reports its parent's)
+    # "stop" | "length" | "abort", or "error" for the requests an engine failure ended
+    finish_reason: str
     num_prompt_tokens: int
     num_generation_tokens: int
     max_tokens_param: int | None
@@ -39,6 +41,7 @@ class FinishedRequestStats:
     def from_sequence(cls, seq: Sequence, now: float) -> "FinishedRequestStats":
         scheduled, first, last = seq.first_scheduled_time, seq.first_token_time, seq.last_token_time
         return cls(
+            request_id=seq.parent.request_id if seq.parent is not None else seq.request_id,
             finish_reason=seq.finish_reason or "abort",
             num_prompt_tokens=seq.num_prompt_tokens,
             num_generation_tokens=len(seq.output_token_ids),
@@ -59,6 +62,8 @@ class IterationStats:
     chunks, decoded tokens and their drafts)."""
 
     num_batched_tokens: int | None = None
+    # Tokens sampled and kept (accepted drafts included), as vLLM's IterationStats.
+    num_generation_tokens: int = 0
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     # `n` of each request whose last sample finished (vLLM's request_params_n).
     finished_params_n: list[int] = field(default_factory=list)

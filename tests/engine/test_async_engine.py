@@ -135,6 +135,31 @@ def test_step_failure_fails_requests_and_marks_unhealthy(engine):
     assert not engine.is_healthy() and not engine.is_running
 
 
+def test_requests_a_failed_step_ends_are_reported_as_error(engine):
+    """The requests a failing step ends reach the stat loggers with finish reason "error" (vLLM's
+    FinishReason.ERROR), not "abort": their clients got an error, they neither left nor were drained.
+    Before, /metrics counted them under request_success_total{finished_reason="abort"}."""
+    reports = []
+    engine.engine.stat_loggers.append(reports.append)
+    step, num_steps = engine.engine.step, [0]
+
+    def step_then_fail():
+        num_steps[0] += 1
+        if num_steps[0] > 2:
+            raise RuntimeError("kernel exploded")
+        return step()
+
+    engine.engine.step = step_then_fail
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="kernel exploded"):
+            await _collect(engine, {"prompt_token_ids": [5, 6]}, GREEDY)
+
+    asyncio.run(main())
+    finished = [f for r in reports for f in r.finished_requests]
+    assert [(f.finish_reason, f.num_generation_tokens) for f in finished] == [("error", 2)]
+
+
 def test_stalled_engine_is_unhealthy(engine):
     engine.stall_timeout = 0.2
     engine.has_work = True

@@ -6,19 +6,31 @@ snapshot (copied by the engine thread). Histograms of what the client sees
 (TTFT, inter-token latency, E2E) are observed by the serving code; those of
 the engine's steps and finished requests (tokens, queue / prefill / decode
 time, finish reasons) by `ServerMetrics.record`, a stat logger the engine
-thread calls after each step.
+thread calls after each step. A prompt-only completion (echo with max_tokens
+0) runs with one hidden sampled token: it counts as no generated token, as
+its response shows none (`ServerMetrics.prompt_only`).
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from fp8serve.engine.async_engine import AsyncLLMEngine
 from fp8serve.engine.request_stats import IterationStats
-from fp8serve.outputs import FINISH_REASONS
 
 PREFIX = "fp8serve:"
+
+# Label values vLLM creates before any request (FinishReason in vllm/v1/engine/__init__.py,
+# PromptTokenStats.ALL_SOURCES in vllm/v1/metrics/stats.py), so that a dashboard written for
+# vLLM finds every series it queries. Some stay 0 here: fp8serve has no repetition detection
+# (finish reason "repetition") and no KV connector (source "external_kv_transfer").
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0)
@@ -81,12 +93,12 @@ class _EngineCollector:
         by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source",
                                         "Prompt tokens by where their K/V came from: computed, or the prefix cache.",
                                         labels=labels + ["source"])
-        by_source.add_metric(value + ["local_compute"], snap.prompt_tokens_total - cached)
-        by_source.add_metric(value + ["local_cache_hit"], cached)
+        counts = {"local_compute": snap.prompt_tokens_total - cached, "local_cache_hit": cached}
+        for source in PROMPT_TOKEN_SOURCES:
+            by_source.add_metric(value + [source], counts.get(source, 0))
         yield by_source
         yield counter("prompt_tokens_cached", "Prompt tokens whose K/V were shared, not computed (prefix cache, or "
                       "the samples of an n > 1 request).", cached)
-        yield counter("generation_tokens", "Generated tokens.", snap.generation_tokens_total)
         yield counter("num_preemptions", "Preemptions by recompute.", snap.num_preemptions)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       snap.prefix_cache_queries)
@@ -141,28 +153,62 @@ class ServerMetrics:
         success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                           labelnames=["model_name", "finished_reason"], registry=self.registry)
         # Every reason from the start, as vLLM: a rate over a series that does not exist yet is empty, not 0.
-        self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+        # Counted here from the steps' reports rather than read from the engine's total: a
+        # prompt-only request's hidden token leaves it in the same report that counts it.
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens (a prompt-only "
+                                         "completion's hidden one left out).", **kw).labels(model_name)
+        # Written by the serving code (event loop), read by `record` (engine thread).
+        self.prompt_only_ids: set[str] = set()
+        self._prompt_only_lock = threading.Lock()
         engine.engine.stat_loggers.append(self.record)
+
+    @contextmanager
+    def prompt_only(self, request_ids: list[str]) -> Iterator[None]:
+        """While the block runs, the requests with these ids (all samples of each) are
+        prompt-only: echo with max_tokens 0, run with max_tokens 1 because the engine samples at
+        least one token, which no response shows. They count no generated token, max_tokens 0,
+        and finish "length" (what their responses say) unless aborted or failed. Their prompts,
+        latencies and prompt-logprob work count as any request's. The engine reports a finish
+        before the caller gets the last output, so leaving the block after the request never
+        loses its report."""
+        with self._prompt_only_lock:
+            self.prompt_only_ids.update(request_ids)
+        try:
+            yield
+        finally:
+            with self._prompt_only_lock:
+                self.prompt_only_ids.difference_update(request_ids)
 
     def record(self, stats: IterationStats) -> None:
         """The engine's report of one step (or abort); runs on the engine thread
         (prometheus_client's metrics take their own locks)."""
         if stats.num_batched_tokens is not None:
             self.iteration_tokens.observe(stats.num_batched_tokens)
+        num_hidden_tokens = 0
         for r in stats.finished_requests:
-            self.request_success[r.finish_reason].inc()
+            with self._prompt_only_lock:
+                prompt_only = r.request_id in self.prompt_only_ids
+            num_generated, max_tokens, reason = r.num_generation_tokens, r.max_tokens_param, r.finish_reason
+            if prompt_only:
+                # Its one token was sampled in the step that finished it: in this report's count.
+                num_hidden_tokens += num_generated
+                num_generated, max_tokens = 0, 0
+                reason = "length" if reason == "stop" else reason
+            self.request_success[reason].inc()
             self.request_prompt_tokens.observe(r.num_prompt_tokens)
-            self.request_generation_tokens.observe(r.num_generation_tokens)
-            if r.max_tokens_param is not None:
-                self.request_params_max_tokens.observe(r.max_tokens_param)
+            self.request_generation_tokens.observe(num_generated)
+            if max_tokens is not None:
+                self.request_params_max_tokens.observe(max_tokens)
             for hist, v in ((self.queue_time, r.queued_time), (self.prefill_time, r.prefill_time),
                             (self.decode_time, r.decode_time), (self.inference_time, r.inference_time)):
                 if v is not None:
                     hist.observe(v)
-            if r.decode_time is not None and r.num_generation_tokens > 1:
-                self.time_per_output_token.observe(r.decode_time / (r.num_generation_tokens - 1))
+            if r.decode_time is not None and num_generated > 1:
+                self.time_per_output_token.observe(r.decode_time / (num_generated - 1))
         for n in stats.finished_params_n:
             self.request_params_n.observe(n)
+        self.generation_tokens.inc(stats.num_generation_tokens - num_hidden_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -142,6 +142,18 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    def check_max_tokens(self) -> None:
+        """As vLLM: at least 1, or 0 with echo (a prompt-only request: the prompt scored, nothing
+        generated, as lm-evaluation-harness asks for loglikelihoods); None: up to the context."""
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            raise InvalidParameterError(
+                f"max_tokens must be at least 1 (or 0 with echo=true, to score the prompt only), got "
+                f"{self.max_tokens}.", "max_tokens")
+
+    @property
+    def is_prompt_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`max_tokens` is the resolved budget (>= 1); prompt logprobs are
         computed when echo and logprobs are both asked for; `defaults` as in _sampling_kwargs."""
@@ -185,6 +197,13 @@ class ChatCompletionRequest(_SamplingFields):
     # model sees them in its prompt), tool_choice "none" (the default) only.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+    def check_max_tokens(self) -> None:
+        """Each field that is set at least 1, as vLLM's SamplingParams (OpenAI's minimum too)."""
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidParameterError(f"{name} must be at least 1, got {value}.", name)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -35,14 +35,13 @@ class ChatServer:
         return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
 
     def prepare(self, request: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        request.check_max_tokens()
         mc = self.state.engine.config.model_config
         ids = self.apply_chat_template(request)
         check_prompt(ids, mc.arch.vocab_size, mc.max_model_len, param="messages")
         defaults = mc.default_sampling_params
         budget = resolve_max_tokens(request.requested_max_tokens(), len(ids), mc.max_model_len, prompt_param="messages",
                                     cap=defaults.get("max_tokens"))
-        if budget == 0:
-            raise RequestError("max_tokens must be at least 1", param="max_tokens")
         try:
             return ids, request.to_sampling_params(budget, defaults)
         except ValueError as e:

@@ -46,8 +46,9 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, para
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
                        prompt_param: str = "prompt", cap: int | None = None) -> int:
-    """The output budget; None means "up to the context length". 0 is allowed
-    (echo-only scoring requests) and is served by generating one hidden token.
+    """The output budget; None means "up to the context length". `requested` was
+    checked by the request (check_max_tokens): at least 1, or 0 for a prompt-only
+    completion, which is served by generating one hidden token.
     `prompt_param`: the field a prompt that leaves no room is blamed on.
     `cap`: the generation config's max_new_tokens, which bounds every budget (vLLM's get_max_tokens)."""
     if requested is None:
@@ -57,8 +58,6 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
                 f"This model's maximum context length is {max_model_len} tokens and the prompt has "
                 f"{num_prompt_tokens}, leaving no room for output.", param=prompt_param)
         return budget if cap is None else min(budget, cap)
-    if requested < 0:
-        raise RequestError(f"max_tokens must be at least 0, got {requested}", param="max_tokens")
     if num_prompt_tokens + requested > max_model_len:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

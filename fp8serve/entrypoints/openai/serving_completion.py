@@ -55,9 +55,11 @@ class CompletionServer:
                                param="best_of")
         if request.suffix:
             raise RequestError("suffix is not supported", param="suffix")
+        request.check_max_tokens()
         mc = self.state.engine.config.model_config
         prompts = self._prompts(request)
-        hide_output = request.max_tokens == 0
+        # Prompt-only: the engine samples one token (it always samples), which no response shows.
+        hide_output = request.is_prompt_only
         params = []
         for p in prompts:
             check_prompt(p.token_ids, mc.arch.vocab_size, mc.max_model_len)
@@ -73,13 +75,23 @@ class CompletionServer:
     def _generate(self, prompt: _Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         return self.state.engine.generate({"prompt_token_ids": prompt.token_ids}, params, request_id)
 
+    async def _outputs(self, request_id: str, prompts: list[_Prompt], params: list[SamplingParams],
+                       hide_output: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) of the engine requests of one completion request, one per
+        prompt, as they come; while they run, the metrics know them as prompt-only where their
+        sampled tokens are hidden."""
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        iterators = [self._generate(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
+        with self.state.metrics.prompt_only(ids if hide_output else []):
+            async for item in merge(iterators):
+                yield item
+
     async def complete(self, request: CompletionRequest, prepared) -> dict:
         prompts, params, hide_output = prepared
         request_id = random_id("cmpl")
         timers = [RequestTimer(self.state.metrics) for _ in prompts]
-        iterators = [self._generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        async for i, out in merge(iterators):
+        async for i, out in self._outputs(request_id, prompts, params, hide_output):
             timers[i].on_output(out)
             finals[i] = out
         choices, num_prompt, num_completion = [], 0, 0
@@ -120,13 +132,12 @@ class CompletionServer:
         echoed = [not request.echo] * (len(prompts) * n)
         finished = [False] * (len(prompts) * n)
         num_completion = [0] * (len(prompts) * n)
-        iterators = [self._generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
 
         def chunk(choices: list, **extra) -> str:
             return sse({"id": request_id, "object": "text_completion", "created": created,
                         "model": self.state.model_name, "choices": choices, **extra})
 
-        async for i, out in merge(iterators):
+        async for i, out in self._outputs(request_id, prompts, params, hide_output):
             timers[i].on_output(out)
             for c in out.outputs:
                 k = i * n + c.index

@@ -553,14 +553,17 @@ def _scrape(server) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+\}?) (\S+)$", text, re.M)}
 
 
+def _series(name: str, **labels) -> str:
+    """A series as prometheus_client prints it: labels sorted by name, model_name among them."""
+    labels = sorted({**labels, "model_name": MODEL}.items())
+    return f"fp8serve:{name}{{{','.join(f'{k}={chr(34)}{v}{chr(34)}' for k, v in labels)}}}"
+
+
 def test_metrics_of_finished_requests(server, client, llm):
     """vLLM's per-request metrics, from what the engine did: finish reasons, prompt / generated /
     max_tokens / n histograms, queue, prefill, decode and inference time, and the tokens each
     engine step computed, checked exactly against four known requests (one an n = 2)."""
-    def series(name, **labels):  # labels as prometheus_client prints them: sorted by name
-        labels = sorted({**labels, "model_name": MODEL}.items())
-        return f"fp8serve:{name}{{{','.join(f'{k}={chr(34)}{v}{chr(34)}' for k, v in labels)}}}"
-
+    series = _series
     prompt = "Metrics count what the engine really did, token by token, request by request."
     _wait_kv_free(server)
     before = _scrape(server)
@@ -605,6 +608,63 @@ def test_metrics_of_finished_requests(server, client, llm):
     # (each sample's first token comes from its prefill).
     assert delta(series("iteration_tokens_total_sum")) == 4 * p - shared + 3 + 2 * 2
     assert delta(series("generation_tokens_total")) == 11
+
+
+def test_metrics_have_every_series_vllm_dashboards_query(server):
+    """vLLM creates request_success_total for each of its finish reasons (vllm.v1.engine.FinishReason:
+    stop, length, abort, error, repetition) and prompt_tokens_by_source_total for each source
+    (local_compute, local_cache_hit, external_kv_transfer) before any request: a dashboard's rate()
+    over a series that does not exist is empty, not 0. Before, "error", "repetition" and
+    "external_kv_transfer" were missing."""
+    scraped = _scrape(server)
+    for reason in ("stop", "length", "abort", "error", "repetition"):
+        assert _series("request_success_total", finished_reason=reason) in scraped, reason
+    for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+        assert _series("prompt_tokens_by_source_total", source=source) in scraped, source
+    # fp8serve never ends a request for repetition nor loads K/V from elsewhere.
+    assert scraped[_series("request_success_total", finished_reason="repetition")] == 0
+    assert scraped[_series("prompt_tokens_by_source_total", source="external_kv_transfer")] == 0
+
+
+def test_max_tokens_zero_is_refused_unless_echo_and_never_counted(server, client):
+    """As vLLM: max_tokens 0 is a 400 naming the field (SamplingParams: "max_tokens must be at least 1"),
+    except with echo on /v1/completions, where the prompt alone is scored (lm-evaluation-harness);
+    chat's max_tokens and max_completion_tokens are each named. The token the engine samples to run
+    a prompt-only request is in no response, and in no metric either. Before, max_tokens 0 without
+    echo was a 200 with an empty text, and /metrics counted the hidden token as generated."""
+    _wait_kv_free(server)
+    before = _scrape(server)
+    for body in ({"max_tokens": 0}, {"max_tokens": 0, "stream": True}, {"max_tokens": -1},
+                 {"max_tokens": -1, "echo": True}):
+        err = _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", **body}), 400,
+                            "max_tokens must be at least 1", param="max_tokens")
+        assert "echo" in err["message"] and err["type"] == "BadRequestError", err
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for field, value in (("max_tokens", 0), ("max_completion_tokens", 0), ("max_completion_tokens", -3)):
+        _assert_error(_post(server, "/v1/chat/completions", {**chat, field: value}), 400,
+                      f"{field} must be at least 1, got {value}", param=field)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert _scrape(server) == before  # nothing ran
+    # Prompt-only: 200, the prompt echoed, no completion tokens, and none counted.
+    r = client.completions.create(model=MODEL, prompt="score me", max_tokens=0, echo=True, logprobs=1, n=2)
+    assert [c.text for c in r.choices] == ["score me"] * 2 and r.usage.completion_tokens == 0
+    chunks = list(client.completions.create(model=MODEL, prompt="score me", max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "score me"
+    after = _scrape(server)
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta(_series("generation_tokens_total")) == 0
+    assert delta(_series("request_generation_tokens_sum")) == 0
+    assert delta(_series("request_generation_tokens_count")) == 3
+    assert delta(_series("request_params_max_tokens_sum")) == 0
+    assert delta(_series("request_success_total", finished_reason="length")) == 3  # as the responses say
+    assert delta(_series("prompt_tokens_total")) == 3 * r.usage.prompt_tokens
+    # A request with output afterwards counts its tokens as before.
+    client.completions.create(model=MODEL, prompt="then generate", max_tokens=2, extra_body={"ignore_eos": True})
+    assert _scrape(server)[_series("generation_tokens_total")] - after[_series("generation_tokens_total")] == 2
 
 
 def _wait_kv_free(server, timeout: float = 20.0) -> None:
