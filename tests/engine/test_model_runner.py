@@ -152,7 +152,10 @@ def test_pruned_prefills_generate_what_full_ones_do(tmp_path, seed, dtype, kv_ca
     shared = [rng.randrange(3, 512) for _ in range(12)]
     requests = []
     for i in range(12):
-        prompt = (shared if i % 4 == 0 else []) + [rng.randrange(3, 512) for _ in range(rng.randint(1, 40))]
+        # r0 (no prompt logprobs) is at least one 24-token chunk: the first step is one that prunes, whatever
+        # the seed (with short prompts every step could hold a request with prompt logprobs, and run in full).
+        own = rng.randint(12 if i == 0 else 1, 40)
+        prompt = (shared if i % 4 == 0 else []) + [rng.randrange(3, 512) for _ in range(own)]
         requests.append((f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.0, logprobs=2,
                                                          ignore_eos=True, prompt_logprobs=2 if i % 3 == 1 else None)))
     heads: dict[str, dict[str, int]] = {}
