@@ -78,9 +78,12 @@ class LLMEngine:
                         "last %d-%d tokens", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
                         spec.prompt_lookup_max)
         if mc.default_sampling_params:
-            logger.info("Default sampling parameters from the model's generation config: %s (for requests that "
-                        "leave them unset, as vLLM; --generation-config vllm: the engine's own)",
-                        mc.default_sampling_params)
+            source = {"auto": "the model's generation config", "vllm": "--override-generation-config"}.get(
+                mc.generation_config, f"{mc.generation_config}/generation_config.json")
+            if mc.override_generation_config and mc.generation_config != "vllm":
+                source += " and --override-generation-config"
+            logger.info("Default sampling parameters from %s: %s (for requests that leave them unset, as vLLM; "
+                        "--generation-config vllm: the engine's own)", source, mc.default_sampling_params)
         self.seqs: dict[str, Sequence] = {}
         self.parents: dict[str, ParentRequest] = {}  # requests for n > 1 samples, by request id
         self.stats = EngineStats()

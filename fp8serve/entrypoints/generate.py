@@ -15,12 +15,40 @@ def register(subparsers) -> None:
     p.add_argument("--prompt", action="append", default=None,
                    help="a prompt (repeat for several); default: a few example prompts")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    # Unset sampling flags take the model's generation config (--generation-config,
+    # --override-generation-config) as serve does, then this command's own defaults.
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"new tokens per prompt (default {OWN_DEFAULTS['max_tokens']}; the generation config's "
+                        "max_new_tokens caps it)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the generation config's, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the generation config's, else 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="default: the generation config's, else 0 (off)")
+    p.add_argument("--min-p", type=float, default=None, help="default: the generation config's, else 0.0")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="default: the generation config's, else 1.0 (none)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=run)
+
+
+# What an unset flag means when the generation config does not set the field either.
+OWN_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                "repetition_penalty": 1.0}
+
+
+def sampling_params(args: argparse.Namespace, defaults: dict):
+    """The flags given, else `defaults` (ModelConfig.default_sampling_params), else
+    OWN_DEFAULTS; the generation config's max_new_tokens bounds max_tokens, as in serve."""
+    from fp8serve import SamplingParams
+
+    fields = {}
+    for field, own in OWN_DEFAULTS.items():
+        given = getattr(args, field)
+        fields[field] = given if given is not None else defaults.get(field, own)
+    cap = defaults.get("max_tokens")
+    if args.max_tokens is not None and cap is not None:
+        fields["max_tokens"] = min(args.max_tokens, cap)
+    return SamplingParams(**fields, seed=args.seed)
 
 
 # Completion-style prompts (use --chat for instructions).
@@ -32,11 +60,11 @@ DEFAULT_PROMPTS = [
 
 
 def run(args: argparse.Namespace) -> int:
-    from fp8serve import LLM, SamplingParams
+    from fp8serve import LLM
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    sampling_params(args, {})  # a bad flag is refused before the model loads
     llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args, llm.llm_engine.config.model_config.default_sampling_params)
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:
         outputs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0] for p in prompts]

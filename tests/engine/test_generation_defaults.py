@@ -85,3 +85,26 @@ def test_offline_generate_without_params_uses_the_models_defaults(tmp_path):
                override_generation_config='{"max_new_tokens": 3}')
     assert over.get_default_sampling_params().max_tokens == 3
     assert over.get_default_sampling_params().temperature == 0.0
+
+
+def test_the_log_names_where_the_defaults_came_from(tmp_path, caplog):
+    """A --generation-config directory is named as the source, not "the model's"; an override is named too."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="fp8serve.engine.llm_engine")
+    model = write_tiny_llama(tmp_path / "llama")
+    elsewhere = tmp_path / "gen"
+    elsewhere.mkdir()
+    write_generation_config(elsewhere, temperature=0.5)
+
+    def logged(**kwargs):
+        caplog.clear()
+        LLM(str(model), dtype="float32", kv_cache_memory="4MiB", **kwargs)
+        return [r.getMessage() for r in caplog.records if "Default sampling parameters" in r.getMessage()]
+
+    [line] = logged(generation_config=str(elsewhere))
+    assert f"from {elsewhere}/generation_config.json:" in line and "model's" not in line
+    [line] = logged(generation_config="vllm", override_generation_config='{"top_k": 3}')
+    assert "from --override-generation-config:" in line
+    [line] = logged(generation_config=str(elsewhere), override_generation_config='{"top_k": 3}')
+    assert "generation_config.json and --override-generation-config:" in line

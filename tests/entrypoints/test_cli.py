@@ -243,3 +243,38 @@ def test_a_bad_log_level_in_the_environment_is_one_line(monkeypatch, capsys):
     monkeypatch.setenv("FP8SERVE_LOGGING_LEVEL", "LOUD")
     rc, _, err = run_main(["scales"], capsys)
     assert rc == 2 and "FP8SERVE_LOGGING_LEVEL / FP8SERVE_LOG_LEVEL: 'LOUD' is not one of" in err
+
+
+def test_generate_takes_unset_sampling_flags_from_the_generation_config(model_dir, tmp_path, capsys):
+    """As serve does: the model's generation_config.json (temperature 1, top_k 5,
+    max_new_tokens 6) fills the flags left unset, caps --max-tokens, and a flag given wins."""
+    import json
+    import shutil
+
+    from fp8serve import LLM, SamplingParams
+
+    d = tmp_path / "llama"
+    shutil.copytree(model_dir, d)
+    config = json.loads((d / "generation_config.json").read_text()) if (d / "generation_config.json").exists() else {}
+    config.update(temperature=1.0, top_k=5, max_new_tokens=6)
+    (d / "generation_config.json").write_text(json.dumps(config))
+    prompt = "The capital of France is"
+
+    def generate(*extra):
+        rc, out, _ = run_main(["generate", "--model", str(d), *LIGHT, "--json", "--prompt", prompt, *extra], capsys)
+        assert rc == 0
+        return json.loads(out.strip().splitlines()[-1])["token_ids"]
+
+    llm = LLM(str(d), dtype="float32", kv_cache_memory="2MiB")
+    sampled = llm.generate(prompt, SamplingParams(temperature=1.0, top_k=5, max_tokens=6, seed=0),
+                           use_tqdm=False)[0].outputs[0].token_ids
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, seed=0),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert sampled != greedy  # else this test could not tell the two apart
+    assert generate() == sampled
+    assert generate("--max-tokens", "40") == sampled  # max_new_tokens caps the flag
+    assert generate("--temperature", "0") == greedy
+    # --generation-config vllm: the command's own defaults (greedy), 3 tokens as asked
+    assert generate("--generation-config", "vllm", "--max-tokens", "3") == greedy[:3]
+    over = generate("--override-generation-config", '{"max_new_tokens": 2}')
+    assert over == sampled[:2]
