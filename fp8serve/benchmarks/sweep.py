@@ -304,14 +304,22 @@ def run_config(model: str, kv_dtype: str, workload: dict, args, out_dir: Path, i
     }
 
 
+def model_label(model: str | None) -> str:
+    """A checkpoint directory by its last path component ("default" stays), which is what tells rows apart."""
+    return "-" if not model else Path(model.rstrip("/")).name or model
+
+
 def format_table(rows: list[dict]) -> str:
     """The seed's columns, then output tok/s over the whole run and at
     saturation (until the last request's first token, see
     serve.saturated_output_throughput), each with its ratio to the first row
-    (rows without them, from older sweep.json files, show -)."""
-    lines = ["| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) | output tok/s | vs first row "
-             "| saturated tok/s | vs first row | preemptions |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    (rows without them, from older sweep.json files, show -). A Model column
+    leads when the rows span more than one model: dtypes alone would not say which row is which."""
+    models = [r.get("model") for r in rows]
+    with_model = len(set(models)) > 1
+    lines = [("| Model " if with_model else "") + "| Model dtype | KV dtype | blocks | TTFT (ms) | ITL (ms) | e2e (s) "
+             "| output tok/s | vs first row | saturated tok/s | vs first row | preemptions |",
+             ("|---" if with_model else "") + "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cells(r: dict, key: str) -> str:
         value, base = r.get(key), rows[0].get(key)
@@ -321,9 +329,10 @@ def format_table(rows: list[dict]) -> str:
     def num(value) -> str:  # None: no request succeeded, so no latency (not a latency of 0)
         return "-" if value is None else f"{value:.1f}"
 
-    for r in rows:
+    for r, model in zip(rows, models):
         pre = r.get("num_preemptions")
-        lines.append(f"| {r['model_dtype']} | {r['kv_cache_dtype']} | {r['num_blocks']} | {num(r['ttft_ms'])} | "
+        lead = f"| {model_label(model)} " if with_model else ""
+        lines.append(f"{lead}| {r['model_dtype']} | {r['kv_cache_dtype']} | {r['num_blocks']} | {num(r['ttft_ms'])} | "
                      f"{num(r['itl_ms'])} | {num(r['e2e_s'])} | {cells(r, 'output_throughput')} | "
                      f"{cells(r, 'saturated_output_throughput')} | {'-' if pre is None else pre} |")
     return "\n".join(lines)
@@ -336,6 +345,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{r['model_dtype']}\nKV {r['kv_cache_dtype']}" for r in rows]
+    if len({r.get("model") for r in rows}) > 1:
+        labels = [f"{model_label(r.get('model'))}\n{label}" for r, label in zip(rows, labels)]
     panels = [("num_blocks", "KV cache blocks"), ("ttft_ms", "mean TTFT (ms)"), ("itl_ms", "mean ITL (ms)"),
               ("e2e_s", "mean e2e (s)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))

@@ -196,3 +196,18 @@ def test_sweep_table_shows_no_latency_for_a_config_without_successful_requests()
     table = format_table([{"model_dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "num_blocks": 8, "ttft_ms": None,
                            "itl_ms": None, "e2e_s": None, "output_throughput": 0.0}])
     assert "| float32 | fp8_e4m3 | 8 | - | - | - | - | - | - | - | - |" in table
+
+
+def test_sweep_table_names_the_model_when_rows_span_several():
+    """Two checkpoints with the same dtypes would be indistinguishable rows without a Model column;
+    one model keeps the seed's columns."""
+    from fp8serve.benchmarks.sweep import format_table
+
+    row = {"model_dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "num_blocks": 8, "ttft_ms": 1.0,
+           "itl_ms": 2.0, "e2e_s": 3.0, "output_throughput": 10.0}
+    table = format_table([{**row, "model": "default"}, {**row, "model": "/ckpt/llama-fp8/", "output_throughput": 20.0}])
+    assert table.splitlines()[0].startswith("| Model | Model dtype | KV dtype |")
+    assert "| default | float32 | fp8_e4m3 | 8 | 1.0 | 2.0 | 3.0 | 10.0 | 1.00x |" in table
+    assert "| llama-fp8 | float32 | fp8_e4m3 | 8 | 1.0 | 2.0 | 3.0 | 20.0 | 2.00x |" in table
+    single = format_table([{**row, "model": "default"}, {**row, "model": "default"}])
+    assert single.splitlines()[0].startswith("| Model dtype |")
