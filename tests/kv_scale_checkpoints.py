@@ -93,6 +93,23 @@ def add_kv_scales(model_dir, family: str) -> None:
         set_quantization_config(model_dir, COMPRESSED_TENSORS_KV_ONLY)
 
 
+COMPRESSED_TENSORS_KV_PER_HEAD = {
+    "quant_method": "compressed-tensors",
+    "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False, "symmetric": True},
+}
+
+
+def add_per_head_kv_scales(model_dir, k_scales: list[list[float]], v_scales: list[list[float]]) -> None:
+    """llm-compressor's per-head layout (kv_cache_scheme strategy attn_head): each layer's
+    self_attn.k_scale / v_scale of shape [num_kv_heads, 1, 1]; `k_scales[layer][head]`."""
+    tensors = {}
+    for i, (k, v) in enumerate(zip(k_scales, v_scales)):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32).view(-1, 1, 1)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32).view(-1, 1, 1)
+    add_tensors(model_dir, tensors)
+    set_quantization_config(model_dir, COMPRESSED_TENSORS_KV_PER_HEAD)
+
+
 def copy_checkpoint(src, dst) -> Path:
     shutil.copytree(src, dst)
     return Path(dst)

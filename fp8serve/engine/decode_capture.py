@@ -141,7 +141,7 @@ class DecodeCaptures:
         if (not self.enabled or not md.is_decode_only or md.backend_data is not None
                 or any(a.kv_observer is not None or a.calculate_kv_scales for a in self.attn_layers)):
             return self._eager(input_ids, positions, md)
-        key = (md.num_seqs,) + tuple((a._k_scale, a._v_scale) for a in self.attn_layers)
+        key = (md.num_seqs,) + tuple(a.scales_key() for a in self.attn_layers)
         inputs = (input_ids, positions, md.slot_mapping, md.block_tables, md.seq_lens)
         recorded = self._captures.get(key, _MISSING)
         if recorded is None:

@@ -160,7 +160,7 @@ class ModelRunner:
             logger=logger,
         )
         for layer, s in zip(self.attn_layers, scales):
-            layer.set_kv_scales(s.k_scale, s.v_scale, s.source)
+            layer.set_kv_scales(s.k_scale, s.v_scale, s.source, s.k_head_scales, s.v_head_scales)
         if cc.calculate_kv_scales and self.kv_cache_spec.kv_cache_dtype == "fp8_e5m2":
             # The seed's rule: e5m2 has the range to go unscaled; scale 1.0.
             logger.info("--calculate-kv-scales is ignored with fp8_e5m2 (scale 1.0)")

@@ -176,7 +176,7 @@ class PrefillCaptures:
             return self._eager(input_ids, positions, md, logits_indices)
         n = md.num_tokens
         # Fresh prefills and those continuing cached contexts (extra inputs) run different ops.
-        key = (len(extra), self.segment_of(n)) + tuple((a._k_scale, a._v_scale) for a in self.attn_layers)
+        key = (len(extra), self.segment_of(n)) + tuple(a.scales_key() for a in self.attn_layers)
         inputs = (input_ids, positions, md.slot_mapping, md.query_start_loc) + tuple(extra)
         trunk, how = self._serve(("trunk",) + key, n, inputs, lambda: self._trunk(input_ids, positions, md))
         if how == "eager":

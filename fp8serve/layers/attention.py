@@ -27,7 +27,12 @@ class Attention(nn.Module):
         self.v_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
         self._k_scale = 1.0  # python copies: no tensor->float sync per step
         self._v_scale = 1.0
+        self._scales_key = (1.0, 1.0)
         self.kv_scale_source = "default"
+        # Per-KV-head scales (compressed-tensors' kv_cache_scheme strategy "attn_head"):
+        # None, or float32 [num_kv_heads, 1] tensors; k_scale/v_scale above then hold their max.
+        self.k_head_scales: torch.Tensor | None = None
+        self.v_head_scales: torch.Tensor | None = None
         self.calculate_kv_scales = False
         # Calibration tools watch K (after RoPE, as stored) and V through this
         # hook: fn(layer, key, value) with [num_tokens, num_kv_heads, head_size].
@@ -39,11 +44,37 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache = kv_cache
 
-    def set_kv_scales(self, k_scale: float, v_scale: float, source: str) -> None:
+    def set_kv_scales(self, k_scale: float, v_scale: float, source: str,
+                      k_head_scales: tuple[float, ...] | None = None,
+                      v_head_scales: tuple[float, ...] | None = None) -> None:
+        """Per-tensor scales, or with `k_head_scales`/`v_head_scales` one per KV head
+        (`k_scale`/`v_scale` are then their max, what logs and captures key on)."""
         self.k_scale.fill_(k_scale)
         self.v_scale.fill_(v_scale)
         self._k_scale, self._v_scale = float(k_scale), float(v_scale)
         self.kv_scale_source = source
+        if (k_head_scales is None) != (v_head_scales is None):
+            raise ValueError("per-head KV scales need both k_head_scales and v_head_scales")
+        if k_head_scales is None:
+            self.k_head_scales = self.v_head_scales = None
+            self._scales_key = (self._k_scale, self._v_scale)
+            return
+        for name, values in (("k_head_scales", k_head_scales), ("v_head_scales", v_head_scales)):
+            if len(values) != self.num_kv_heads:
+                raise ValueError(f"{self.prefix}: {name} has {len(values)} values; expected one per KV head "
+                                 f"({self.num_kv_heads})")
+        k_head_scales, v_head_scales = tuple(map(float, k_head_scales)), tuple(map(float, v_head_scales))
+        self._scales_key = (self._k_scale, self._v_scale, k_head_scales, v_head_scales)
+        self.k_head_scales = torch.tensor(k_head_scales, dtype=torch.float32).view(-1, 1)
+        self.v_head_scales = torch.tensor(v_head_scales, dtype=torch.float32).view(-1, 1)
+        # The same per query head: query head h reads KV head h // group.
+        group = self.num_heads // self.num_kv_heads
+        self._k_query_scales = self.k_head_scales.repeat_interleave(group, dim=0)
+        self._v_query_scales = self.v_head_scales.repeat_interleave(group, dim=0)
+
+    def scales_key(self) -> tuple:
+        """What a recorded forward bakes in of this layer's scales (the captures' cache key)."""
+        return self._scales_key
 
     def _calculate_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
         fmt = self.backend.spec.fp8
@@ -71,6 +102,8 @@ class Attention(nn.Module):
         # Scales only mean something for FP8 storage; a 16-bit cache stores
         # values as they are.
         is_fp8 = self.backend.spec.fp8 is not None
+        if is_fp8 and self.k_head_scales is not None:
+            return self._forward_per_head_scales(q, k, v, metadata, logits_indices)
         out = self.backend.forward(
             q, k, v, self.kv_cache, metadata,
             softmax_scale=self.softmax_scale,
@@ -78,4 +111,20 @@ class Attention(nn.Module):
             v_scale=self._v_scale if is_fp8 else 1.0,
             logits_indices=logits_indices,
         )
+        return out.reshape(out.shape[0], self.num_heads * self.head_size)
+
+    def _forward_per_head_scales(self, q, k, v, metadata, logits_indices) -> torch.Tensor:
+        """Per-KV-head scales folded around a backend that takes one scale per layer:
+        K and V are divided by their head's scale (in float32, as the kernels divide, so a
+        float32 model stores the codes a per-head kernel would), the backend runs with
+        scale 1, and each query head is multiplied by its KV head's k scale
+        (q . (k / s) * s = q . k), each output head by its v scale. Every kernel, fused
+        decode, prefill and cached-prefix path reads the same codes the same way.
+        Costs four elementwise passes over q, k, v and the output per layer."""
+        k = (k.float() / self.k_head_scales).to(k.dtype)
+        v = (v.float() / self.v_head_scales).to(v.dtype)
+        q = (q.float() * self._k_query_scales).to(q.dtype)
+        out = self.backend.forward(q, k, v, self.kv_cache, metadata, softmax_scale=self.softmax_scale,
+                                   k_scale=1.0, v_scale=1.0, logits_indices=logits_indices)
+        out = (out.float() * self._v_query_scales).to(out.dtype)
         return out.reshape(out.shape[0], self.num_heads * self.head_size)

@@ -60,9 +60,12 @@ _HOW_TO_SUPPLY = (
 @dataclass(frozen=True)
 class LayerKVScale:
     layer: int
-    k_scale: float
+    k_scale: float  # with per-head scales: their max
     v_scale: float
     source: str  # "checkpoint:<tensor name>[,<tensor name>]" | "json:<file>" | "default"
+    # One scale per KV head (kv_cache_scheme strategy "attn_head"), else None.
+    k_head_scales: tuple[float, ...] | None = None
+    v_head_scales: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,25 +88,32 @@ def is_fp8_checkpoint(hf_config: dict) -> bool:
     return method == "fp8" or (method == "compressed-tensors" and qc.get("kv_cache_scheme") is not None)
 
 
-def _check_kv_cache_scheme(hf_config: dict, model_dir: str | Path) -> None:
+KV_SCALE_STRATEGIES = ("tensor", "attn_head")
+
+
+def _check_kv_cache_scheme(hf_config: dict, model_dir: str | Path) -> str:
     """A compressed-tensors `kv_cache_scheme` must describe what the checkpoint's scales are:
-    static per-tensor symmetric FP8 (amax / 448). An int8 or 4-bit scheme's scales (amax / 127,
-    amax / 6) would saturate an e4m3 cache; per-head ones are not scalars; dynamic ones are not
-    on disk. vLLM refuses the same."""
+    static symmetric FP8 (amax / 448), one scale per layer (strategy "tensor") or per KV head
+    ("attn_head", the strategies vLLM takes). An int8 or 4-bit scheme's scales (amax / 127,
+    amax / 6) would saturate an e4m3 cache; dynamic ones are not on disk. vLLM refuses the same.
+    Returns the strategy ("tensor" without a scheme: AutoFP8's per-tensor scales)."""
     qc = hf_config.get("quantization_config") or {}
     scheme = qc.get("kv_cache_scheme") if qc.get("quant_method") == "compressed-tensors" else None
     if scheme is None:
-        return
+        return "tensor"
     where = f"{Path(model_dir) / 'config.json'}: quantization_config.kv_cache_scheme"
     if not isinstance(scheme, dict):
         raise ConfigError(f"{where} must be an object, got {scheme!r}")
-    want = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True}
+    want = {"type": "float", "num_bits": 8, "dynamic": False, "symmetric": True}
     wrong = {k: scheme.get(k, v if k == "symmetric" else None) for k, v in want.items()
              if scheme.get(k, v if k == "symmetric" else None) != v}
+    if scheme.get("strategy") not in KV_SCALE_STRATEGIES:
+        wrong["strategy"] = scheme.get("strategy")
     if wrong:
         raise ConfigError(f"{where} has {', '.join(f'{k} {v!r}' for k, v in wrong.items())}: only static "
-                          "per-tensor symmetric 8-bit float KV scales are supported (type float, num_bits 8, "
-                          "strategy tensor, dynamic false)")
+                          "symmetric 8-bit float KV scales are supported (type float, num_bits 8, strategy "
+                          "tensor or attn_head, dynamic false)")
+    return scheme["strategy"]
 
 
 def _find_scale_tensors(model_dir: str | Path, mapper: WeightsMapper) -> list[_ScaleTensor]:
@@ -126,18 +136,29 @@ def _find_scale_tensors(model_dir: str | Path, mapper: WeightsMapper) -> list[_S
     return found
 
 
-def _scalar_value(tensor: torch.Tensor, name: str, file: Path) -> float:
-    if tensor.numel() != 1:
+def _scale_value(tensor: torch.Tensor, name: str, file: Path, num_kv_heads: int | None) -> float | tuple[float, ...]:
+    """A scalar, or with `num_kv_heads` (strategy "attn_head") one scale per KV head:
+    compressed-tensors writes those as [num_kv_heads, 1, 1]."""
+    if num_kv_heads is None and tensor.numel() != 1:
         raise ConfigError(
             f"{file}: tensor '{name}' has shape {list(tensor.shape)}; expected a scalar KV scale "
-            "(shape [] or [1]); per-head or per-channel KV scales are not supported"
+            "(shape [] or [1]); one scale per KV head needs config.json's quantization_config.kv_cache_scheme "
+            "to say strategy 'attn_head', and per-channel KV scales are not supported"
         )
-    value = float(tensor.reshape(()).to(torch.float64))
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{file}: tensor '{name}' is {value}; expected a finite KV scale > 0")
-    if not fits_float32(value):
-        raise ConfigError(f"{file}: tensor '{name}' is {value}; expected {FLOAT32_SCALE_RANGE}")
-    return value
+    if num_kv_heads is not None and (tensor.numel() != num_kv_heads
+                                     or [d for d in tensor.shape if d != 1] not in ([], [num_kv_heads])):
+        raise ConfigError(
+            f"{file}: tensor '{name}' has shape {list(tensor.shape)}; kv_cache_scheme strategy 'attn_head' "
+            f"expects one scale per KV head: shape [{num_kv_heads}, 1, 1] (num_key_value_heads {num_kv_heads})"
+        )
+    values = tensor.reshape(-1).to(torch.float64).tolist()
+    for i, value in enumerate(values):
+        what = f"tensor '{name}'" + (f" (KV head {i})" if num_kv_heads is not None else "")
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{file}: {what} is {value}; expected a finite KV scale > 0")
+        if not fits_float32(value):
+            raise ConfigError(f"{file}: {what} is {value}; expected {FLOAT32_SCALE_RANGE}")
+    return values[0] if num_kv_heads is None else tuple(values)
 
 
 # The cache and the kernels keep scales as float32: a scale that rounds to 0,
@@ -151,14 +172,14 @@ def fits_float32(value: float) -> bool:
     return _FLOAT32_TINY <= value <= _FLOAT32_MAX
 
 
-def _read_values(tensors: list[_ScaleTensor]) -> dict[int, dict[str, tuple[float, _ScaleTensor]]]:
+def _read_values(tensors: list[_ScaleTensor], num_kv_heads: int | None = None) -> dict[int, dict[str, tuple]]:
     by_file: dict[Path, list[_ScaleTensor]] = defaultdict(list)
     for t in tensors:
         by_file[t.file].append(t)
     scales: dict[int, dict[str, tuple[float, _ScaleTensor]]] = defaultdict(dict)
     for file, items in by_file.items():
         with open_safetensors(file) as f:
-            values = {t.name: _scalar_value(f.get_tensor(t.name), t.name, file) for t in items}
+            values = {t.name: _scale_value(f.get_tensor(t.name), t.name, file, num_kv_heads) for t in items}
         for t in items:
             previous = scales[t.layer].get(t.kind)
             if previous is not None and previous[1].shared != t.shared:
@@ -177,8 +198,8 @@ def _read_values(tensors: list[_ScaleTensor]) -> dict[int, dict[str, tuple[float
     return scales
 
 
-def _read_checked(tensors: list[_ScaleTensor]) -> dict[int, dict[str, tuple[float, _ScaleTensor]]]:
-    scales = _read_values(tensors)
+def _read_checked(tensors: list[_ScaleTensor], num_kv_heads: int | None = None) -> dict[int, dict[str, tuple]]:
+    scales = _read_values(tensors, num_kv_heads)
     _check_pairs(scales)
     return scales
 
@@ -202,23 +223,26 @@ def _check_pairs(scales: dict[int, dict[str, tuple[float, _ScaleTensor]]]) -> No
         )
 
 
-def read_checkpoint_kv_scales(model_dir: str | Path, mapper: WeightsMapper) -> dict[int, dict[str, tuple[float, str]]]:
+def read_checkpoint_kv_scales(model_dir: str | Path, mapper: WeightsMapper,
+                              num_kv_heads: int | None = None) -> dict[int, dict[str, tuple]]:
     """layer -> {"k": (scale, tensor name), "v": (scale, tensor name)} for every
-    KV-scale tensor in the checkpoint, named through `mapper`.
+    KV-scale tensor in the checkpoint, named through `mapper`; with `num_kv_heads`
+    (strategy "attn_head") each scale is a tuple, one per KV head.
 
     Opens each safetensors file for its header and reads only the scale
     tensors. Raises `ConfigError` for a non-scalar, non-finite or
     non-positive scale, two scales for one slot, or a layer with K but not V
     (or V but not K). An empty dict means the checkpoint has no KV scales."""
-    scales = _read_checked(_find_scale_tensors(model_dir, mapper))
+    scales = _read_checked(_find_scale_tensors(model_dir, mapper), num_kv_heads)
     return {
         layer: {kind: (value, t.name) for kind, (value, t) in kinds.items()}
         for layer, kinds in sorted(scales.items())
     }
 
 
-def _checkpoint_scales(model_dir: str | Path, tensors: list[_ScaleTensor], num_layers: int) -> list[LayerKVScale]:
-    scales = _read_checked(tensors)
+def _checkpoint_scales(model_dir: str | Path, tensors: list[_ScaleTensor], num_layers: int,
+                       num_kv_heads: int | None = None) -> list[LayerKVScale]:
+    scales = _read_checked(tensors, num_kv_heads)
     for layer, kinds in sorted(scales.items()):
         if layer >= num_layers:
             _, t = kinds["k"]
@@ -238,8 +262,19 @@ def _checkpoint_scales(model_dir: str | Path, tensors: list[_ScaleTensor], num_l
     for layer in range(num_layers):
         (k, tk), (v, tv) = scales[layer]["k"], scales[layer]["v"]
         names = tk.name if tk.name == tv.name else f"{tk.name},{tv.name}"
-        out.append(LayerKVScale(layer, k, v, f"checkpoint:{names}"))
+        if num_kv_heads is None:
+            out.append(LayerKVScale(layer, k, v, f"checkpoint:{names}"))
+        else:
+            out.append(LayerKVScale(layer, max(k), max(v), f"checkpoint:{names}", k, v))
     return out
+
+
+def _num_kv_heads(hf_config: dict, model_dir: str | Path) -> int:
+    heads = hf_config.get("num_key_value_heads") or hf_config.get("num_attention_heads")
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise ConfigError(f"{Path(model_dir) / 'config.json'}: per-KV-head scales (kv_cache_scheme strategy "
+                          f"'attn_head') need num_key_value_heads (or num_attention_heads) >= 1, got {heads!r}")
+    return heads
 
 
 def _ranges(indices: list[int]) -> str:
@@ -385,11 +420,14 @@ def resolve_kv_scales(
         return defaults
 
     if ckpt_tensors:
-        _check_kv_cache_scheme(hf_config, model_dir)
-        scales = _checkpoint_scales(model_dir, ckpt_tensors, num_layers)
+        per_head = _check_kv_cache_scheme(hf_config, model_dir) == "attn_head"
+        num_kv_heads = _num_kv_heads(hf_config, model_dir) if per_head else None
+        scales = _checkpoint_scales(model_dir, ckpt_tensors, num_layers, num_kv_heads)
         log.info(
-            "fp8_e4m3 KV cache: per-layer scales from the checkpoint (k_scale %s, v_scale %s)%s",
-            _span(s.k_scale for s in scales), _span(s.v_scale for s in scales),
+            "fp8_e4m3 KV cache: %s scales from the checkpoint (k_scale %s, v_scale %s)%s",
+            "per-layer, per-KV-head" if per_head else "per-layer",
+            _span(x for s in scales for x in (s.k_head_scales or (s.k_scale,))),
+            _span(x for s in scales for x in (s.v_head_scales or (s.v_scale,))),
             f"; ignoring --quantization-param-path {quantization_param_path}: an FP8 checkpoint's own scales "
             "take precedence" if quantization_param_path is not None else "",
         )

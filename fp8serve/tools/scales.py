@@ -93,13 +93,26 @@ def _note(kv_cache_dtype: str) -> str | None:
 
 
 def format_table(kv_cache_dtype: str, scales) -> str:
+    def cell(scale: float, per_head) -> str:  # per-KV-head scales (strategy attn_head) in head order
+        return f"{scale:.6g}" if per_head is None else "[" + " ".join(f"{x:.6g}" for x in per_head) + "]"
+
     rows = [("layer", "k_scale", "v_scale", "source")]
-    rows += [(str(s.layer), f"{s.k_scale:.6g}", f"{s.v_scale:.6g}", s.source) for s in scales]
+    rows += [(str(s.layer), cell(s.k_scale, s.k_head_scales), cell(s.v_scale, s.v_head_scales), s.source)
+             for s in scales]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"KV cache dtype: {kv_cache_dtype}"]
     for r in rows:
         lines.append(f"{r[0]:>{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}")
     return "\n".join(lines)
+
+
+def _layer_json(s) -> dict:
+    """k_scale/v_scale stay numbers (with per-head scales, their max); per-head scales
+    add k_head_scales/v_head_scales, one per KV head."""
+    doc = {"layer": s.layer, "k_scale": s.k_scale, "v_scale": s.v_scale, "source": s.source}
+    if s.k_head_scales is not None:
+        doc.update(k_head_scales=list(s.k_head_scales), v_head_scales=list(s.v_head_scales))
+    return doc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,9 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = {
             "kv_cache_dtype": kv_cache_dtype,
-            "layers": [
-                {"layer": s.layer, "k_scale": s.k_scale, "v_scale": s.v_scale, "source": s.source} for s in scales
-            ],
+            "layers": [_layer_json(s) for s in scales],
         }
         print(json.dumps(doc, indent=2))
         if note:

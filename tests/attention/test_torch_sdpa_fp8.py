@@ -9,6 +9,8 @@ runs plain causal attention with grouped KV heads in float64. The backend is
 driven as the model runner drives it: paged, non-contiguous blocks, an odd
 block count, partially filled last blocks, sequences of different lengths,
 a prefill in two chunks (the second with cached context), then decode steps.
+Per-KV-head scales (a list per K and V) run through the Attention layer, which
+folds them around the backend, against the same reference with each head's scale.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import pytest
 import torch
 
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
+from fp8serve.attention.forward_context import set_forward_context
+from fp8serve.layers.attention import Attention
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 from fp8serve.attention.kv_cache_spec import KVCacheSpec, read_slots
 from fp8serve.attention.metadata import AttentionMetadata
@@ -120,6 +124,14 @@ def run_and_compare(backend_cls, kv_cache_dtype, num_kv_heads, group, head_size,
     steps.append(([i for i, _ in rest], [n for _, n in rest]))
     steps += [(list(range(len(PROMPT_LENS))), [1] * len(PROMPT_LENS))] * NUM_DECODE_STEPS
 
+    layer = None
+    if isinstance(k_scale, list):
+        # One scale per KV head: through the Attention layer, which the backend serves with scale 1.
+        layer = Attention(num_heads, head_size, softmax_scale, num_kv_heads, prefix="test.attn")
+        layer.bind(backend, cache)
+        layer.set_kv_scales(max(k_scale), max(v_scale), "test", tuple(k_scale), tuple(v_scale))
+        k_scale = torch.tensor(k_scale, dtype=torch.float32)[:, None]  # [num_kv_heads, 1]: broadcasts over tokens
+        v_scale = torch.tensor(v_scale, dtype=torch.float32)[:, None]
     worst_vs_qdq, worst_vs_exact = 0.0, 0.0
     for seq_ids, q_lens in steps:
         md, positions = seqs.metadata(seq_ids, q_lens, device)
@@ -128,13 +140,17 @@ def run_and_compare(backend_cls, kv_cache_dtype, num_kv_heads, group, head_size,
         q = torch.randn(n, num_heads, head_size, generator=gen)
         k = torch.randn(n, num_kv_heads, head_size, generator=gen) * k_std
         v = torch.randn(n, num_kv_heads, head_size, generator=gen) * v_std
-        out = backend.forward(q.to(device), k.to(device), v.to(device), cache, md, softmax_scale=softmax_scale,
-                              k_scale=k_scale, v_scale=v_scale)
+        if layer is None:
+            out = backend.forward(q.to(device), k.to(device), v.to(device), cache, md, softmax_scale=softmax_scale,
+                                  k_scale=k_scale, v_scale=v_scale)
+        else:
+            with set_forward_context(md):
+                out = layer(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)).view(n, num_heads, head_size)
         assert out.shape == (n, num_heads, head_size) and out.dtype == torch.float32 and out.device == cache.device
         out = out.cpu()
         assert torch.isfinite(out).all()
 
-        # What was written: the codes at each new slot decode to x / scale.
+        # What was written: the codes at each new slot decode to x / scale (x / its head's scale).
         dtype, _ = TORCH_FP8[kv_cache_dtype]
         stored_k = read_slots(cache[0], md.slot_mapping).view(dtype).cpu().double()
         stored_v = read_slots(cache[1], md.slot_mapping).view(dtype).cpu().double()
@@ -225,3 +241,25 @@ def test_scale_of_two_halves_stored_values(kv_cache_dtype, backend):
     out = backend.forward(torch.zeros(1, 1, 64), torch.ones(1, 1, 64), torch.full((1, 1, 64), 10.0), cache, md,
                           softmax_scale=0.125, k_scale=2.0, v_scale=2.0)
     torch.testing.assert_close(out, torch.full((1, 1, 64), (4 * 6.0 + 10.0) / 5))
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_per_head_scales_match_float64_reference(group, head_size, backend):
+    """compressed-tensors' kv_cache_scheme strategy "attn_head": one k and v scale per KV head,
+    the two heads' scales ~20x apart (so one head saturates where the other keeps its range, and
+    the reference, with each head's own scale, is sensitive to a head read with the other's).
+    Fresh seeds: scales and data differ every run."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    gen = torch.Generator().manual_seed(seed)
+    k_scale = (torch.rand(2, generator=gen) * 0.02 + torch.tensor([0.001, 0.02])).tolist()
+    v_scale = (torch.rand(2, generator=gen) * 0.02 + torch.tensor([0.02, 0.001])).tolist()
+    worst_vs_qdq, worst_vs_exact = run_and_compare(
+        BACKENDS[backend](), "fp8_e4m3", num_kv_heads=2, group=group, head_size=head_size,
+        k_scale=k_scale, v_scale=v_scale, k_std=2.0, v_std=3.0, seed=seed,
+    )
+    print(f"{backend} per-head seed={seed} group={group} head_size={head_size}: max |engine - qdq reference| / "
+          f"v_std = {worst_vs_qdq:.2e}, vs unquantized = {worst_vs_exact:.2e}")
+    assert worst_vs_qdq < 2e-5, (seed, worst_vs_qdq)
+    assert worst_vs_exact > 50 * max(worst_vs_qdq, 1e-7), (seed, worst_vs_exact, worst_vs_qdq)

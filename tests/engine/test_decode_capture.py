@@ -452,3 +452,26 @@ def test_static_plans_do_not_wait_for_first_record_after(ops, llama_dir, seed):
             assert captures.static_batch_sizes == [1] and captures.num_replays >= 10, f"seed={seed}"
         else:
             assert captures.recorded_batch_sizes == [] and captures.num_replays == 0, f"seed={seed}"
+
+
+def test_per_head_kv_scales_are_recorded_again(ops, llama_dir, seed):
+    """Per-KV-head scales are tensors baked into the recorded calls: new ones must not replay
+    the old recording, and a replay gives what the eager forward gives."""
+    requests = random_requests(seed, 2)
+
+    def with_scales(enforce_eager: bool):
+        engine = make_engine(llama_dir, enforce_eager=enforce_eager, kv_cache_dtype="fp8")
+        outputs = []
+        for k_heads in ((0.25, 0.5), (0.5, 0.0625)):
+            for layer in engine.model_runner.attn_layers:
+                heads = k_heads + (k_heads[-1],) * (layer.num_kv_heads - len(k_heads))
+                layer.set_kv_scales(max(heads), 0.5, "test", heads, (0.5,) * layer.num_kv_heads)
+            outputs.append(run(engine, requests))
+        return engine, outputs
+
+    _, eager = with_scales(True)
+    engine, replayed = with_scales(False)
+    assert eager[0] != eager[1], "the scales should change the outputs"
+    assert replayed == eager, f"seed={seed}"
+    keys = engine.model_runner.decode_captures._captures.keys()
+    assert len({key[1] for key in keys}) == 2

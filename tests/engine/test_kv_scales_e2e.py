@@ -11,10 +11,12 @@ import re
 import pytest
 import torch
 
-from checkpoints import add_tensors, write_tiny_llama, write_tiny_mixtral
+from checkpoints import add_tensors, set_quantization_config, write_tiny_llama, write_tiny_mixtral
 from kv_scale_checkpoints import (
+    COMPRESSED_TENSORS_KV_ONLY,
     KV_SCALE_FAMILIES,
     add_kv_scales,
+    add_per_head_kv_scales,
     copy_checkpoint,
     expected_scales,
     kv_scale_tensors,
@@ -258,3 +260,40 @@ def test_fp8_kv_cache_on_cuda_matches_cpu(family_checkpoints, arch):
     assert ids_gpu == ids_cpu
     assert gpu_vs_cpu < 1e-3
     assert fp8_vs_float32 > 10 * gpu_vs_cpu
+
+
+def test_per_head_scales_reach_every_layer_and_generate(base_checkpoints, tmp_path):
+    """compressed-tensors' strategy attn_head: each layer holds its heads' scales (k_scale/v_scale
+    their max), and generation runs (decode captures included) with them."""
+    k = [[0.01 * (i + 1), 0.05 * (i + 1)] for i in range(3)]  # 3 layers x 2 KV heads
+    v = [[0.2 + i / 8, 0.03] for i in range(3)]
+    d = copy_checkpoint(base_checkpoints["llama"], tmp_path / "per-head")
+    add_per_head_kv_scales(d, k, v)
+    llm = build(d, "fp8")
+    for i, a in enumerate(llm.llm_engine.model_runner.attn_layers):
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
+        assert torch.equal(a.k_head_scales.view(-1), f32(k[i])) and torch.equal(a.v_head_scales.view(-1), f32(v[i]))
+        assert (a._k_scale, a._v_scale) == (f32(k[i]).max().item(), f32(v[i]).max().item())
+    assert len(generate_a_little(llm)) == 4
+    # A 16-bit cache ignores them.
+    assert all(a.k_head_scales is None for a in build(d, "auto").llm_engine.model_runner.attn_layers)
+
+
+def test_equal_per_head_scales_give_what_one_scale_per_layer_gives(base_checkpoints, tmp_path):
+    """Per-head scales that are all equal must store the codes and produce the logprobs of the
+    per-layer path: the fold around the backend (k / s into the cache, q * s, output * s) is exact
+    in float32 for powers of two, so any slip (a missing q or output factor) shows."""
+    scales = [(2.0**-6 * (i + 1), 2.0**-3 * (i + 2)) for i in range(3)]
+    per_layer = copy_checkpoint(base_checkpoints["llama"], tmp_path / "per-layer")
+    add_tensors(per_layer, {f"model.layers.{i}.self_attn.k_proj.output_scale": torch.tensor([k])
+                            for i, (k, _) in enumerate(scales)}
+                | {f"model.layers.{i}.self_attn.v_proj.output_scale": torch.tensor([v])
+                   for i, (_, v) in enumerate(scales)})
+    set_quantization_config(per_layer, COMPRESSED_TENSORS_KV_ONLY)
+    per_head = copy_checkpoint(base_checkpoints["llama"], tmp_path / "per-head")
+    add_per_head_kv_scales(per_head, [[k, k] for k, _ in scales], [[v, v] for _, v in scales])
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    tokens, logprobs = _prompt_and_decode_logprobs(build(per_layer, "fp8"), prompt, 6)
+    tokens_h, logprobs_h = _prompt_and_decode_logprobs(build(per_head, "fp8"), prompt, 6)
+    assert tokens_h == tokens
+    torch.testing.assert_close(logprobs_h, logprobs, rtol=0, atol=1e-5)

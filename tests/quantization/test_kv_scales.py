@@ -236,7 +236,7 @@ def test_e4m3_fp8_checkpoint_scales(tmp_path, log, caplog, cfg, family, num_shar
 @pytest.mark.parametrize("change, words", [
     ({"num_bits": 8, "type": "int"}, "type 'int'"),
     ({"num_bits": 4}, "num_bits 4"),
-    ({"strategy": "attn_head"}, "strategy 'attn_head'"),
+    ({"strategy": "channel"}, "strategy 'channel'"),
     ({"dynamic": True}, "dynamic True"),
     ({"symmetric": False}, "symmetric False"),
 ])
@@ -248,7 +248,8 @@ def test_e4m3_refuses_scales_of_another_kv_cache_scheme(tmp_path, log, change, w
     d = write_checkpoint(tmp_path / "m", output_scale_family(), cfg)
     with pytest.raises(ConfigError, match="quantization_config.kv_cache_scheme has") as info:
         resolve(d, cfg, "fp8_e4m3", logger=log)
-    assert words in str(info.value) and "only static per-tensor symmetric 8-bit float KV scales" in str(info.value)
+    assert words in str(info.value) and "only static symmetric 8-bit float KV scales" in str(info.value)
+    assert "strategy tensor or attn_head" in str(info.value)
     assert [s.k_scale for s in resolve(d, cfg, "auto", logger=log)] == [1.0] * NUM_LAYERS
 
 
@@ -449,3 +450,68 @@ def test_specific_scales_win_over_the_shared_kv_scale(tmp_path):
         assert "kv_scale" not in s.source
 
 
+
+
+# ----------------------------------------------------------------- per-KV-head scales (strategy attn_head)
+
+NUM_KV_HEADS = 3
+CT_HEAD_CONFIG = {
+    "model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": NUM_KV_HEADS,
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False,
+                            "symmetric": True},
+    },
+}
+
+
+def k_head_of(layer: int, head: int) -> float:
+    return (layer + 1) / 64 * (head + 1)  # exact in float32
+
+
+def v_head_of(layer: int, head: int) -> float:
+    return 0.5 + layer / 8 + head / 4
+
+
+def per_head_family(num_layers=NUM_LAYERS, shape=(NUM_KV_HEADS, 1, 1)):
+    """llm-compressor's attn_head layout: self_attn.k_scale / v_scale of shape [num_kv_heads, 1, 1]."""
+    out = {}
+    for i in range(num_layers):
+        out[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(
+            [k_head_of(i, h) for h in range(NUM_KV_HEADS)]).reshape(shape)
+        out[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(
+            [v_head_of(i, h) for h in range(NUM_KV_HEADS)]).reshape(shape)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(NUM_KV_HEADS, 1, 1), (NUM_KV_HEADS,)])
+def test_attn_head_scales_are_read_per_kv_head(tmp_path, log, caplog, shape):
+    d = write_checkpoint(tmp_path / "m", per_head_family(shape=shape), CT_HEAD_CONFIG)
+    scales = resolve(d, CT_HEAD_CONFIG, "fp8_e4m3", logger=log)
+    for i, s in enumerate(scales):
+        assert s.k_head_scales == tuple(k_head_of(i, h) for h in range(NUM_KV_HEADS))
+        assert s.v_head_scales == pytest.approx(tuple(v_head_of(i, h) for h in range(NUM_KV_HEADS)))
+        # The per-layer numbers are the heads' max, what a per-layer reader would show.
+        assert (s.k_scale, s.v_scale) == (max(s.k_head_scales), max(s.v_head_scales))
+    (info,) = records(caplog, logging.INFO)
+    assert "per-layer, per-KV-head scales from the checkpoint" in info.getMessage()
+    # A 16-bit cache and e5m2 ignore them, as they ignore per-layer scales.
+    assert all(s.k_head_scales is None for s in resolve(d, CT_HEAD_CONFIG, "fp8_e5m2", logger=log))
+
+
+@pytest.mark.parametrize("cfg, tensors, words", [
+    # The scheme says per tensor, the tensors are per head: which one is right is not ours to guess.
+    (CT_CONFIG, per_head_family(), "needs config.json's quantization_config.kv_cache_scheme to say strategy "
+                                   "'attn_head'"),
+    # The scheme says per head, the tensors have the wrong count.
+    (CT_HEAD_CONFIG, per_head_family() | {"model.layers.0.self_attn.k_scale": torch.tensor([0.1, 0.2])},
+     "expects one scale per KV head: shape [3, 1, 1]"),
+    (CT_HEAD_CONFIG, k_v_scale_family(), "expects one scale per KV head: shape [3, 1, 1]"),
+    (CT_HEAD_CONFIG, per_head_family() | {"model.layers.2.self_attn.v_scale": torch.tensor([0.1, 0.0, 0.2])},
+     "model.layers.2.self_attn.v_scale' (KV head 1) is 0.0; expected a finite KV scale > 0"),
+])
+def test_per_head_scales_that_disagree_with_the_scheme_are_refused(tmp_path, log, cfg, tensors, words):
+    d = write_checkpoint(tmp_path / "m", tensors, cfg)
+    with pytest.raises(ConfigError) as info:
+        resolve(d, cfg, "fp8_e4m3", logger=log)
+    assert words in str(info.value)

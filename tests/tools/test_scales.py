@@ -14,6 +14,7 @@ from checkpoints import write_tiny_llama, write_tiny_mixtral
 from kv_scale_checkpoints import (
     KV_SCALE_FAMILIES,
     add_kv_scales,
+    add_per_head_kv_scales,
     record_scale_reads,
     copy_checkpoint,
     expected_scales,
@@ -80,6 +81,28 @@ def test_agrees_with_engine(capsys, families, family):
     engine = [{"layer": i, "k_scale": a._k_scale, "v_scale": a._v_scale, "source": a.kv_scale_source}
               for i, a in enumerate(llm.llm_engine.model_runner.attn_layers)]
     assert doc["layers"] == engine
+
+
+def test_per_head_scales(capsys, base, tmp_path):
+    """strategy attn_head: k_scale/v_scale stay numbers (the heads' max, for scripts that read one
+    scale per layer), k_head_scales/v_head_scales list the heads; the table shows the lists; the
+    engine holds the same."""
+    d = copy_checkpoint(base, tmp_path / "per-head")
+    k = [[0.015625 * (i + 1), 0.25] for i in range(NUM_LAYERS)]
+    v = [[0.5, 0.125 * (i + 1)] for i in range(NUM_LAYERS)]
+    add_per_head_kv_scales(d, k, v)
+    doc = scales_json(capsys, d, "--kv-cache-dtype", "fp8")
+    assert [row["k_head_scales"] for row in doc["layers"]] == k
+    assert [row["v_head_scales"] for row in doc["layers"]] == v
+    assert [(row["k_scale"], row["v_scale"]) for row in doc["layers"]] == [(max(a), max(b)) for a, b in zip(k, v)]
+    llm = LLM(str(d), dtype="float32", kv_cache_dtype="fp8_e4m3", kv_cache_memory="1MiB")
+    for row, a in zip(doc["layers"], llm.llm_engine.model_runner.attn_layers):
+        assert row["k_head_scales"] == a.k_head_scales.view(-1).tolist()
+        assert row["v_head_scales"] == a.v_head_scales.view(-1).tolist()
+        assert row["source"] == a.kv_scale_source
+    assert main(["scales", str(d), "--kv-cache-dtype", "fp8"]) == 0
+    table = capsys.readouterr().out
+    assert "  0  [0.015625 0.25]  [0.5 0.125]  checkpoint:" in table
 
 
 def test_default_source_with_warning(capsys, caplog, base):
