@@ -10,7 +10,7 @@ chunk), so observing thousands of tokens costs no memory.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -43,6 +43,9 @@ class LayerKVAmax:
     k_amax: float = 0.0
     v_amax: float = 0.0
     num_tokens: int = 0
+    # Per KV head (for kv_cache_scheme strategy attn_head); empty until the layer runs.
+    k_head_amax: list[float] = field(default_factory=list)
+    v_head_amax: list[float] = field(default_factory=list)
 
     def k_scale(self, margin: float = 1.0) -> float:
         return scale_from_amax(self.k_amax, margin)
@@ -50,9 +53,15 @@ class LayerKVAmax:
     def v_scale(self, margin: float = 1.0) -> float:
         return scale_from_amax(self.v_amax, margin)
 
+    def k_head_scales(self, margin: float = 1.0) -> list[float]:
+        return [scale_from_amax(a, margin) for a in self.k_head_amax]
+
+    def v_head_scales(self, margin: float = 1.0) -> list[float]:
+        return [scale_from_amax(a, margin) for a in self.v_head_amax]
+
 
 class KVAmaxObserver:
-    """Per-layer amax of K and V over everything the layers see while attached.
+    """Per-layer (and per-KV-head) amax of K and V over everything the layers see while attached.
 
     Layers are numbered by their position in `attn_layers`, which is the
     decoder layer index (the order the engine assigns scales in)."""
@@ -65,8 +74,13 @@ class KVAmaxObserver:
     def _observe(self, layer: nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
         # key/value: [num_tokens, num_kv_heads, head_size]
         s = self.stats[self._index[id(layer)]]
-        s.k_amax = max(s.k_amax, _amax(key))
-        s.v_amax = max(s.v_amax, _amax(value))
+        # One sync for both tensors' per-head maxima; the layer amax is their max.
+        heads = torch.stack([key.detach().abs().amax(dim=(0, 2)), value.detach().abs().amax(dim=(0, 2))])
+        k_heads, v_heads = heads.float().tolist()
+        s.k_head_amax = [max(a, b) for a, b in zip(s.k_head_amax, k_heads)] if s.k_head_amax else k_heads
+        s.v_head_amax = [max(a, b) for a, b in zip(s.v_head_amax, v_heads)] if s.v_head_amax else v_heads
+        s.k_amax = max(s.k_amax, max(k_heads))
+        s.v_amax = max(s.v_amax, max(v_heads))
         s.num_tokens += key.shape[0]
 
     def attach(self) -> "KVAmaxObserver":

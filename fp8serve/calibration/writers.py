@@ -95,17 +95,23 @@ def write_kv_scales_json(path: str | Path, model_type: str, k_scales: Sequence[f
     return path
 
 
-def kv_scale_tensors(attn_prefixes: Sequence[str], k_scales: Sequence[float], v_scales: Sequence[float],
+def kv_scale_tensors(attn_prefixes: Sequence[str], k_scales: Sequence, v_scales: Sequence,
                      kv_scale_format: str = "both") -> dict[str, torch.Tensor]:
-    """Scalar float32 scale tensors per layer; `attn_prefixes[i]` is layer i's
-    checkpoint prefix, e.g. `model.layers.3.self_attn`."""
+    """Float32 scale tensors per layer; `attn_prefixes[i]` is layer i's checkpoint
+    prefix, e.g. `model.layers.3.self_attn`. A layer's scale is a number (a scalar
+    tensor), or a list with one per KV head (strategy attn_head: shape
+    [num_kv_heads, 1, 1], llm-compressor's layout; k_scale + v_scale only)."""
     if kv_scale_format not in KV_SCALE_FORMATS:
         raise ValueError(f"kv_scale_format must be one of {KV_SCALE_FORMATS}, got {kv_scale_format!r}")
     out = {}
     for prefix, k, v in zip(attn_prefixes, k_scales, v_scales, strict=True):
+        per_head = isinstance(k, (list, tuple))
+        if per_head and kv_scale_format != "k_v":
+            raise ValueError("per-head KV scales are written as self_attn.k_scale + v_scale only (k_v)")
+        shape = (-1, 1, 1) if per_head else ()
         if kv_scale_format in ("k_v", "both"):
-            out[f"{prefix}.k_scale"] = torch.tensor(k, dtype=torch.float32)
-            out[f"{prefix}.v_scale"] = torch.tensor(v, dtype=torch.float32)
+            out[f"{prefix}.k_scale"] = torch.tensor(k, dtype=torch.float32).reshape(shape)
+            out[f"{prefix}.v_scale"] = torch.tensor(v, dtype=torch.float32).reshape(shape)
         if kv_scale_format in ("kv", "both"):
             out[f"{prefix}.kv_scale"] = torch.tensor(max(k, v), dtype=torch.float32)
     return out
@@ -172,23 +178,29 @@ def write_index(dst: Path, weight_map: dict[str, str]) -> None:
     (dst / INDEX_FILE).write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def fp8_kv_quantization_config(hf_config: dict) -> dict:
-    """The source's quantization_config, made to mark an FP8 KV cache."""
+def fp8_kv_quantization_config(hf_config: dict, strategy: str = "tensor") -> dict:
+    """The source's quantization_config, made to mark an FP8 KV cache with one scale per
+    layer (strategy "tensor") or per KV head ("attn_head": only compressed-tensors says so)."""
     qc = hf_config.get("quantization_config")
+    scheme = {**KV_ONLY_QUANTIZATION_CONFIG["kv_cache_scheme"], "strategy": strategy}
     if not qc:
-        return dict(KV_ONLY_QUANTIZATION_CONFIG)
+        return {**KV_ONLY_QUANTIZATION_CONFIG, "kv_cache_scheme": scheme}
     method = qc.get("quant_method")
     if method == "fp8":
+        if strategy != "tensor":
+            raise UserError("quantization_config.quant_method 'fp8' (AutoFP8) has no kv_cache_scheme to mark "
+                            "per-head KV scales with; use --kv-scale-strategy tensor for this checkpoint")
         return dict(qc)  # FP8-weight checkpoints carry KV scales as they are
     if method == "compressed-tensors":
-        return {**qc, "kv_cache_scheme": qc.get("kv_cache_scheme") or KV_ONLY_QUANTIZATION_CONFIG["kv_cache_scheme"]}
+        return {**qc, "kv_cache_scheme": {**(qc.get("kv_cache_scheme") or scheme), "strategy": strategy}}
     raise UserError(f"quantization_config.quant_method '{method}': cannot mark it as an FP8 KV checkpoint")
 
 
-def write_kv_scale_checkpoint(src: str | Path, dst: str | Path, k_scales: Sequence[float],
-                              v_scales: Sequence[float], *, kv_scale_format: str = "both",
+def write_kv_scale_checkpoint(src: str | Path, dst: str | Path, k_scales: Sequence,
+                              v_scales: Sequence, *, kv_scale_format: str = "both",
                               is_kv_scale_tensor=None) -> Path:
-    """Copy checkpoint `src` to `dst` with per-layer KV scale tensors added.
+    """Copy checkpoint `src` to `dst` with per-layer KV scale tensors added (per KV
+    head where each layer's scales are lists: kv_cache_scheme strategy attn_head).
 
     `is_kv_scale_tensor(name)` says which existing tensors are KV scales
     (dropped: two scales for one layer are an error). `dst` must not exist."""
@@ -198,6 +210,9 @@ def write_kv_scale_checkpoint(src: str | Path, dst: str | Path, k_scales: Sequen
     if dst.exists():
         raise UserError(f"--out-checkpoint {dst} already exists; choose a new directory")
     hf_config = json.loads((src / "config.json").read_text())
+    strategy = "attn_head" if k_scales and isinstance(k_scales[0], (list, tuple)) else "tensor"
+    # Refused before anything is written.
+    quantization_config = fp8_kv_quantization_config(hf_config, strategy)
     num_layers = len(k_scales)
     files = safetensors_files(src)
     tmp = dst.with_name(f".{dst.name}.partial")
@@ -227,7 +242,7 @@ def write_kv_scale_checkpoint(src: str | Path, dst: str | Path, k_scales: Sequen
     weight_map.update({n: KV_SCALES_FILE for n in scales})
     write_index(tmp, weight_map)
 
-    hf_config["quantization_config"] = fp8_kv_quantization_config(hf_config)
+    hf_config["quantization_config"] = quantization_config
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     tmp.rename(dst)
     return dst

@@ -30,7 +30,8 @@ def model_dir(tmp_path_factory):
 
 @torch.no_grad()
 def hf_reference(model_dir):
-    """(per-layer K amax, V amax, {hf module: input amax}) over CHUNKS, float64."""
+    """(per-layer K amax, V amax, {hf module: input amax}, per-layer per-KV-head K and V amax) over
+    CHUNKS, float64."""
     model = load_hf_model(model_dir, torch.float64)
     watched = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
     inputs: dict[str, float] = {}
@@ -41,19 +42,23 @@ def hf_reference(model_dir):
                 inputs[name] = max(inputs.get(name, 0.0), float(args[0].abs().max()))
             hooks.append(module.register_forward_pre_hook(hook))
     k_amax, v_amax = [0.0] * NUM_LAYERS, [0.0] * NUM_LAYERS
+    k_heads, v_heads = [None] * NUM_LAYERS, [None] * NUM_LAYERS
     for chunk in CHUNKS:
         out = model(input_ids=torch.tensor([chunk]), use_cache=True)
         cache = getattr(out, "cache", None) or out.past_key_values
         for i, layer in enumerate(cache.layers):  # keys: [1, kv_heads, seq, head_dim], after RoPE
             k_amax[i] = max(k_amax[i], float(layer.keys.abs().max()))
             v_amax[i] = max(v_amax[i], float(layer.values.abs().max()))
+            k, v = layer.keys.abs().amax(dim=(0, 2, 3)), layer.values.abs().amax(dim=(0, 2, 3))
+            k_heads[i] = k if k_heads[i] is None else torch.maximum(k_heads[i], k)
+            v_heads[i] = v if v_heads[i] is None else torch.maximum(v_heads[i], v)
     for h in hooks:
         h.remove()
-    return k_amax, v_amax, inputs
+    return k_amax, v_amax, inputs, (k_heads, v_heads)
 
 
 def test_kv_and_input_amax_match_transformers(model_dir):
-    k_ref, v_ref, inputs_ref = hf_reference(model_dir)
+    k_ref, v_ref, inputs_ref, (k_heads_ref, v_heads_ref) = hf_reference(model_dir)
     llm = build_llm(str(model_dir), seq_len=64, kv_cache_memory="16MiB")
     runner = llm.llm_engine.model_runner
     modules = dict(runner.model.named_modules())
@@ -74,6 +79,11 @@ def test_kv_and_input_amax_match_transformers(model_dir):
         assert s.k_amax == pytest.approx(k_ref[i], rel=1e-5)
         assert s.v_amax == pytest.approx(v_ref[i], rel=1e-5)
         assert s.k_scale() == pytest.approx(k_ref[i] / E4M3_MAX, rel=1e-5)
+        # Per KV head (strategy attn_head): 2 KV heads, distinct maxima, the largest is the layer's.
+        assert s.k_head_amax == pytest.approx(k_heads_ref[i].tolist(), rel=1e-5) and len(s.k_head_amax) == 2
+        assert s.v_head_amax == pytest.approx(v_heads_ref[i].tolist(), rel=1e-5)
+        assert max(s.k_head_amax) == s.k_amax and len(set(s.k_head_amax)) == 2
+        assert s.v_head_scales(1.5) == pytest.approx([1.5 * a / E4M3_MAX for a in v_heads_ref[i].tolist()], rel=1e-5)
     for i in range(NUM_LAYERS):
         p = f"model.layers.{i}"
         pairs = [("self_attn.qkv_proj", "self_attn.q_proj"), ("self_attn.o_proj", "self_attn.o_proj"),

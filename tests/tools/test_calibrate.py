@@ -150,3 +150,48 @@ def test_quantization_calibrates_the_fp8_weight_model_and_says_so(calibrated, ca
     assert "weights:" not in plain and "--quantization fp8" not in plain
     assert (f"(use: --quantization fp8 --kv-cache-dtype fp8 --quantization-param-path {root / 'scales-qfp8.json'})"
             in quantized)
+
+
+def test_per_head_strategy_writes_a_checkpoint_the_engine_reads_per_head(calibrated, capsys):
+    """--kv-scale-strategy attn_head: llm-compressor's layout ([num_kv_heads, 1, 1] k_scale/v_scale,
+    kv_cache_scheme strategy attn_head), each head's scale margin * its amax / 448, as the observer
+    measured; the engine and `fp8serve scales` read them back per head."""
+    from fp8serve.calibration.observers import KVAmaxObserver
+    from fp8serve.calibration.runner import build_llm, run_chunks
+    from fp8serve.calibration.text import load_text, token_chunks
+    from fp8serve.engine.tokenizer import load_tokenizer
+
+    model, text, root = calibrated
+    out_ckpt = root / "per-head"
+    argv = ["calibrate", str(model), "--text", str(text), "--num-tokens", "300", "--seq-len", "64", "--margin", "1.25"]
+    assert main([*argv, "--kv-scale-strategy", "attn_head", "--out-checkpoint", str(out_ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "per-KV-head scales (what --out-checkpoint writes):" in out and "  layer 1: k [" in out
+    config = json.loads((out_ckpt / "config.json").read_text())
+    assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+
+    # What the observer sees on the same text, independently of the command.
+    chunks = token_chunks(load_tokenizer(str(model)), load_text(str(text)).text, 300, 64)
+    llm = build_llm(str(model), seq_len=64, dtype="float32", kv_cache_memory="4MiB")
+    with KVAmaxObserver(llm.llm_engine.model_runner.attn_layers) as observer:
+        run_chunks(llm, chunks)
+    served = LLM(str(out_ckpt), kv_cache_dtype="fp8", kv_cache_memory="4MiB", max_model_len=64)
+    for s, layer in zip(observer.stats, served.llm_engine.model_runner.attn_layers):
+        assert layer.k_head_scales.view(-1).tolist() == pytest.approx(s.k_head_scales(1.25), rel=1e-5)
+        assert layer.v_head_scales.view(-1).tolist() == pytest.approx(s.v_head_scales(1.25), rel=1e-5)
+        assert len(set(s.k_head_amax)) == len(s.k_head_amax) == 2  # the heads differ: the test can tell
+    assert main(["scales", str(out_ckpt), "--kv-cache-dtype", "fp8", "--json"]) == 0
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    assert all(len(entry["k_head_scales"]) == 2 for entry in layers)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--out-json", "x.json"], "--out-json writes vLLM's --quantization-param-path schema, one scale per layer"),
+    (["--out-checkpoint", "ck", "--kv-scale-format", "both"], "--kv-scale-format both: per-head scales are written"),
+])
+def test_per_head_strategy_refuses_outputs_that_cannot_hold_it(calibrated, capsys, tmp_path, extra, words):
+    model, text, _ = calibrated
+    extra = [str(tmp_path / e) if e in ("x.json", "ck") else e for e in extra]
+    rc = main(["calibrate", str(model), "--text", str(text), "--kv-scale-strategy", "attn_head", *extra])
+    assert rc == 2 and words in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before anything was written
