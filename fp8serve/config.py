@@ -269,11 +269,31 @@ def _tokenizer_dir(tokenizer) -> str:
 
     path = Path(str(tokenizer)).expanduser()
     if not path.is_dir():
-        raise ConfigError(f"--tokenizer {str(tokenizer)!r}: no such directory (a local directory with "
+        what = "is a file, not a directory" if path.exists() else "no such directory"
+        raise ConfigError(f"--tokenizer {str(tokenizer)!r}: {what} (a local directory with "
                           f"{' or '.join(TOKENIZER_FILES)}; nothing is downloaded)")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(f"--tokenizer {str(tokenizer)!r}: the directory has none of {', '.join(TOKENIZER_FILES)}")
     return str(path)
+
+
+def _quantization_flag(quantization: str, hf_quant_config: dict | None, cfg_path: Path) -> str | None:
+    """--quantization checked against the checkpoint's own quantization_config, as vLLM checks it, so that a
+    command line means the same in both engines: a checkpoint that declares a method is read by that method,
+    a flag naming another is refused, one naming the same is redundant. The result keeps the field's
+    meaning: set only when the weights are quantized at load."""
+    if not hf_quant_config:
+        return quantization
+    method = hf_quant_config.get("quant_method")
+    if method == quantization:
+        logger.info("--quantization %s: %s already declares quant_method %r; its weights are read as they are",
+                    quantization, cfg_path, method)
+        return None
+    declared = (f"declares quantization_config.quant_method {method!r}" if method
+                else "has a quantization_config without a quant_method")
+    raise ConfigError(f"--quantization {quantization} does not match the checkpoint: {cfg_path} {declared}. "
+                      "A checkpoint with a quantization_config is read by its own method: drop --quantization "
+                      "(FP8 weights made at load are for 16/32-bit checkpoints without one)")
 
 
 @dataclass
@@ -287,7 +307,8 @@ class ModelConfig:
     # none (or another); None: the model's directory. Local only: no hub here.
     tokenizer: str | None = None
     # vLLM's --quantization: "fp8" quantizes a 16/32-bit checkpoint's weights at load
-    # (quantization/fp8_online.py); None: the checkpoint's own weights.
+    # (quantization/fp8_online.py); None: the checkpoint's own weights. A flag that names the
+    # checkpoint's own quant_method is redundant and reads back as None; another is refused.
     quantization: str | None = None
     # vLLM's --generation-config ("auto": the model's generation_config.json gives the
     # default temperature / top_p / ...; "vllm": none; or a directory) and
@@ -323,6 +344,8 @@ class ModelConfig:
             self.tokenizer = _tokenizer_dir(self.tokenizer)
         self.hf_config, cfg_path = read_hf_config(self.model)
         self.arch = ModelArchConfig.from_dict(self.hf_config, cfg_path)
+        if self.quantization is not None:
+            self.quantization = _quantization_flag(self.quantization, self.arch.quantization_config, cfg_path)
         from fp8serve.engine.generation_defaults import default_sampling_params
 
         self.default_sampling_params = default_sampling_params(self.model, self.generation_config,

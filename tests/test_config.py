@@ -356,6 +356,38 @@ def test_bad_dtype_and_device(model_dir):
         model_config(model_dir, device="tpu")
 
 
+KV_ONLY_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+@pytest.mark.parametrize("quantization_config, declared", [
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"targets": ["Linear"]}}},
+     "declares quantization_config.quant_method 'compressed-tensors'"),
+    # FP8 KV only, 16-bit weights: vLLM refuses the flag here too (the method is the config's).
+    ({"quant_method": "compressed-tensors", "kv_cache_scheme": KV_ONLY_SCHEME},
+     "declares quantization_config.quant_method 'compressed-tensors'"),
+    ({"quant_method": "awq", "bits": 4}, "declares quantization_config.quant_method 'awq'"),
+    ({"activation_scheme": "dynamic"}, "has a quantization_config without a quant_method"),
+])
+def test_quantization_flag_disagreeing_with_the_checkpoint_is_refused(model_dir, quantization_config, declared):
+    """As vLLM: --quantization naming another method than config.json's quantization_config was accepted
+    without a word (and ignored, or quantized the weights again); refused when the config is built."""
+    rewrite_config(model_dir, quantization_config=quantization_config)
+    with pytest.raises(ConfigError) as e:
+        model_config(model_dir, quantization="fp8")
+    assert str(e.value).startswith(f"--quantization fp8 does not match the checkpoint: {model_dir / 'config.json'} "
+                                   f"{declared}. "), str(e.value)
+    assert "drop --quantization" in str(e.value)
+    assert model_config(model_dir).quantization is None
+
+
+def test_quantization_flag_naming_the_checkpoints_own_method_is_redundant(model_dir):
+    """Accepted, as vLLM does; the field then says what it says without the flag: the checkpoint's
+    own weights (None), not weights quantized at load, which calibrate's hints read."""
+    assert model_config(model_dir, quantization="fp8").quantization == "fp8"
+    rewrite_config(model_dir, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    assert model_config(model_dir, quantization="fp8").quantization is None
+
+
 # ------------------------------------------------------------------------------------- RoPE
 
 

@@ -119,7 +119,8 @@ class LLMEngine:
                 raise InvalidParameterError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         elif isinstance(prompt, str):
             if self.tokenizer is None:
-                raise UserError(f"{self.config.model_config.model} has no tokenizer: pass prompt_token_ids instead of text")
+                raise UserError(f"{self.config.model_config.model} has no tokenizer files: pass prompt_token_ids "
+                                "instead of text, or a directory holding them as tokenizer=DIR (--tokenizer DIR)")
             check_text(prompt, "prompt")
             text = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)

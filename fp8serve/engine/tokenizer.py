@@ -12,12 +12,18 @@ from fp8serve.errors import ConfigError, InvalidParameterError
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# Those that hold a vocabulary; tokenizer_config.json only configures one.
+VOCABULARY_FILES = TOKENIZER_FILES[:3]
+
+
+def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
+    return any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
 
 
 def load_tokenizer(model_dir: str):
     """A transformers tokenizer from `model_dir`, or None if it ships none."""
     d = Path(model_dir)
-    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+    if not has_tokenizer_files(d):
         logger.warning("%s has no tokenizer files: only token-id prompts can be used (or pass --tokenizer DIR)", d)
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,7 +34,12 @@ def load_tokenizer(model_dir: str):
     except Exception as e:  # noqa: BLE001 - any failure here is the checkpoint's
         # transformers validates config.json and the tokenizer files as it
         # loads them (with errors of its own and of huggingface_hub): the
-        # checkpoint's fault, said in one line.
+        # checkpoint's fault, said in one line. Without a vocabulary file its
+        # error is a paragraph about tokenizer backends; the missing file is the news.
+        # (Checked only on failure: a tokenizer may keep its vocabulary under another name.)
+        if not any((d / f).is_file() for f in VOCABULARY_FILES):
+            raise ConfigError(f"{d}: cannot load a tokenizer from tokenizer_config.json alone: expected "
+                              f"{' or '.join(VOCABULARY_FILES)} next to it") from None
         raise ConfigError(f"{d}: transformers cannot load the tokenizer ({type(e).__name__}: "
                           f"{' '.join(str(e).split())})") from None
 

@@ -59,10 +59,27 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def check_tokenizer(args: argparse.Namespace) -> None:
+    """The prompts here are text: a model directory without tokenizer files is refused before its
+    weights load, naming the flag that fixes it (the engine alone can only say so at the first prompt)."""
+    from pathlib import Path
+
+    from fp8serve.engine.tokenizer import TOKENIZER_FILES, has_tokenizer_files
+    from fp8serve.errors import UserError
+
+    # --tokenizer is checked by ModelConfig; a directory without config.json gets the engine's own error.
+    if args.model is None or args.tokenizer is not None or not (Path(args.model) / "config.json").is_file():
+        return
+    if not has_tokenizer_files(args.model):
+        raise UserError(f"{args.model} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) to tokenize the "
+                        "prompts with: pass --tokenizer DIR, a local directory holding them")
+
+
 def run(args: argparse.Namespace) -> int:
     from fp8serve import LLM
 
     sampling_params(args, {})  # a bad flag is refused before the model loads
+    check_tokenizer(args)
     llm = LLM(args.model, **engine_kwargs(args))
     params = sampling_params(args, llm.llm_engine.config.model_config.default_sampling_params)
     prompts = args.prompt or DEFAULT_PROMPTS

@@ -88,7 +88,12 @@ class LLM:
                             chat_template: str | None = None, where: str = "messages") -> list[int]:
         tok = self.llm_engine.tokenizer
         if tok is None or (tok.chat_template is None and chat_template is None):
-            raise UserError(f"{self.llm_engine.config.model_config.model} has no chat template")
+            # The template comes with the tokenizer: name the directory it was read from.
+            mc = self.llm_engine.config.model_config
+            source = f"--tokenizer {mc.tokenizer}" if mc.tokenizer else mc.model
+            raise UserError(f"{source} has no chat template" if tok is not None else
+                            f"{source} has no tokenizer files, so no chat template (pass tokenizer=DIR / "
+                            "--tokenizer DIR)")
         conversation = conversation_for_template(messages, where)
         check_text(conversation, where)
         try:

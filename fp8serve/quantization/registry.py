@@ -19,10 +19,11 @@ def get_quantization_config(hf_quant_config: dict | None, model_dir: str,
     KV cache, like compressed-tensors with just a `kv_cache_scheme`) unless
     `quantization` ("fp8", vLLM's --quantization) asks for its weights to be
     quantized at load. A checkpoint with FP8 weights already (every scheme
-    read here is FP8) is read as it is, with or without the flag.
+    read here is FP8) is read as it is.
     `checkpoint_modules`: the model's checkpoint modules of one of its layers
     (WeightsMapper.checkpoint_modules), for configs that name checkpoint modules.
-    `quantization` is checked by ModelConfig."""
+    `quantization` is checked by ModelConfig, which leaves it set only for a
+    checkpoint without a quantization_config (config._quantization_flag)."""
     config = _from_checkpoint(hf_quant_config, model_dir, checkpoint_modules)
     if config is None and quantization == "fp8":
         from fp8serve.quantization.fp8_online import Fp8OnlineConfig, checkpoint_weight_dtype

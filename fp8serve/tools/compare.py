@@ -106,6 +106,14 @@ def _resolve_model(name: str) -> str:
     return name
 
 
+def _quantization_fields(kv_spec: str) -> list[str]:
+    """The q=/quantization= fields among a SPEC's KV cache fields; a json= field's file path (which may
+    hold ':') is not searched."""
+    fields = kv_spec.split(":")
+    json_at = next((i for i, f in enumerate(fields) if f.startswith("json=")), len(fields))
+    return [f for f in fields[:json_at] if f.startswith(_QUANTIZATION_KEYS)]
+
+
 def split_quantization(item: str, spec: str) -> tuple[str, str | None]:
     """(KV part, method) of MODEL@SPEC's SPEC: a last field q=METHOD (or quantization=METHOD) names the
     weights' quantization at load, None without one; a SPEC of that field alone has KV cache 'auto'."""
@@ -114,6 +122,15 @@ def split_quantization(item: str, spec: str) -> tuple[str, str | None]:
 
     kv, _, last = spec.rpartition(":")
     if not last.startswith(_QUANTIZATION_KEYS):
+        kv, last = spec, None
+    # Another q= field would reach KVConfig.parse and be reported as a bad KV cache dtype or scales.
+    other = _quantization_fields(kv)
+    if other and last is not None:
+        raise UserError(f"'{item}': q= (quantization=) is given twice ({other[0]} and {last}); a SPEC takes one "
+                        "q=METHOD, as its last field")
+    if other:
+        raise UserError(f"'{item}': {other[0]} must be the SPEC's last field (MODEL@DTYPE[:SCALES]:q=METHOD)")
+    if last is None:
         return spec, None
     method = last.partition("=")[2]
     if method not in QUANTIZATION_METHODS:

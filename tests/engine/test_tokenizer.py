@@ -53,9 +53,17 @@ def test_tokenizer_flag_gives_a_checkpoint_without_one_its_tokenizer(tmp_path):
     assert llm.llm_engine.config.model_config.tokenizer == str(with_tok)
 
 
+def _a_file(d):
+    f = d / "tokenizer.json"
+    f.write_text("{}")
+    return f
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda d: d / "nowhere", "no such directory (a local directory with tokenizer.json or"),
     (lambda d: d, "the directory has none of tokenizer.json, tokenizer.model"),
+    # A file that exists is not "no such directory".
+    (_a_file, "is a file, not a directory (a local directory with tokenizer.json or"),
 ])
 def test_bad_tokenizer_flag_is_named(tmp_path, make, words):
     from checkpoints import write_tiny_llama
@@ -69,3 +77,55 @@ def test_bad_tokenizer_flag_is_named(tmp_path, make, words):
     with pytest.raises(ConfigError) as e:
         LLM(str(model), tokenizer=str(path), dtype="float32", kv_cache_memory="4MiB")
     assert str(e.value).startswith(f"--tokenizer '{path}': {words}"), str(e.value)
+
+
+def test_text_prompt_without_a_tokenizer_names_both_remedies(tmp_path):
+    """The offline API may take token ids, or a tokenizer directory (tokenizer=, the CLI's --tokenizer)."""
+    from checkpoints import write_tiny_llama
+    from fp8serve import LLM, SamplingParams
+
+    bare = write_tiny_llama(tmp_path / "bare", with_tokenizer=False)
+    llm = LLM(str(bare), dtype="float32", kv_cache_memory="4MiB")
+    with pytest.raises(UserError) as e:
+        llm.generate("Hello there", SamplingParams(max_tokens=1), use_tqdm=False)
+    assert str(e.value) == (f"{bare} has no tokenizer files: pass prompt_token_ids instead of text, or a directory "
+                            "holding them as tokenizer=DIR (--tokenizer DIR)")
+
+
+def test_chat_template_missing_from_the_tokenizer_flags_directory_names_it(tmp_path):
+    """With --tokenizer the template comes from that directory; the error named the model's."""
+    import json
+    import shutil
+
+    from checkpoints import write_tiny_llama
+    from fp8serve import LLM
+
+    bare = write_tiny_llama(tmp_path / "bare", with_tokenizer=False)
+    tok = tmp_path / "tok"
+    shutil.copytree(write_tiny_llama(tmp_path / "with_tok"), tok,
+                    ignore=lambda _, names: [n for n in names if not n.startswith(("tokenizer", "special"))])
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    llm = LLM(str(bare), tokenizer=str(tok), dtype="float32", kv_cache_memory="4MiB")
+    with pytest.raises(UserError) as e:
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    assert str(e.value) == f"--tokenizer {tok} has no chat template"
+
+
+def test_tokenizer_config_alone_is_one_line_naming_the_files(tmp_path):
+    """transformers' own error for it is a paragraph about tokenizer backends."""
+    import shutil
+
+    from checkpoints import make_tokenizer
+    from fp8serve.engine.tokenizer import load_tokenizer
+    from fp8serve.errors import ConfigError
+
+    make_tokenizer(tmp_path / "full")
+    only = tmp_path / "only"
+    only.mkdir()
+    shutil.copy(tmp_path / "full" / "tokenizer_config.json", only)
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(str(only))
+    assert str(e.value) == (f"{only}: cannot load a tokenizer from tokenizer_config.json alone: expected "
+                            "tokenizer.json or tokenizer.model or vocab.json next to it")

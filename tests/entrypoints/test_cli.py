@@ -278,3 +278,45 @@ def test_generate_takes_unset_sampling_flags_from_the_generation_config(model_di
     assert generate("--generation-config", "vllm", "--max-tokens", "3") == greedy[:3]
     over = generate("--override-generation-config", '{"max_new_tokens": 2}')
     assert over == sampled[:2]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fails the test if the engine starts loading weights."""
+    import fp8serve.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "ModelRunner", lambda *a, **k: pytest.fail("the weights started loading"))
+
+
+def test_quantization_flag_on_a_quantized_checkpoint_is_refused_before_loading(model_dir, tmp_path, capsys,
+                                                                                no_model_loads):
+    """-q fp8 on a compressed-tensors (FP8 weights) checkpoint ran it without a word about the flag."""
+    from fp8serve.calibration.fp8_checkpoint import write_fp8_checkpoint
+
+    ct = tmp_path / "ct"
+    write_fp8_checkpoint(model_dir, ct, activation_scheme="dynamic", weight_strategy="channel")
+    rc, _, err = run_main(["generate", "--model", str(ct), *LIGHT, "--prompt", "hi", "-q", "fp8"], capsys)
+    assert rc == 2
+    line = error_line(err)
+    assert (f"--quantization fp8 does not match the checkpoint: {ct / 'config.json'} declares "
+            "quantization_config.quant_method 'compressed-tensors'") in line, line
+
+
+def test_generate_without_tokenizer_files_names_the_flag_before_loading(tmp_path, capsys, no_model_loads):
+    """generate's prompts are text: a checkpoint without tokenizer files loaded its weights first, then
+    said to pass prompt_token_ids, which the command has no flag for."""
+    bare = write_tiny_llama(tmp_path / "bare", with_tokenizer=False)
+    rc, _, err = run_main(["generate", "--model", str(bare), *LIGHT, "--prompt", "hi"], capsys)
+    assert rc == 2
+    line = error_line(err)
+    assert f"{bare} has no tokenizer files (tokenizer.json, " in line and "pass --tokenizer DIR" in line, line
+
+
+def test_generate_with_the_tokenizer_flag_on_a_file_says_so(model_dir, tmp_path, capsys, no_model_loads):
+    bare = write_tiny_llama(tmp_path / "bare", with_tokenizer=False)
+    tok_file = Path(model_dir) / "tokenizer.json"
+    rc, _, err = run_main(["generate", "--model", str(bare), "--tokenizer", str(tok_file), *LIGHT, "--prompt", "hi"],
+                          capsys)
+    assert rc == 2
+    line = error_line(err)
+    assert f"--tokenizer '{tok_file}': is a file, not a directory" in line and "no such directory" not in line, line

@@ -195,3 +195,52 @@ def test_per_head_strategy_refuses_outputs_that_cannot_hold_it(calibrated, capsy
     rc = main(["calibrate", str(model), "--text", str(text), "--kv-scale-strategy", "attn_head", *extra])
     assert rc == 2 and words in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_quantization_on_a_quantized_checkpoint_is_not_suggested(calibrated, tmp_path, capsys):
+    """-q fp8 on a checkpoint whose quant_method is fp8 already: it said "quantized to fp8 at load" and
+    suggested serving with --quantization fp8; the checkpoint's own FP8 weights ran, and serve without it."""
+    from fp8serve.calibration.fp8_checkpoint import write_fp8_checkpoint
+
+    model, text, _ = calibrated
+    fp8_dir = tmp_path / "fp8"
+    write_fp8_checkpoint(model, fp8_dir, activation_scheme="dynamic")
+    out_json = tmp_path / "scales.json"
+    assert main(["calibrate", str(fp8_dir), "--text", str(text), "--num-tokens", "64", "--seq-len", "32",
+                 "--out-json", str(out_json), "-q", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert f"(use: --kv-cache-dtype fp8 --quantization-param-path {out_json})" in out, out
+    assert "--quantization fp8" not in out and "at load" not in out, out
+
+
+def test_quantization_flags_that_cannot_be_served_are_refused_before_the_model_runs(calibrated, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A checkpoint copy of a 16-bit model gets a compressed-tensors quantization_config, which --quantization
+    is refused with: its "use: --quantization fp8 ..." hint could not be followed. A checkpoint with a
+    quantization_config of another method is refused by the engine's config, before the weights load."""
+    import shutil
+
+    import fp8serve.calibration.runner as runner
+    import fp8serve.engine.llm_engine as llm_engine
+    from checkpoints import set_quantization_config
+
+    model, text, _ = calibrated
+    monkeypatch.setattr(runner, "run_chunks", lambda *a, **k: pytest.fail("calibration ran"))
+    monkeypatch.setattr(llm_engine, "ModelRunner", lambda *a, **k: pytest.fail("the weights started loading"))
+    out_ckpt = tmp_path / "ckpt"
+    assert main(["calibrate", str(model), "--text", str(text), "--num-tokens", "64", "--seq-len", "32",
+                 "--out-checkpoint", str(out_ckpt), "-q", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert ("--out-checkpoint with --quantization fp8: the copy would keep the 16/32-bit weights under a "
+            "compressed-tensors quantization_config") in err, err
+    assert "fp8serve quantize MODEL --out DIR --activation-scheme dynamic --kv-cache" in err
+    assert not out_ckpt.exists()
+
+    kv_only = tmp_path / "kv_only"
+    shutil.copytree(model, kv_only)
+    set_quantization_config(kv_only, {"quant_method": "compressed-tensors", "kv_cache_scheme": {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}})
+    assert main(["calibrate", str(kv_only), "--text", str(text), "--num-tokens", "64", "--seq-len", "32",
+                 "--out-json", str(tmp_path / "s.json"), "-q", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{kv_only / 'config.json'} declares quantization_config.quant_method 'compressed-tensors'" in err, err

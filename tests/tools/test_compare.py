@@ -60,6 +60,22 @@ def test_parse_run_configs_quantization(tmp_path):
             parse_run_configs([f"{a}@{spec}"], ["auto"], None)
 
 
+@pytest.mark.parametrize("spec, words", [
+    ("auto:q=fp8:q=fp8", "q= (quantization=) is given twice (q=fp8 and q=fp8); a SPEC takes one q=METHOD"),
+    ("fp8_e4m3:scale1:quantization=fp8:q=fp8", "is given twice (quantization=fp8 and q=fp8)"),
+    ("q=fp8:q=fp8", "is given twice (q=fp8 and q=fp8)"),
+    ("q=fp8:fp8_e4m3", "q=fp8 must be the SPEC's last field (MODEL@DTYPE[:SCALES]:q=METHOD)"),
+])
+def test_a_repeated_or_misplaced_q_field_is_named(tmp_path, spec, words):
+    """The first of two q= fields was read as part of the KV cache SPEC: "scales apply to an FP8 KV cache
+    only" or "unknown KV cache dtype 'q=fp8'"."""
+    item = f"{tmp_path / 'a'}@{spec}"
+    with pytest.raises(UserError) as e:
+        parse_run_configs([item], ["auto"], None)
+    assert str(e.value).startswith(f"'{item}': ") and words in str(e.value), str(e.value)
+    assert "KV config" not in str(e.value)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
