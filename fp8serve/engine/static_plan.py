@@ -45,7 +45,12 @@ _KERNELS = {
     "fp8serve::reshape_and_cache": ("reshape_and_cache", (0, 1, 2, 3, 4), (5,), (6, 7), (8, 9)),
     # padding_idx, scale_grad_by_freq and sparse change nothing in a forward.
     "aten::embedding": ("embedding", ("out", 0, 1), (), (), ()),
+    # Tensor-by-tensor only (_TENSOR_OVERLOAD): per-KV-head scale folds (fp8serve/layers/attention.py).
+    "aten::mul": ("mul", ("out", 0, 1), (), (), ()),
+    "aten::div": ("div", ("out", 0, 1), (), (), ()),
 }
+# Ops whose other overloads (a Python scalar, div's rounding_mode) the plan's step does not replay.
+_TENSOR_OVERLOAD = {"aten::mul", "aten::div"}
 # Trailing optional tensor arguments a step may go without (a linear's bias).
 _OPTIONAL_LAST = {"fp8_linear", "dense_gemv", "fp8_gemv_packed"}
 
@@ -99,6 +104,8 @@ class StaticPlan:
             spec = _KERNELS.get(name)
             if spec is None:
                 raise Unsupported(f"no plan step for {name}")
+            if name in _TENSOR_OVERLOAD and func._overloadname != "Tensor":
+                raise Unsupported(f"no plan step for {name}.{func._overloadname}")
             kind, tensor_args, int_args, float_args, none_args = spec
             pos = [bound.get(a.name) for a in func._schema.arguments]
             for j in none_args:

@@ -71,6 +71,20 @@ class Attention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         self._k_query_scales = self.k_head_scales.repeat_interleave(group, dim=0)
         self._v_query_scales = self.v_head_scales.repeat_interleave(group, dim=0)
+        self._fold_factors: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+
+    def _factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The per-head factors in the activations' dtype (one native op per tensor, no
+        float32 round trips), held as non-persistent buffers: decode and prefill captures
+        replay only tensors that are inputs or model state."""
+        factors = self._fold_factors.get(dtype)
+        if factors is None:
+            factors = tuple(t.to(dtype) for t in (self.k_head_scales, self.v_head_scales,
+                                                  self._k_query_scales, self._v_query_scales))
+            for i, t in enumerate(factors):
+                self.register_buffer(f"_kv_fold_{str(dtype).removeprefix('torch.')}_{i}", t, persistent=False)
+            self._fold_factors[dtype] = factors
+        return factors
 
     def scales_key(self) -> tuple:
         """What a recorded forward bakes in of this layer's scales (the captures' cache key)."""
@@ -115,16 +129,15 @@ class Attention(nn.Module):
 
     def _forward_per_head_scales(self, q, k, v, metadata, logits_indices) -> torch.Tensor:
         """Per-KV-head scales folded around a backend that takes one scale per layer:
-        K and V are divided by their head's scale (in float32, as the kernels divide, so a
-        float32 model stores the codes a per-head kernel would), the backend runs with
-        scale 1, and each query head is multiplied by its KV head's k scale
+        K and V are divided by their head's scale (a float32 model stores exactly the codes
+        a per-head kernel would; a 16-bit one rounds k / s to its dtype first), the backend
+        runs with scale 1, and each query head is multiplied by its KV head's k scale
         (q . (k / s) * s = q . k), each output head by its v scale. Every kernel, fused
         decode, prefill and cached-prefix path reads the same codes the same way.
-        Costs four elementwise passes over q, k, v and the output per layer."""
-        k = (k.float() / self.k_head_scales).to(k.dtype)
-        v = (v.float() / self.v_head_scales).to(v.dtype)
-        q = (q.float() * self._k_query_scales).to(q.dtype)
+        Costs four elementwise ops per layer (benchmarks/per_head_kv_scales.py)."""
+        k_heads, v_heads, k_queries, v_queries = self._factors(q.dtype)
+        k, v, q = torch.div(k, k_heads), torch.div(v, v_heads), torch.mul(q, k_queries)
         out = self.backend.forward(q, k, v, self.kv_cache, metadata, softmax_scale=self.softmax_scale,
                                    k_scale=1.0, v_scale=1.0, logits_indices=logits_indices)
-        out = (out.float() * self._v_query_scales).to(out.dtype)
+        out = torch.mul(out, v_queries)
         return out.reshape(out.shape[0], self.num_heads * self.head_size)

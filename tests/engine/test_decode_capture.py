@@ -454,13 +454,14 @@ def test_static_plans_do_not_wait_for_first_record_after(ops, llama_dir, seed):
             assert captures.recorded_batch_sizes == [] and captures.num_replays == 0, f"seed={seed}"
 
 
-def test_per_head_kv_scales_are_recorded_again(ops, llama_dir, seed):
+@pytest.mark.parametrize("static_plans", [False, True])
+def test_per_head_kv_scales_are_recorded_again(ops, llama_dir, seed, static_plans):
     """Per-KV-head scales are tensors baked into the recorded calls: new ones must not replay
-    the old recording, and a replay gives what the eager forward gives."""
+    the old recording, and a replay (compiled, or a static plan) gives what the eager forward gives."""
     requests = random_requests(seed, 2)
 
     def with_scales(enforce_eager: bool):
-        engine = make_engine(llama_dir, enforce_eager=enforce_eager, kv_cache_dtype="fp8")
+        engine = make_engine(llama_dir, enforce_eager=enforce_eager, kv_cache_dtype="fp8", static_plans=static_plans)
         outputs = []
         for k_heads in ((0.25, 0.5), (0.5, 0.0625)):
             for layer in engine.model_runner.attn_layers:
@@ -473,5 +474,8 @@ def test_per_head_kv_scales_are_recorded_again(ops, llama_dir, seed):
     engine, replayed = with_scales(False)
     assert eager[0] != eager[1], "the scales should change the outputs"
     assert replayed == eager, f"seed={seed}"
-    keys = engine.model_runner.decode_captures._captures.keys()
-    assert len({key[1] for key in keys}) == 2
+    captures = engine.model_runner.decode_captures
+    assert len({key[1] for key in captures._captures.keys()}) == 2
+    # Replayed, not eager: the fold's factors are model state (buffers), its ops plan steps.
+    assert None not in captures._captures.values() and captures.num_replays > 0
+    assert captures.num_static == (len(captures._captures) if static_plans else 0), captures._captures

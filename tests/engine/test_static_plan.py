@@ -139,8 +139,15 @@ def test_the_plan_returns_one_buffer_and_rebinds_its_inputs(ops, llama_dir, seed
 def test_recordings_with_unknown_ops_or_input_views_are_refused(ops):
     x = torch.randn(4, 8)
 
-    _, rec = record(lambda: torch.tanh(x * 2), [x])
-    with pytest.raises(Unsupported, match="no plan step for aten::mul"):
+    _, rec = record(lambda: torch.tanh(x), [x])
+    with pytest.raises(Unsupported, match="no plan step for aten::tanh"):
+        StaticPlan(rec, [x], rec.alive[-1])
+    _, rec = record(lambda: x * 2, [x])  # a Python scalar: the plan's mul takes tensors only
+    with pytest.raises(Unsupported, match="aten::mul's argument 1 is not a tensor"):
+        StaticPlan(rec, [x], rec.alive[-1])
+    three = torch.full((4, 1), 3.0)
+    _, rec = record(lambda: torch.div(x, three, rounding_mode="floor"), [x])
+    with pytest.raises(Unsupported, match="no plan step for aten::div.Tensor_mode"):
         StaticPlan(rec, [x], rec.alive[-1])
 
     def viewed_input():
@@ -166,3 +173,21 @@ def test_decode_plan_rejects_malformed_steps(ops):
         plan.add("silu_and_mul", [t, t], [], [], [5, 0])
     with pytest.raises(RuntimeError, match="no output set"):
         plan.run([])
+
+
+def test_broadcast_mul_and_div_replay_step_after_step(ops):
+    """The per-KV-head scale folds' ops (a [heads, 1] factor against [tokens, heads, dim]) as plan
+    steps: each run on new inputs gives what eager torch gives, bit for bit, float32 and bf16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 3, 8).to(dtype)
+        factor, other = (torch.rand(3, 1) + 0.5).to(dtype), (torch.rand(3, 1) + 0.5).to(dtype)
+
+        def forward():
+            return torch.mul(torch.div(x, factor), other)
+
+        out, rec = record(forward, [x])
+        plan = StaticPlan(rec, [x], out)
+        assert plan.num_steps == 2
+        for _ in range(3):
+            fresh = torch.randn(5, 3, 8).to(dtype)
+            assert torch.equal(plan.replay(fresh), torch.mul(torch.div(fresh, factor), other))

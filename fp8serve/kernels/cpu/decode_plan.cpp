@@ -17,7 +17,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/mul.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -40,6 +42,8 @@ enum class Kind {
   kCache,            // key, value, key_cache, value_cache, slot_mapping; kv_format; k_scale, v_scale
   kEmbedding,        // out, weight, ids
   kCopy,             // out, src
+  kMul,              // out, a, b (broadcast): per-KV-head scale folds (fp8serve/layers/attention.py)
+  kDiv,              // out, a, b (broadcast)
 };
 
 struct KindInfo {
@@ -60,6 +64,8 @@ constexpr KindInfo kKinds[] = {
     {"reshape_and_cache", Kind::kCache, 5, 5, 1, 2},
     {"embedding", Kind::kEmbedding, 3, 3, 0, 0},
     {"copy", Kind::kCopy, 2, 2, 0, 0},
+    {"mul", Kind::kMul, 3, 3, 0, 0},
+    {"div", Kind::kDiv, 3, 3, 0, 0},
 };
 
 using OptTensor = std::optional<at::Tensor>;
@@ -170,6 +176,8 @@ class DecodePlan : public torch::CustomClassHolder {
           break;
         case Kind::kEmbedding: at::index_select_out(t[0], t[1], 0, t[2]); break;
         case Kind::kCopy: t[0].copy_(t[1]); break;
+        case Kind::kMul: at::mul_out(t[0], t[1], t[2]); break;
+        case Kind::kDiv: at::div_out(t[0], t[1], t[2]); break;
       }
     }
     return output_;
