@@ -119,6 +119,8 @@ def evaluate(model, chunks, configs, *, dtype="float32", device="auto", kv_cache
     with tempfile.TemporaryDirectory(prefix="fp8serve-eval-kv-", dir=tmp_dir) as tmp:
         llm = build_llm(model, kv_cache_dtype="auto", **build)
         ref_kv = llm.llm_engine.model_runner.kv_cache_spec.kv_cache_dtype
+        # What ran: None where -q named the checkpoint's own method (ModelConfig drops it as redundant).
+        quantization = llm.llm_engine.config.model_config.quantization
         vocab = llm.llm_engine.config.model_config.arch.vocab_size
         ref_logits = np.lib.format.open_memmap(Path(tmp) / "ref.npy", mode="w+", dtype=np.float32,
                                                shape=(offsets[-1], vocab))
@@ -268,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        weights = f" (--quantization {args.quantization})" if args.quantization else ""
+        ran = doc["reference"].get("quantization")
+        weights = f" (--quantization {ran})" if ran else ""
         write_plot(doc, args.plot, f"{Path(model).name}{weights}: FP8 KV cache vs "
                                    f"{doc['reference']['kv_cache_dtype']} KV "
                                    f"({doc['reference']['num_predicted_tokens']} tokens)")

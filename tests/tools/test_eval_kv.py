@@ -153,3 +153,19 @@ def test_quantization_applies_to_the_reference_and_every_configuration(setup, ca
     assert quantized["configs"][0]["kld_mean"] == 0.0 and quantized["configs"][1]["kld_mean"] > 0
     assert "reference: float32 compute, fp8 weights quantized at load, float32 KV cache" in stdout[True]
     assert "reference: float32 compute, float32 KV cache" in stdout[False]
+
+
+def test_a_redundant_quantization_flag_is_not_reported_as_quantized_at_load(setup, capsys, tmp_path):
+    """-q fp8 on a checkpoint that is already FP8 reads its weights as they are (ModelConfig drops the
+    flag as redundant, as vLLM takes it): the JSON and the table must not say "quantized at load"."""
+    from fp8serve.calibration.fp8_checkpoint import write_fp8_checkpoint
+
+    model, text, _, _, _ = setup
+    fp8 = tmp_path / "fp8"
+    write_fp8_checkpoint(model, fp8, activation_scheme="dynamic")
+    out_json = tmp_path / "r.json"
+    assert main(["eval-kv", str(fp8), "--text", str(text), "--seq-len", "64", "--num-tokens", "128",
+                 "--config", "fp8_e5m2", "--json", str(out_json), "-q", "fp8"]) == 0
+    stdout = capsys.readouterr().out
+    assert json.loads(out_json.read_text())["reference"]["quantization"] is None
+    assert "quantized at load" not in stdout and "reference: float32 compute, float32 KV cache" in stdout
