@@ -160,9 +160,10 @@ def max_model_len_of(workload: dict, args) -> int:
     return max(workload["max_model_len"], args.random_prefix_len + workload["input_len"] + workload["output_len"])
 
 
-def parse_configs(text: str) -> list[tuple[str, str]]:
-    """(model, KV dtype) of each comma-separated MODEL@KVDTYPE, checked before any server starts."""
-    from fp8serve.config import read_hf_config
+def parse_configs(text: str, quantization: str | None = None) -> list[tuple[str, str]]:
+    """(model, KV dtype) of each comma-separated MODEL@KVDTYPE, checked before any server starts;
+    `quantization` (-q, passed to every server) against each checkpoint's own quantization_config."""
+    from fp8serve.config import _quantization_flag, read_hf_config
 
     specs = [spec.strip() for spec in text.split(",") if spec.strip()]
     if not specs:
@@ -179,7 +180,9 @@ def parse_configs(text: str) -> list[tuple[str, str]]:
                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
         if model != "default":
             try:
-                read_hf_config(model)
+                hf_config, cfg_path = read_hf_config(model)
+                if quantization is not None:
+                    _quantization_flag(quantization, hf_config.get("quantization_config"), cfg_path)
             except UserError as e:
                 raise UserError(f"--configs entry {spec!r}: {e}") from None
         configs.append((model, kv_dtype))
@@ -370,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         raise UserError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
     # Everything that can be checked is, before the first server starts (each takes a while).
-    configs = parse_configs(args.configs)
+    configs = parse_configs(args.configs, args.quantization)
     check_server_flags(workload, args)
     out_dir = Path(args.out_dir)
     check_out_dir(out_dir)

@@ -273,9 +273,21 @@ def generate_all(configs: list[RunConfig], prompts: list[str], *, max_tokens: in
     return summaries, pieces
 
 
+def check_models(configs: list[RunConfig]) -> None:
+    """Every MODEL's config.json, and each q= against the checkpoint's own quantization_config (as the
+    engine checks it), before the first configuration runs: a late one would fail after minutes."""
+    from fp8serve.config import _quantization_flag, read_hf_config
+
+    for c in configs:
+        hf_config, cfg_path = read_hf_config(c.model)
+        if c.quantization is not None:
+            _quantization_flag(c.quantization, hf_config.get("quantization_config"), cfg_path)
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     configs = parse_run_configs(args.models, args.kv_cache_dtype, args.quantization_param_path, args.quantization)
+    check_models(configs)
     prompts = args.prompt or EXAMPLE_PROMPTS
     summaries, pieces = generate_all(configs, prompts, max_tokens=args.max_tokens, chat=not args.no_chat,
                                      dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,

@@ -211,3 +211,16 @@ def test_sweep_table_names_the_model_when_rows_span_several():
     assert "| llama-fp8 | float32 | fp8_e4m3 | 8 | 1.0 | 2.0 | 3.0 | 20.0 | 2.00x |" in table
     single = format_table([{**row, "model": "default"}, {**row, "model": "default"}])
     assert single.splitlines()[0].startswith("| Model dtype |")
+
+
+def test_sweep_checks_quantization_against_each_checkpoint_before_starting_a_server(tmp_path, capsys):
+    """-q fp8 goes to every server; a checkpoint quantized by another method refuses it at start-up,
+    minutes into a sweep. Found before the first server instead, naming the entry."""
+    from checkpoints import set_quantization_config
+    from kv_scale_checkpoints import COMPRESSED_TENSORS_KV_ONLY
+
+    model = write_tiny_llama(tmp_path / "ct")
+    set_quantization_config(model, COMPRESSED_TENSORS_KV_ONLY)
+    code, err = _sweep(capsys, tmp_path, "--configs", f"default@fp8,{model}@fp8", "-q", "fp8")
+    assert code == 2 and err.startswith(f"error: --configs entry '{model}@fp8': --quantization fp8 does not match "
+                                        "the checkpoint")

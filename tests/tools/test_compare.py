@@ -108,12 +108,20 @@ def test_compare_table(models, tmp_path, capsys):
 
 def test_arguments_are_checked_before_any_model_loads(models, tmp_path, capsys, monkeypatch):
     """--max-tokens 0 (the message lacked the flag), an --out under a file (a traceback after the whole
-    run), and --kv-cache-dtype with every MODEL@SPEC (ignored without a word)."""
+    run), --kv-cache-dtype with every MODEL@SPEC (ignored without a word), and a later MODEL that cannot
+    run as specified (found only when its turn came)."""
     import fp8serve
+
+    from checkpoints import set_quantization_config
+    from kv_scale_checkpoints import COMPRESSED_TENSORS_KV_ONLY, copy_checkpoint, quantize_to_fp8_checkpoint
 
     a, _ = models
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    fp8_dir = tmp_path / "fp8"  # q=fp8 on it is redundant, not an error
+    quantize_to_fp8_checkpoint(a, fp8_dir)
+    ct_dir = copy_checkpoint(a, tmp_path / "ct")
+    set_quantization_config(ct_dir, COMPRESSED_TENSORS_KV_ONLY)
     monkeypatch.setattr(fp8serve, "LLM", lambda *args, **kw: pytest.fail("must not load a model"))
     cases = [
         ([f"{a}@auto", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
@@ -125,6 +133,10 @@ def test_arguments_are_checked_before_any_model_loads(models, tmp_path, capsys, 
         ([f"{a}@auto", "-q", "fp8"], "--quantization applies to MODELs given without @SPEC, and every MODEL has one; "
                                      "put it in the SPEC (MODEL@auto:q=fp8)"),
         ([f"{a}@auto:q=awq"], f"'{a}@auto:q=awq': quantization 'awq' is not one of fp8"),
+        # A later MODEL that is missing, or quantized otherwise than its q= says, fails before #1 runs.
+        ([f"{a}@auto", f"{tmp_path / 'nowhere'}@auto"], f"model path '{tmp_path / 'nowhere'}' does not exist"),
+        ([f"{a}@auto", f"{fp8_dir}@auto:q=fp8", f"{ct_dir}@auto:q=fp8"],
+         "--quantization fp8 does not match the checkpoint"),
     ]
     for argv, words in cases:
         assert main(["compare", *argv]) == 2
