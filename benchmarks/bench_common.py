@@ -351,6 +351,40 @@ def time_greedy_decode(engine, prompts: list[list[int]], steps: int,
     return statistics.median(times), [tokens[i] for i in ids]
 
 
+def add_side_by_side_args(parser, batch_sizes: str) -> None:
+    """The decode-timing flags of the scripts that run `decode_side_by_side`."""
+    parser.add_argument("--batch-sizes", default=batch_sizes)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per generation")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, help="also write the report (markdown) here")
+
+
+def parse_side_by_side_args(parser, argv: list[str] | None):
+    """(args, batch sizes) with add_side_by_side_args' flags checked."""
+    args = parser.parse_args(argv)
+    require_positive(parser, args, "prompt_len", "steps", "rounds")
+    return args, parse_sizes(parser, "--batch-sizes", args.batch_sizes)
+
+
+def decode_side_by_side(engines: dict, prompts: dict[int, list[list[int]]], steps: int,
+                        rounds: int) -> tuple[dict[int, dict[str, float]], dict[tuple[str, int], list]]:
+    """Each engine's greedy decode step time per batch size, the engines alternating (`alternate`):
+    ({batch: {engine name: median seconds}}, {(engine name, batch): each request's tokens})."""
+    tokens: dict[tuple[str, int], list] = {}
+
+    def measure(name, b):
+        def run():
+            step_s, toks = time_greedy_decode(engines[name], prompts[b], steps)
+            tokens[(name, b)] = toks
+            return step_s
+        return run
+
+    step = {b: alternate({name: measure(name, b) for name in engines}, rounds) for b in prompts}
+    return step, tokens
+
+
 def token_source(engine, kind: str):
     """draw(n, rng): n prompt tokens. "text": a window of the built-in calibration text (English
     prose, dialogue, lists, code), so greedy continuations are not the near-ties of random ids;

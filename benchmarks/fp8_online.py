@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import (alternate, command_line, describe_machine, machine_info, record_as_a_warm_engine,
-                          require_positive, time_greedy_decode, token_source)
+from bench_common import (add_side_by_side_args, command_line, decode_side_by_side, describe_machine,
+                          emit_table, machine_info, parse_side_by_side_args, record_as_a_warm_engine, token_source)
 from single_stream import fp8_checkpoint
 
 
@@ -34,20 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the FP8 checkpoint of --model (default: written once into FP8SERVE_CACHE_DIR/bench/)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=32, help="decode steps per generation")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", type=Path, help="also write the report (markdown) here")
-    args = p.parse_args(argv)
-    require_positive(p, args, "prompt_len", "steps", "rounds")
-    try:
-        batches = [int(x) for x in args.batch_sizes.split(",")]
-    except ValueError:
-        p.error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
-    if not batches or min(batches) < 1:
-        p.error(f"--batch-sizes: expected sizes >= 1, got {args.batch_sizes!r}")
+    add_side_by_side_args(p, batch_sizes="1,16")
+    args, batches = parse_side_by_side_args(p, argv)
 
     from fp8serve.default_model import ensure_default_model
     from fp8serve.engine.llm_engine import LLMEngine
@@ -69,16 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     draw = token_source(engines["16-bit weights"], "text")
     prompts = {b: [draw(args.prompt_len, rng) for _ in range(b)] for b in batches}
-    tokens: dict[tuple[str, int], list] = {}
-
-    def measure(name, b):
-        def run():
-            step_s, toks = time_greedy_decode(engines[name], prompts[b], args.steps)
-            tokens[(name, b)] = toks
-            return step_s
-        return run
-
-    step = {b: alternate({name: measure(name, b) for name in engines}, args.rounds) for b in batches}
+    step, tokens = decode_side_by_side(engines, prompts, args.steps, args.rounds)
 
     lines = [f"# --quantization fp8 against the FP8 checkpoint and 16-bit weights", "",
              f"command: {command_line(argv)}", *describe_machine(machine_info()),
@@ -100,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"- batch {b}: --quantization fp8 / FP8 checkpoint step time "
                      f"{step[b]['--quantization fp8'] / step[b]['FP8 checkpoint']:.3f}x; 16-bit / --quantization "
                      f"fp8 {base / step[b]['--quantization fp8']:.2f}x; the two FP8 runs' tokens identical: {same}")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        args.output.write_text(text)
+    emit_table(lines, args.output)
     return 0
 
 

@@ -26,8 +26,8 @@ import random
 import sys
 from pathlib import Path
 
-from bench_common import (alternate, command_line, describe_machine, machine_info, parse_sizes,
-                          record_as_a_warm_engine, require_positive, time_greedy_decode, token_source)
+from bench_common import (add_side_by_side_args, command_line, decode_side_by_side, describe_machine,
+                          emit_table, machine_info, parse_side_by_side_args, record_as_a_warm_engine, token_source)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,15 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-layer", required=True, type=Path, help="checkpoint with one K and V scale per layer")
     p.add_argument("--per-head", required=True, type=Path, help="the same weights with per-KV-head scales")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--batch-sizes", default="1,16,64")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=32, help="decode steps per generation")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", type=Path, help="also write the report (markdown) here")
-    args = p.parse_args(argv)
-    require_positive(p, args, "prompt_len", "steps", "rounds")
-    batches = parse_sizes(p, "--batch-sizes", args.batch_sizes)
+    add_side_by_side_args(p, batch_sizes="1,16,64")
+    args, batches = parse_side_by_side_args(p, argv)
 
     from fp8serve.engine.llm_engine import LLMEngine
 
@@ -63,16 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     draw = token_source(engines["per layer"], "text")
     prompts = {b: [draw(args.prompt_len, rng) for _ in range(b)] for b in batches}
-    tokens: dict[tuple[str, int], list] = {}
-
-    def measure(name, b):
-        def run():
-            step_s, toks = time_greedy_decode(engines[name], prompts[b], args.steps)
-            tokens[(name, b)] = toks
-            return step_s
-        return run
-
-    step = {b: alternate({name: measure(name, b) for name in engines}, args.rounds) for b in batches}
+    step, tokens = decode_side_by_side(engines, prompts, args.steps, args.rounds)
 
     mc = engines["per layer"].config.model_config
     lines = ["# Per-KV-head KV scales against per-layer scales: decode step time", "",
@@ -91,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         a, h = tokens[("per layer", b)], tokens[("per KV head", b)]
         same = sum(x == y for x, y in zip(a, h))
         lines.append(f"- batch {b}: {same} of {len(a)} requests' greedy tokens identical between the two")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        args.output.write_text(text)
+    emit_table(lines, args.output)
     return 0
 
 
