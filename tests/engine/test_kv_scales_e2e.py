@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from checkpoints import add_tensors, set_quantization_config, write_tiny_llama, write_tiny_mixtral
+from checkpoints import add_tensors, read_config, set_quantization_config, write_tiny_llama, write_tiny_mixtral
 from kv_scale_checkpoints import (
     COMPRESSED_TENSORS_KV_ONLY,
     KV_SCALE_FAMILIES,
@@ -262,12 +262,15 @@ def test_fp8_kv_cache_on_cuda_matches_cpu(family_checkpoints, arch):
     assert fp8_vs_float32 > 10 * gpu_vs_cpu
 
 
-def test_per_head_scales_reach_every_layer_and_generate(base_checkpoints, tmp_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_head_scales_reach_every_layer_and_generate(base_checkpoints, tmp_path, arch):
     """compressed-tensors' strategy attn_head: each layer holds its heads' scales (k_scale/v_scale
     their max), and generation runs (decode captures included) with them."""
-    k = [[0.01 * (i + 1), 0.05 * (i + 1)] for i in range(3)]  # 3 layers x 2 KV heads
-    v = [[0.2 + i / 8, 0.03] for i in range(3)]
-    d = copy_checkpoint(base_checkpoints["llama"], tmp_path / "per-head")
+    config = read_config(base_checkpoints[arch])
+    layers, heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    k = [[0.01 * (i + 1) * (h + 1) for h in range(heads)] for i in range(layers)]
+    v = [[0.2 + i / 8 - 0.05 * h for h in range(heads)] for i in range(layers)]
+    d = copy_checkpoint(base_checkpoints[arch], tmp_path / "per-head")
     add_per_head_kv_scales(d, k, v)
     llm = build(d, "fp8")
     for i, a in enumerate(llm.llm_engine.model_runner.attn_layers):
