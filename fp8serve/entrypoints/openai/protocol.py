@@ -199,14 +199,18 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
 
     def check_max_tokens(self) -> None:
-        """Each field that is set at least 1, as vLLM's SamplingParams (OpenAI's minimum too)."""
-        for name in ("max_completion_tokens", "max_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InvalidParameterError(f"{name} must be at least 1, got {value}.", name)
+        """The field that counts (max_completion_tokens when sent: vLLM ignores the deprecated
+        max_tokens then) at least 1, as vLLM's SamplingParams (OpenAI's minimum too)."""
+        name = self.max_tokens_field()
+        value = getattr(self, name)
+        if value is not None and value < 1:
+            raise InvalidParameterError(f"{name} must be at least 1, got {value}.", name)
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return getattr(self, self.max_tokens_field())
 
     def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.tool_choice not in (None, "none"):

@@ -41,7 +41,7 @@ class ChatServer:
         check_prompt(ids, mc.arch.vocab_size, mc.max_model_len, param="messages")
         defaults = mc.default_sampling_params
         budget = resolve_max_tokens(request.requested_max_tokens(), len(ids), mc.max_model_len, prompt_param="messages",
-                                    cap=defaults.get("max_tokens"))
+                                    cap=defaults.get("max_tokens"), budget_param=request.max_tokens_field())
         try:
             return ids, request.to_sampling_params(budget, defaults)
         except ValueError as e:

@@ -45,12 +45,13 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, para
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       prompt_param: str = "prompt", cap: int | None = None) -> int:
+                       prompt_param: str = "prompt", cap: int | None = None, budget_param: str = "max_tokens") -> int:
     """The output budget; None means "up to the context length". `requested` was
     checked by the request (check_max_tokens): at least 1, or 0 for a prompt-only
     completion, which is served by generating one hidden token.
     `prompt_param`: the field a prompt that leaves no room is blamed on.
-    `cap`: the generation config's max_new_tokens, which bounds every budget (vLLM's get_max_tokens)."""
+    `cap`: the generation config's max_new_tokens, which bounds every budget (vLLM's get_max_tokens).
+    `budget_param`: the request's field `requested` came from (chat: max_completion_tokens when sent)."""
     if requested is None:
         budget = max_model_len - num_prompt_tokens
         if budget < 1:
@@ -62,7 +63,7 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in the "
-            f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+            f"completion). Please reduce the prompt or {budget_param}.", param=budget_param)
     return requested if cap is None else min(requested, cap)
 
 

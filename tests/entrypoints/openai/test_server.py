@@ -866,3 +866,15 @@ def test_drain_timeout_aborts_requests_and_ends_every_response(model_dir):
         if r.status_code == 200:
             reasons.append(r.json()["choices"][0]["finish_reason"])
     assert set(reasons) <= {"length", "abort"} and reasons.count("abort") >= 60, reasons
+
+
+def test_chat_max_completion_tokens_wins_over_the_deprecated_max_tokens(server, client):
+    """As vLLM: with max_completion_tokens sent, max_tokens (deprecated) is not used, so a stale
+    max_tokens 0 next to it is no error; the over-context error names the field that was sent."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    r = _post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": 2, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    for field in ("max_completion_tokens", "max_tokens"):
+        _assert_error(_post(server, "/v1/chat/completions", {**chat, field: MAX_MODEL_LEN}), 400,
+                      f"Please reduce the prompt or {field}.", param=field)
