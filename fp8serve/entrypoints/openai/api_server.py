@@ -225,7 +225,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
                 return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
             ids = await state.off_loop(token_ids)
-            return {"count": len(ids), "max_model_len": engine.config.model_config.max_model_len, "tokens": ids}
+            # vLLM's response: token_strs null unless asked for.
+            strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            return {"count": len(ids), "max_model_len": engine.config.model_config.max_model_len, "tokens": ids,
+                    "token_strs": strs}
         except Exception as e:  # noqa: BLE001
             return _from_exception(e)
 

@@ -233,6 +233,8 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # vLLM's: also return each token's string (the tokenizer's own pieces, e.g. "ĠHello").
+    return_token_strs: bool = False
     # With messages, as in a chat request (vLLM's tokenize takes both).
     chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None

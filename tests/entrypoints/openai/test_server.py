@@ -454,7 +454,12 @@ def test_models_tokenize_detokenize(server, client, llm):
     assert [m.id for m in client.models.list().data] == [MODEL]
     tok = _post(server, "/tokenize", {"model": MODEL, "prompt": "Hello there"}).json()
     assert tok["tokens"] == llm.get_tokenizer().encode("Hello there") and tok["count"] == len(tok["tokens"])
-    assert tok["max_model_len"] == MAX_MODEL_LEN
+    assert tok["max_model_len"] == MAX_MODEL_LEN and tok["token_strs"] is None
+    # vLLM's return_token_strs: the tokenizer's pieces, one per id.
+    strs = _post(server, "/tokenize", {"model": MODEL, "prompt": "Hello there", "return_token_strs": True}).json()
+    assert strs["tokens"] == tok["tokens"]
+    assert strs["token_strs"] == llm.get_tokenizer().convert_ids_to_tokens(tok["tokens"])
+    assert len(strs["token_strs"]) == len(tok["tokens"]) > 1
     assert _post(server, "/detokenize", {"model": MODEL, "tokens": tok["tokens"]}).json()["prompt"] == "Hello there"
     # Chat messages through the model's chat template, as a chat request renders them.
     messages = [{"role": "user", "content": "Hello there"}]
