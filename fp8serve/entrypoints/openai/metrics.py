@@ -196,6 +196,7 @@ class ServerMetrics:
                 num_generated, max_tokens = 0, 0
                 reason = "length" if reason == "stop" else reason
             self.request_success[reason].inc()
+            self.e2e.observe(r.e2e_latency)  # aborted ones too, as vLLM
             self.request_prompt_tokens.observe(r.num_prompt_tokens)
             self.request_generation_tokens.observe(num_generated)
             if max_tokens is not None:

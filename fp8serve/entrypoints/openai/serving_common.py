@@ -84,17 +84,18 @@ def stream_safe_len(text: str, stop: list[str], include_stop_str: bool) -> int:
 
 @dataclass
 class RequestTimer:
-    """Feeds TTFT, inter-token latency and E2E latency into the histograms,
-    per sample as vLLM does (each sample of an n > 1 request is a request of
-    its own in vLLM's engine): a sample's first token is one TTFT, the gaps
-    between its later tokens are ITLs (tokens that arrive together, kept
-    drafts of speculative decoding, share the gap), its finish is one E2E."""
+    """Feeds TTFT and inter-token latency into the histograms, per sample as
+    vLLM does (each sample of an n > 1 request is a request of its own in
+    vLLM's engine): a sample's first token is one TTFT, the gaps between its
+    later tokens are ITLs (tokens that arrive together, kept drafts of
+    speculative decoding, share the gap). E2E latency comes from the engine's
+    finished-request stats (ServerMetrics.record), which aborted requests
+    reach too; no output reaches a client that went away."""
 
     metrics: ServerMetrics
     start: float = field(default_factory=time.monotonic)
     last: dict[int, float] = field(default_factory=dict)  # by sample index: when its newest tokens came
     num_tokens: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
 
     def on_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -110,9 +111,6 @@ class RequestTimer:
                     for _ in range(new):
                         self.metrics.itl.observe(gap)
                 self.last[i], self.num_tokens[i] = now, len(sample.token_ids)
-            if sample.finish_reason is not None and i not in self.finished:
-                self.finished.add(i)
-                self.metrics.e2e.observe(now - self.start)
 
 
 def prompt_logprobs_json(token_ids: list[int], per_position: list | None, tokenizer) -> list[dict | None]:

@@ -711,6 +711,9 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
     reasons = {r: end[k] - start[k] for r in ("abort", "length", "stop")
                for k in [f'fp8serve:request_success_total{{finished_reason="{r}",model_name="{MODEL}"}}']}
     assert reasons["abort"] >= 1 and sum(reasons.values()) == 9, reasons
+    # E2E latency too (vLLM's): before, only requests whose finish reached the client were observed.
+    e2e = f'fp8serve:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}'
+    assert end[e2e] - start[e2e] == 9
 
 
 def test_disconnect_non_streaming_aborts(server):
