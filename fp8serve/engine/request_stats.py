@@ -67,6 +67,9 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     # `n` of each request whose last sample finished (vLLM's request_params_n).
     finished_params_n: list[int] = field(default_factory=list)
+    # (request id, the most tokens any of its samples generated) of the same requests
+    # (vLLM's request_max_num_generation_tokens).
+    finished_max_generation_tokens: list[tuple[str, int]] = field(default_factory=list)
 
     def record_finish(self, seq: Sequence, now: float | None = None) -> None:
         self.finished_requests.append(FinishedRequestStats.from_sequence(seq, time.monotonic() if now is None
@@ -74,8 +77,11 @@ class IterationStats:
         parent = seq.parent
         if parent is None:
             self.finished_params_n.append(1)
+            self.finished_max_generation_tokens.append((seq.request_id, len(seq.output_token_ids)))
         elif parent.is_finished:
             self.finished_params_n.append(len(parent.children))
+            self.finished_max_generation_tokens.append(
+                (parent.request_id, max(len(c.output_token_ids) for c in parent.children)))
 
 
 StatLogger = Callable[[IterationStats], None]

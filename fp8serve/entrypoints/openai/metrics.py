@@ -140,6 +140,9 @@ class ServerMetrics:
         self.request_params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of finished "
                                                    "requests that set it.", buckets_1_2_5(max_len))
         self.request_params_n = histogram("request_params_n", "The n of finished requests.", _N_BUCKETS)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "The most tokens any sample of a finished request generated.",
+            buckets_1_2_5(max_len))
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                     _REQUEST_TIME_BUCKETS)
         self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
@@ -209,6 +212,10 @@ class ServerMetrics:
                 self.time_per_output_token.observe(r.decode_time / (num_generated - 1))
         for n in stats.finished_params_n:
             self.request_params_n.observe(n)
+        for request_id, most in stats.finished_max_generation_tokens:
+            with self._prompt_only_lock:
+                prompt_only = request_id in self.prompt_only_ids
+            self.request_max_num_generation_tokens.observe(0 if prompt_only else most)
         self.generation_tokens.inc(stats.num_generation_tokens - num_hidden_tokens)
 
     def render(self) -> bytes:

@@ -597,6 +597,9 @@ def test_metrics_of_finished_requests(server, client, llm):
     assert delta(series("request_generation_tokens_sum")) == 4 + 3 + 3 + 1
     assert delta(series("request_params_max_tokens_sum")) == 4 + 3 + 3 + 10
     assert (delta(series("request_params_n_count")), delta(series("request_params_n_sum"))) == (3, 4)
+    # vLLM's request_max_num_generation_tokens: per request, its longest sample (b: max(3, 3)).
+    assert (delta(series("request_max_num_generation_tokens_count")),
+            delta(series("request_max_num_generation_tokens_sum"))) == (3, 4 + 3 + 1)
     for phase in ("queue", "prefill", "decode", "inference"):
         assert delta(series(f"request_{phase}_time_seconds_count")) == 4, phase
     assert delta(series("request_time_per_output_token_seconds_count")) == 3  # c has one token: no gap
@@ -665,6 +668,8 @@ def test_max_tokens_zero_is_refused_unless_echo_and_never_counted(server, client
     assert delta(_series("request_generation_tokens_sum")) == 0
     assert delta(_series("request_generation_tokens_count")) == 3
     assert delta(_series("request_params_max_tokens_sum")) == 0
+    assert delta(_series("request_max_num_generation_tokens_sum")) == 0  # the hidden token is no output
+    assert delta(_series("request_max_num_generation_tokens_count")) == 2  # the n = 2 request is one
     assert delta(_series("request_success_total", finished_reason="length")) == 3  # as the responses say
     assert delta(_series("prompt_tokens_total")) == 3 * r.usage.prompt_tokens
     # A request with output afterwards counts its tokens as before.
