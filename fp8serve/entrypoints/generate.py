@@ -75,11 +75,28 @@ def check_tokenizer(args: argparse.Namespace) -> None:
                         "prompts with: pass --tokenizer DIR, a local directory holding them")
 
 
+def check_chat_template(args: argparse.Namespace) -> None:
+    """--chat needs the tokenizer's chat template: a tokenizer without one is refused before the
+    weights load (loading the tokenizer alone takes well under a second)."""
+    from fp8serve.engine.tokenizer import has_tokenizer_files, load_tokenizer
+    from fp8serve.errors import UserError
+
+    if not args.chat or args.model is None:
+        return  # the built-in model has a template
+    source = args.tokenizer if args.tokenizer is not None else args.model
+    if not has_tokenizer_files(source):
+        return  # check_tokenizer and ModelConfig name what is missing
+    if load_tokenizer(source).chat_template is None:
+        flag = f"--tokenizer {source}" if args.tokenizer is not None else source
+        raise UserError(f"{flag} has no chat template for --chat: drop --chat to send the prompts as they are")
+
+
 def run(args: argparse.Namespace) -> int:
     from fp8serve import LLM
 
     sampling_params(args, {})  # a bad flag is refused before the model loads
     check_tokenizer(args)
+    check_chat_template(args)
     llm = LLM(args.model, **engine_kwargs(args))
     params = sampling_params(args, llm.llm_engine.config.model_config.default_sampling_params)
     prompts = args.prompt or DEFAULT_PROMPTS

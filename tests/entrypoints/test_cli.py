@@ -320,3 +320,22 @@ def test_generate_with_the_tokenizer_flag_on_a_file_says_so(model_dir, tmp_path,
     assert rc == 2
     line = error_line(err)
     assert f"--tokenizer '{tok_file}': is a file, not a directory" in line and "no such directory" not in line, line
+
+
+def test_generate_chat_without_a_chat_template_is_refused_before_loading(model_dir, tmp_path, capsys,
+                                                                          no_model_loads):
+    """--chat with a tokenizer that has no chat template: found after the weights loaded, before."""
+    import json
+    import shutil
+
+    d = tmp_path / "no-template"
+    shutil.copytree(model_dir, d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    assert config.pop("chat_template", None) is not None  # else this test shows nothing
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    rc, _, err = run_main(["generate", "--model", str(d), *LIGHT, "--chat", "--prompt", "hi"], capsys)
+    assert rc == 2 and f"{d} has no chat template for --chat" in error_line(err)
+    # The template comes from --tokenizer: a model directory with one does not help.
+    rc, _, err = run_main(["generate", "--model", model_dir, "--tokenizer", str(d), *LIGHT, "--chat",
+                           "--prompt", "hi"], capsys)
+    assert rc == 2 and f"--tokenizer {d} has no chat template for --chat" in error_line(err)
