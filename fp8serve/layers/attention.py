@@ -71,19 +71,20 @@ class Attention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         self._k_query_scales = self.k_head_scales.repeat_interleave(group, dim=0)
         self._v_query_scales = self.v_head_scales.repeat_interleave(group, dim=0)
-        self._fold_factors: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+        self._fold_factors: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, ...]] = {}
 
-    def _factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """The per-head factors in the activations' dtype (one native op per tensor, no
-        float32 round trips), held as non-persistent buffers: decode and prefill captures
-        replay only tensors that are inputs or model state."""
-        factors = self._fold_factors.get(dtype)
+    def _factors(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The per-head factors in the activations' dtype and on their device (one native op
+        per tensor, no float32 round trips), held as non-persistent buffers: decode and
+        prefill captures replay only tensors that are inputs or model state."""
+        dtype = like.dtype
+        factors = self._fold_factors.get((dtype, like.device))
         if factors is None:
-            factors = tuple(t.to(dtype) for t in (self.k_head_scales, self.v_head_scales,
-                                                  self._k_query_scales, self._v_query_scales))
+            factors = tuple(t.to(device=like.device, dtype=dtype) for t in (
+                self.k_head_scales, self.v_head_scales, self._k_query_scales, self._v_query_scales))
             for i, t in enumerate(factors):
                 self.register_buffer(f"_kv_fold_{str(dtype).removeprefix('torch.')}_{i}", t, persistent=False)
-            self._fold_factors[dtype] = factors
+            self._fold_factors[(dtype, like.device)] = factors
         return factors
 
     def scales_key(self) -> tuple:
@@ -135,7 +136,7 @@ class Attention(nn.Module):
         (q . (k / s) * s = q . k), each output head by its v scale. Every kernel, fused
         decode, prefill and cached-prefix path reads the same codes the same way.
         Costs four elementwise ops per layer (benchmarks/per_head_kv_scales.py)."""
-        k_heads, v_heads, k_queries, v_queries = self._factors(q.dtype)
+        k_heads, v_heads, k_queries, v_queries = self._factors(q)
         k, v, q = torch.div(k, k_heads), torch.div(v, v_heads), torch.mul(q, k_queries)
         out = self.backend.forward(q, k, v, self.kv_cache, metadata, softmax_scale=self.softmax_scale,
                                    k_scale=1.0, v_scale=1.0, logits_indices=logits_indices)
