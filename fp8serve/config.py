@@ -277,7 +277,7 @@ def _tokenizer_dir(tokenizer) -> str:
     return str(path)
 
 
-def _quantization_flag(quantization: str, hf_quant_config: dict | None, cfg_path: Path) -> str | None:
+def check_quantization_flag(quantization: str, hf_quant_config: dict | None, cfg_path: Path) -> str | None:
     """--quantization checked against the checkpoint's own quantization_config, as vLLM checks it, so that a
     command line means the same in both engines: a checkpoint that declares a method is read by that method,
     a flag naming another is refused, one naming the same is redundant. The result keeps the field's
@@ -345,7 +345,7 @@ class ModelConfig:
         self.hf_config, cfg_path = read_hf_config(self.model)
         self.arch = ModelArchConfig.from_dict(self.hf_config, cfg_path)
         if self.quantization is not None:
-            self.quantization = _quantization_flag(self.quantization, self.arch.quantization_config, cfg_path)
+            self.quantization = check_quantization_flag(self.quantization, self.arch.quantization_config, cfg_path)
         from fp8serve.engine.generation_defaults import default_sampling_params
 
         self.default_sampling_params = default_sampling_params(self.model, self.generation_config,

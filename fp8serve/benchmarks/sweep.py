@@ -163,7 +163,7 @@ def max_model_len_of(workload: dict, args) -> int:
 def parse_configs(text: str, quantization: str | None = None) -> list[tuple[str, str]]:
     """(model, KV dtype) of each comma-separated MODEL@KVDTYPE, checked before any server starts;
     `quantization` (-q, passed to every server) against each checkpoint's own quantization_config."""
-    from fp8serve.config import _quantization_flag, read_hf_config
+    from fp8serve.config import check_quantization_flag, read_hf_config
 
     specs = [spec.strip() for spec in text.split(",") if spec.strip()]
     if not specs:
@@ -182,7 +182,7 @@ def parse_configs(text: str, quantization: str | None = None) -> list[tuple[str,
             try:
                 hf_config, cfg_path = read_hf_config(model)
                 if quantization is not None:
-                    _quantization_flag(quantization, hf_config.get("quantization_config"), cfg_path)
+                    check_quantization_flag(quantization, hf_config.get("quantization_config"), cfg_path)
             except UserError as e:
                 raise UserError(f"--configs entry {spec!r}: {e}") from None
         configs.append((model, kv_dtype))

@@ -23,7 +23,7 @@ def get_quantization_config(hf_quant_config: dict | None, model_dir: str,
     `checkpoint_modules`: the model's checkpoint modules of one of its layers
     (WeightsMapper.checkpoint_modules), for configs that name checkpoint modules.
     `quantization` is checked by ModelConfig, which leaves it set only for a
-    checkpoint without a quantization_config (config._quantization_flag)."""
+    checkpoint without a quantization_config (config.check_quantization_flag)."""
     config = _from_checkpoint(hf_quant_config, model_dir, checkpoint_modules)
     if config is None and quantization == "fp8":
         from fp8serve.quantization.fp8_online import Fp8OnlineConfig, checkpoint_weight_dtype

@@ -276,12 +276,12 @@ def generate_all(configs: list[RunConfig], prompts: list[str], *, max_tokens: in
 def check_models(configs: list[RunConfig]) -> None:
     """Every MODEL's config.json, and each q= against the checkpoint's own quantization_config (as the
     engine checks it), before the first configuration runs: a late one would fail after minutes."""
-    from fp8serve.config import _quantization_flag, read_hf_config
+    from fp8serve.config import check_quantization_flag, read_hf_config
 
     for c in configs:
         hf_config, cfg_path = read_hf_config(c.model)
         if c.quantization is not None:
-            _quantization_flag(c.quantization, hf_config.get("quantization_config"), cfg_path)
+            check_quantization_flag(c.quantization, hf_config.get("quantization_config"), cfg_path)
 
 
 def run(args: argparse.Namespace) -> int:

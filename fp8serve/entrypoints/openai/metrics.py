@@ -183,6 +183,10 @@ class ServerMetrics:
             with self._prompt_only_lock:
                 self.prompt_only_ids.difference_update(request_ids)
 
+    def _is_prompt_only(self, request_id: str) -> bool:
+        with self._prompt_only_lock:
+            return request_id in self.prompt_only_ids
+
     def record(self, stats: IterationStats) -> None:
         """The engine's report of one step (or abort); runs on the engine thread
         (prometheus_client's metrics take their own locks)."""
@@ -190,8 +194,7 @@ class ServerMetrics:
             self.iteration_tokens.observe(stats.num_batched_tokens)
         num_hidden_tokens = 0
         for r in stats.finished_requests:
-            with self._prompt_only_lock:
-                prompt_only = r.request_id in self.prompt_only_ids
+            prompt_only = self._is_prompt_only(r.request_id)
             num_generated, max_tokens, reason = r.num_generation_tokens, r.max_tokens_param, r.finish_reason
             if prompt_only:
                 # Its one token was sampled in the step that finished it: in this report's count.
@@ -213,9 +216,7 @@ class ServerMetrics:
         for n in stats.finished_params_n:
             self.request_params_n.observe(n)
         for request_id, most in stats.finished_max_generation_tokens:
-            with self._prompt_only_lock:
-                prompt_only = request_id in self.prompt_only_ids
-            self.request_max_num_generation_tokens.observe(0 if prompt_only else most)
+            self.request_max_num_generation_tokens.observe(0 if self._is_prompt_only(request_id) else most)
         self.generation_tokens.inc(stats.num_generation_tokens - num_hidden_tokens)
 
     def render(self) -> bytes:
