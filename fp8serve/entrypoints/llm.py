@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from fp8serve.config import EngineConfig
 from fp8serve.engine.llm_engine import LLMEngine, PromptInput
 from fp8serve.engine.tokenizer import check_text
 from fp8serve.entrypoints.chat_utils import conversation_for_template
@@ -26,6 +27,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.llm_engine = LLMEngine.from_args(model, **kwargs)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM on an EngineConfig built beforehand (EngineConfig.create): a caller can check the
+        resolved config (max_model_len, say) before the weights load."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        return llm
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation-config defaults (--generation-config)."""
