@@ -40,6 +40,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    # False: token ids only (output text "", logprobs without decoded tokens), as vLLM's
+    # detokenize=False; the offline benchmarks' --disable-detokenize.
+    detokenize: bool = True
     include_stop_str_in_output: bool = False
     # Added to the logits of these token ids before penalties and sampling (OpenAI's
     # logit_bias; -100 bans a token in practice, +100 all but forces it).
@@ -90,7 +93,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value), name, f"{name} must be a number, got {value!r}.")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"{name} must be True or False, got {value!r}.")
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be an int in [1, {MAX_N}], got {self.n!r}.")
@@ -132,6 +135,10 @@ class SamplingParams:
             _check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
         for s in self.stop:
             _check(isinstance(s, str) and len(s) > 0, "stop", f"stop must contain only non-empty strings, got {s!r}.")
+        # Stop strings are matched in the decoded text (vLLM refuses the pair too).
+        _check(self.detokenize or not self.stop, "stop",
+               f"stop strings need detokenize=True (they are matched in the text), got stop={self.stop!r} with "
+               "detokenize=False.")
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", f"stop_token_ids must be non-negative ints, got {t!r}.")
         for t, bias in (self.logit_bias or {}).items():

@@ -10,7 +10,7 @@ def test_defaults_match_vllm():
     assert p.stop == [] and p.stop_token_ids == []
     assert (p.ignore_eos, p.logprobs, p.prompt_logprobs) == (False, None, None)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
-    assert p.skip_special_tokens and not p.include_stop_str_in_output
+    assert p.skip_special_tokens and not p.include_stop_str_in_output and p.detokenize
     assert not p.is_greedy and not p.has_penalties
 
 
@@ -74,6 +74,8 @@ def test_greedy_forces_filters_off():
         (dict(skip_special_tokens=None), "skip_special_tokens"),
         (dict(ignore_eos="no"), "ignore_eos"),
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+        (dict(detokenize=0), "detokenize"),
+        (dict(detokenize=False, stop=["###"]), "stop"),
         (dict(stop=5), "stop"),
         (dict(stop_token_ids=5), "stop_token_ids"),
         (dict(stop_token_ids="12"), "stop_token_ids"),

@@ -38,6 +38,8 @@ def register(subparsers) -> None:
     g.add_argument("--output-len", type=positive_int, default=128, help="tokens to generate (default 128)")
     g.add_argument("--batch-size", type=positive_int, default=8, help="requests in the batch (default 8)")
     g.add_argument("--n", type=positive_int, default=1, help="samples per request")
+    g.add_argument("--disable-detokenize", action="store_true",
+                   help="token ids only: leave the detokenizer out of the timed run")
     g.add_argument("--num-iters-warmup", type=non_negative_int, default=10,
                    help="untimed iterations first (default 10)")
     g.add_argument("--num-iters", type=positive_int, default=30, help="timed iterations (default 30)")
@@ -54,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM.from_engine_config(config)
     requests = random_requests(random_pool(llm), args.batch_size, args.input_len, args.output_len, seed=args.seed)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len,
+                            detokenize=not args.disable_detokenize)
 
     def run_once() -> float:
         start = time.perf_counter()
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         write_json(args.output_json, {**result, "input_len": args.input_len, "output_len": args.output_len,
                                       "batch_size": args.batch_size, "n": args.n,
+                                      "disable_detokenize": args.disable_detokenize,
                                       "config": describe_run(llm, args)})
     return 0
 

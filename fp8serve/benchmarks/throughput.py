@@ -81,6 +81,8 @@ def register(subparsers) -> None:
     add_engine_args(p)
     add_dataset_args(p)
     p.add_argument("--n", type=positive_int, default=1, help="samples per prompt")
+    p.add_argument("--disable-detokenize", action="store_true",
+                   help="token ids only: leave the detokenizer out of the timed run")
     p.add_argument("--output-json", type=output_json_arg, default=None, metavar="FILE",
                    help="write the results here (vLLM's fields, and the engine's configuration)")
     p.set_defaults(func=run)
@@ -136,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
             logger.warning("--dataset-path %s: %d conversations pass the filter, fewer than --num-prompts %d",
                            args.dataset_path, len(requests), args.num_prompts)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.expected_output_len)
+    params = [SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.expected_output_len,
+                             detokenize=not args.disable_detokenize)
               for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
@@ -144,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     result = summarize(outputs, elapsed)
     print(format_result(result))
     if args.output_json:
-        write_json(args.output_json, {**result, "dataset_name": name, "n": args.n, "config": describe_run(llm, args)})
+        write_json(args.output_json, {**result, "dataset_name": name, "n": args.n,
+                                      "disable_detokenize": args.disable_detokenize, "config": describe_run(llm, args)})
     return 0
 
 

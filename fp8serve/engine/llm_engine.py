@@ -213,7 +213,7 @@ class LLMEngine:
             # One entry per prompt token, as for longer prompts: the first has
             # no logprob, and there is nothing else to compute.
             seq.prompt_logprobs = [None]
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, ids, params)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -386,10 +386,10 @@ class LLMEngine:
                     seq.cumulative_logprob += lps[j]
                     if seq.logprobs is not None:
                         k = seq.sampling_params.logprobs
-                        entry = {token: Logprob(lps[j], ranks[j], self._decode_one(token))}
+                        entry = {token: Logprob(lps[j], ranks[j], self._decode_one(token, seq))}
                         for r, (tid, lp) in enumerate(zip(top_ids[j][:k], top_lps[j][:k]), start=1):
                             if tid not in entry:
-                                entry[tid] = Logprob(lp, r, self._decode_one(tid))
+                                entry[tid] = Logprob(lp, r, self._decode_one(tid, seq))
                         seq.logprobs.append(entry)
                 stop_token = self._stops_on_token(seq, token)
                 # As vLLM: the text of a stop token (EOS, stop_token_ids) is left
@@ -463,8 +463,10 @@ class LLMEngine:
         elif seq.num_tokens >= max_model_len:
             seq.finish_reason = "length"
 
-    def _decode_one(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+    def _decode_one(self, token_id: int, seq: Sequence) -> str | None:
+        if self.tokenizer is None or not seq.sampling_params.detokenize:
+            return None
+        return self.tokenizer.decode([token_id])
 
     def _finish_prompt_logprobs(self, seq: Sequence) -> None:
         """Chunked prefill: once the chunks hold every prompt position's
@@ -485,10 +487,10 @@ class LLMEngine:
         lps, ranks = plp.logprobs.tolist(), plp.ranks.tolist()
         tops, top_ids = plp.top_logprobs.tolist(), plp.top_token_ids.tolist()
         for i, tok in enumerate(seq.prompt_token_ids[1:]):
-            entry = {tok: Logprob(lps[i], ranks[i], self._decode_one(tok))}
+            entry = {tok: Logprob(lps[i], ranks[i], self._decode_one(tok, seq))}
             for r, (tid, lp) in enumerate(zip(top_ids[i][:k], tops[i][:k]), start=1):
                 if tid not in entry:
-                    entry[tid] = Logprob(lp, r, self._decode_one(tid))
+                    entry[tid] = Logprob(lp, r, self._decode_one(tid, seq))
             result.append(entry)
         return result
 

@@ -196,3 +196,23 @@ def test_latency_refuses_too_long_before_loading(model_dir, capsys, monkeypatch)
     rc, _, err = run_main(bench("latency", model_dir, "--input-len", "200", "--output-len", "100"), capsys)
     assert rc == 2
     assert "--input-len + --output-len = 300 tokens is more than the max_model_len 256" in err
+
+
+@pytest.mark.parametrize("kind", ["throughput", "latency"])
+def test_disable_detokenize(model_dir, tmp_path, capsys, generate_calls, kind):
+    from transformers import AutoTokenizer
+
+    sizes = ["--input-len", "8", "--output-len", "4"] + (
+        ["--num-prompts", "3"] if kind == "throughput" else ["--batch-size", "3", "--num-iters-warmup", "0",
+                                                             "--num-iters", "1"])
+    for flag in ([], ["--disable-detokenize"]):
+        out_json = tmp_path / f"{kind}{len(flag)}.json"
+        rc, _, err = run_main(bench(kind, model_dir, *sizes, *flag, "--output-json", str(out_json)), capsys)
+        assert rc == 0, err
+        assert json.loads(out_json.read_text())["disable_detokenize"] is bool(flag)
+    on, off = generate_calls
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    # Trailing incomplete UTF-8 characters (U+FFFD) are held back by the incremental detokenizer.
+    for o in on:
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert all(o.outputs[0].text == "" and len(o.outputs[0].token_ids) == 4 for o in off)

@@ -297,3 +297,31 @@ def run_to_end_outputs(engine: LLMEngine) -> dict:
             if out.finished:
                 done[out.request_id] = out
     return done
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(model_dir, seed):
+    """vLLM's detokenize=False: the same token ids and logprobs, no text and no decoded tokens
+    (the offline benchmarks' --disable-detokenize)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 512) for _ in range(9)]
+    outs = {}
+    for detokenize in (True, False):
+        engine = make_engine(model_dir, NUM_BLOCKS)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                                detokenize=detokenize)
+        engine.add_request("r", {"prompt_token_ids": prompt}, params)
+        (outs[detokenize],) = run_to_completion(engine).values()
+    on, off = outs[True].outputs[0], outs[False].outputs[0]
+    assert off.token_ids == on.token_ids and len(on.token_ids) == 6
+    # The incremental detokenizer holds back trailing incomplete UTF-8 characters (U+FFFD).
+    assert on.text == engine.tokenizer.decode(on.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert off.text == ""
+    assert [{t: lp.logprob for t, lp in d.items()} for d in off.logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in on.logprobs]
+    assert all(lp.decoded_token is None for d in off.logprobs for lp in d.values())
+    assert all(lp.decoded_token == engine.tokenizer.decode([t]) for d in on.logprobs for t, lp in d.items())
+    prompt_off = [d for d in outs[False].prompt_logprobs if d is not None]
+    prompt_on = [d for d in outs[True].prompt_logprobs if d is not None]
+    assert len(prompt_off) == len(prompt) - 1
+    assert all(lp.decoded_token is None for d in prompt_off for lp in d.values())
+    assert all(lp.decoded_token is not None for d in prompt_on for lp in d.values())
