@@ -111,24 +111,32 @@ def load_sharegpt(path: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def sharegpt_keeps(prompt_len: int, output_len: int, output_len_fixed: bool, max_model_len: int | None) -> bool:
+    """vLLM's filter: prompt and reply >= 4 tokens (the reply's length not checked when --output-len
+    fixes it), prompt <= 1024, prompt + output <= 2048 and <= `max_model_len`."""
+    max_total = SHAREGPT_MAX_TOTAL_LEN if max_model_len is None else min(SHAREGPT_MAX_TOTAL_LEN, max_model_len)
+    if prompt_len < SHAREGPT_MIN_LEN or (not output_len_fixed and output_len < SHAREGPT_MIN_LEN):
+        return False
+    return prompt_len <= SHAREGPT_MAX_PROMPT_LEN and prompt_len + output_len <= max_total
+
+
+def sharegpt_order(num_pairs: int, seed: int) -> list[int]:
+    """The order conversations are tried in: shuffled with `seed`, the sample is the first that pass."""
+    order = list(range(num_pairs))
+    random.Random(seed).shuffle(order)
+    return order
+
+
 def sharegpt_requests(pairs: list[tuple[str, str]], tokenizer, num_requests: int, seed: int = 0,
                       output_len: int | None = None, max_model_len: int | None = None) -> list[SampleRequest]:
-    """Up to `num_requests` conversations, shuffled with `seed`, that pass vLLM's filter: prompt and
-    reply >= 4 tokens (the reply's length not checked when `output_len` fixes it), prompt <= 1024,
-    prompt + output <= 2048 and <= `max_model_len`."""
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    max_total = SHAREGPT_MAX_TOTAL_LEN if max_model_len is None else min(SHAREGPT_MAX_TOTAL_LEN, max_model_len)
+    """Up to `num_requests` conversations, shuffled with `seed`, that pass `sharegpt_keeps`."""
     requests = []
-    for i in order:
+    for i in sharegpt_order(len(pairs), seed):
         if len(requests) == num_requests:
             break
         prompt, reply = pairs[i]
         ids = tokenizer.encode(prompt, add_special_tokens=True)
         n_out = output_len if output_len is not None else len(tokenizer.encode(reply, add_special_tokens=False))
-        if len(ids) < SHAREGPT_MIN_LEN or (output_len is None and n_out < SHAREGPT_MIN_LEN):
-            continue
-        if len(ids) > SHAREGPT_MAX_PROMPT_LEN or len(ids) + n_out > max_total:
-            continue
-        requests.append(SampleRequest(list(ids), n_out))
+        if sharegpt_keeps(len(ids), n_out, output_len is not None, max_model_len):
+            requests.append(SampleRequest(list(ids), n_out))
     return requests

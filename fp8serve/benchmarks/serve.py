@@ -8,6 +8,13 @@ prompt shares (0 by default; a system prompt, for servers with
 (inf = all at once), each a streaming completion with temperature 0 and
 `ignore_eos`, so every request generates exactly `--output-len` tokens.
 
+`--burstiness` shapes the arrivals as vLLM's does (gamma-distributed gaps
+with the same mean: 1 is Poisson, lower is burstier), `--max-concurrency`
+caps the requests in flight, and `--dataset-name sharegpt --dataset-path
+FILE` sends conversations' first turns as text instead, each generating its
+reply's token count (`--output-len` overrides), filtered as vLLM does (the
+server's /tokenize counts the tokens).
+
 Per request: TTFT (send to first streamed chunk), ITL (gaps between chunks),
 TPOT ((E2E - TTFT) / (output tokens - 1)) and E2E latency.
 """
@@ -27,6 +34,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from fp8serve.benchmarks.datasets import load_sharegpt, sharegpt_keeps, sharegpt_order
 from fp8serve.errors import UserError
 
 # Tokenized to get a pool of valid, ordinary token ids for any tokenizer.
@@ -35,6 +43,11 @@ _ID_POOL_TEXT = (
     "Numbers like 12, 345 and 6789 appear in reports, letters, poems, recipes and code. "
     "Weather, history, science, music, travel and sport are all common topics of conversation."
 )
+
+
+# Without --dataset-path: vLLM's random dataset at these lengths.
+DEFAULT_INPUT_LEN = 512
+DEFAULT_OUTPUT_LEN = 256
 
 
 @dataclass
@@ -89,6 +102,23 @@ def _request_rate_arg(text: str) -> float:
     return rate
 
 
+def check_burstiness(value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"must be a finite number > 0 (1 = Poisson), got {value:g}")
+
+
+def _burstiness_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    try:
+        check_burstiness(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def _int_arg(minimum: int):
     """An argparse type: an integer >= `minimum`, so a bad count fails at parsing with the flag's name."""
     def parse(text: str) -> int:
@@ -134,10 +164,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=_request_rate_arg, default=float("inf"),
                    help="requests/s (Poisson), > 0; inf = all at once")
     p.add_argument("--num-prompts", type=positive_int, default=30)
-    p.add_argument("--input-len", type=positive_int, default=512)
+    p.add_argument("--input-len", type=positive_int, default=None,
+                   help=f"random: prompt tokens per request (default {DEFAULT_INPUT_LEN})")
     p.add_argument("--random-prefix-len", type=non_negative_int, default=0,
                    help="tokens of one random prefix put before every prompt's --input-len tokens")
-    p.add_argument("--output-len", type=positive_int, default=256)
+    p.add_argument("--output-len", type=positive_int, default=None,
+                   help=f"tokens to generate per request (random: default {DEFAULT_OUTPUT_LEN}; sharegpt: default "
+                        "the reply's length)")
+    p.add_argument("--sharegpt-output-len", type=positive_int, default=None,
+                   help="sharegpt: tokens to generate per request instead of the reply's length (vLLM's flag)")
+    p.add_argument("--dataset-name", choices=("random", "sharegpt"), default=None,
+                   help="random (default without --dataset-path) or sharegpt (the default with one)")
+    p.add_argument("--dataset-path", default=None, metavar="FILE", help="a ShareGPT JSON file")
+    p.add_argument("--burstiness", type=_burstiness_arg, default=1.0,
+                   help="arrival shape at --request-rate: gamma-distributed gaps, 1 = Poisson, < 1 burstier, "
+                        "> 1 more even")
+    p.add_argument("--max-concurrency", type=positive_int, default=None,
+                   help="most requests in flight at once (default: no limit); later ones wait for a slot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", dest="json_out", default=None, type=_output_path_arg,
@@ -241,51 +284,124 @@ async def _send(session, url: str, headers: dict, payload: dict, prompt_len: int
     return result
 
 
-async def benchmark(base_url: str, model: str | None, request_rate: float, num_prompts: int, input_len: int,
-                    output_len: int, seed: int = 0, api_key: str | None = None, random_prefix_len: int = 0) -> dict:
+async def _num_tokens(session, base_url: str, headers: dict, model: str, text: str, add_special_tokens: bool) -> int:
+    body = {"model": model, "prompt": text, "add_special_tokens": add_special_tokens}
+    return (await _get_json(session, f"{base_url}/tokenize", headers, "POST", json=body))["count"]
+
+
+async def _sharegpt_prompts(session, base_url: str, headers: dict, model: str, pairs: list[tuple[str, str]],
+                            num_prompts: int, seed: int, output_len: int | None,
+                            max_model_len: int | None) -> list[tuple[str, int, int]]:
+    """(prompt text, its tokens, tokens to generate) for up to `num_prompts` conversations that pass
+    vLLM's filter, counted by the server's own tokenizer (what the requests will cost)."""
+    chosen = []
+    for i in sharegpt_order(len(pairs), seed):
+        if len(chosen) == num_prompts:
+            break
+        prompt, reply = pairs[i]
+        n_in = await _num_tokens(session, base_url, headers, model, prompt, True)
+        n_out = output_len if output_len is not None else \
+            await _num_tokens(session, base_url, headers, model, reply, False)
+        if sharegpt_keeps(n_in, n_out, output_len is not None, max_model_len):
+            chosen.append((prompt, n_in, n_out))
+    return chosen
+
+
+def arrival_gaps(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds between sends: gamma-distributed with mean 1 / request_rate and shape `burstiness`
+    (vLLM's; shape 1 is the exponential of a Poisson process, drawn as one so seeds keep their
+    arrivals), or zeros at an infinite rate."""
+    if request_rate == float("inf"):
+        return [0.0] * num
+    rng = np.random.default_rng(seed)
+    if burstiness == 1.0:
+        return [float(x) for x in rng.exponential(1.0 / request_rate, size=num)]
+    return [float(x) for x in rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num)]
+
+
+async def benchmark(base_url: str, model: str | None, request_rate: float, num_prompts: int,
+                    input_len: int | None = None, output_len: int | None = None, seed: int = 0,
+                    api_key: str | None = None, random_prefix_len: int = 0, *, burstiness: float = 1.0,
+                    max_concurrency: int | None = None, dataset_path: str | None = None) -> dict:
+    """`dataset_path` given: ShareGPT conversations (input_len and random_prefix_len must be left
+    unset); else random prompts of input_len (default 512) tokens. output_len: tokens per request
+    (random default 256; ShareGPT default: the reply's)."""
     import aiohttp  # here, not at import: every `fp8serve` command builds this parser
 
-    for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):
-        if value < 1:
+    sharegpt = dataset_path is not None
+    if sharegpt and (input_len is not None or random_prefix_len):
+        flag = "--input-len" if input_len is not None else "--random-prefix-len"
+        raise ValueError(f"{flag} is for the random dataset; ShareGPT's prompts are the conversations' first turns")
+    if not sharegpt:
+        input_len = DEFAULT_INPUT_LEN if input_len is None else input_len
+        output_len = DEFAULT_OUTPUT_LEN if output_len is None else output_len
+    for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len),
+                        ("max_concurrency", max_concurrency)):
+        if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if random_prefix_len < 0:
         raise ValueError(f"--random-prefix-len must be >= 0, got {random_prefix_len}")
-    try:
-        check_request_rate(request_rate)
-    except ValueError as e:
-        raise ValueError(f"--request-rate {e}") from None
+    for flag, check, value in (("--request-rate", check_request_rate, request_rate),
+                               ("--burstiness", check_burstiness, burstiness)):
+        try:
+            check(value)
+        except ValueError as e:
+            raise ValueError(f"{flag} {e}") from None
     base_url = normalize_base_url(base_url)
+    pairs = load_sharegpt(dataset_path) if sharegpt else None  # a bad file before any request
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model, max_model_len = await _served_model(session, base_url, headers, model)
-        # The server would refuse every request (prompt + max_tokens over its limit): say so before the run.
-        total = random_prefix_len + input_len + output_len
-        if max_model_len is not None and total > max_model_len:
-            prefix = f"--random-prefix-len {random_prefix_len} + " if random_prefix_len else ""
-            raise UserError(f"{prefix}--input-len {input_len} + --output-len {output_len} = {total} tokens is "
-                            f"more than the max_model_len {max_model_len} of {model!r} at {base_url}; lower them "
-                            f"or start the server with --max-model-len {total} or more")
-        prompts = make_prompts(await _id_pool(session, base_url, headers, model), num_prompts, input_len, seed,
+        if sharegpt:
+            chosen = await _sharegpt_prompts(session, base_url, headers, model, pairs, num_prompts, seed, output_len,
+                                             max_model_len)
+            if not chosen:
+                raise UserError(f"--dataset-path {dataset_path}: none of its {len(pairs)} conversations passes the "
+                                "filter (prompt and reply >= 4 tokens, prompt <= 1024, prompt + output <= 2048 and "
+                                f"<= the server's max_model_len {max_model_len})")
+            if len(chosen) < num_prompts:
+                print(f"warning: --dataset-path {dataset_path}: {len(chosen)} conversations pass the filter, fewer "
+                      f"than --num-prompts {num_prompts}", file=sys.stderr)
+        else:
+            # The server would refuse every request (prompt + max_tokens over its limit): say so before the run.
+            total = random_prefix_len + input_len + output_len
+            if max_model_len is not None and total > max_model_len:
+                prefix = f"--random-prefix-len {random_prefix_len} + " if random_prefix_len else ""
+                raise UserError(f"{prefix}--input-len {input_len} + --output-len {output_len} = {total} tokens is "
+                                f"more than the max_model_len {max_model_len} of {model!r} at {base_url}; lower them "
+                                f"or start the server with --max-model-len {total} or more")
+            ids = make_prompts(await _id_pool(session, base_url, headers, model), num_prompts, input_len, seed,
                                random_prefix_len)
+            chosen = [(p, len(p), output_len) for p in ids]
         url = f"{base_url}/v1/completions"
-        rng = np.random.default_rng(seed)
-        tasks = []
-        start = time.perf_counter()
-        for prompt in prompts:
-            payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+        slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def send(prompt, prompt_len: int, max_tokens: int) -> RequestResult:
+            payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            tasks.append(asyncio.create_task(_send(session, url, headers, payload, len(prompt), start)))
-            if request_rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / request_rate))
+            if slots is None:
+                return await _send(session, url, headers, payload, prompt_len, start)
+            async with slots:
+                return await _send(session, url, headers, payload, prompt_len, start)
+
+        tasks = []
+        gaps = arrival_gaps(len(chosen), request_rate, burstiness, seed)
+        start = time.perf_counter()
+        for (prompt, prompt_len, max_tokens), gap in zip(chosen, gaps):
+            tasks.append(asyncio.create_task(send(prompt, prompt_len, max_tokens)))
+            if gap:
+                await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return summarize(results, duration, dict(base_url=base_url, model=model, request_rate=request_rate,
-                                             num_prompts=num_prompts, input_len=input_len,
-                                             random_prefix_len=random_prefix_len, output_len=output_len,
-                                             seed=seed))
+                                             burstiness=burstiness, max_concurrency=max_concurrency,
+                                             dataset_name="sharegpt" if sharegpt else "random",
+                                             dataset_path=dataset_path, num_prompts=num_prompts,
+                                             input_len=input_len, random_prefix_len=random_prefix_len,
+                                             output_len=output_len, seed=seed))
 
 
 def _stats(values: list[float], scale: float) -> dict:
@@ -357,6 +473,8 @@ def format_results(s: dict) -> str:
         lines.append(f"{label:<{w}}{text:<10}")
 
     row("Successful requests:", s["completed"])
+    if s["config"].get("max_concurrency"):
+        row("Maximum request concurrency:", s["config"]["max_concurrency"])
     if s["failed"]:
         row("Failed requests:", s["failed"])
     row("Benchmark duration (s):", s["duration_s"])
@@ -381,9 +499,25 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.json_out:  # the parser checked it; a caller that built `args` itself may not have
             check_output_path(args.json_out)
+        dataset = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
+        if dataset == "sharegpt" and not args.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT JSON file)")
+        output_len = args.output_len
+        if args.sharegpt_output_len is not None:
+            if dataset != "sharegpt":
+                raise ValueError("--sharegpt-output-len is for --dataset-name sharegpt; use --output-len")
+            if output_len is not None and output_len != args.sharegpt_output_len:
+                raise ValueError(f"--output-len {output_len} and --sharegpt-output-len {args.sharegpt_output_len} "
+                                 "disagree; give one")
+            output_len = args.sharegpt_output_len
+        if dataset == "random" and args.dataset_path:
+            print(f"warning: --dataset-path {args.dataset_path} is not read: --dataset-name random makes its own "
+                  "prompts", file=sys.stderr)
         summary = asyncio.run(benchmark(args.base_url, args.model, args.request_rate, args.num_prompts,
-                                        args.input_len, args.output_len, args.seed, args.api_key,
-                                        args.random_prefix_len))
+                                        args.input_len, output_len, args.seed, args.api_key,
+                                        args.random_prefix_len, burstiness=args.burstiness,
+                                        max_concurrency=args.max_concurrency,
+                                        dataset_path=args.dataset_path if dataset == "sharegpt" else None))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

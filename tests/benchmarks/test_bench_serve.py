@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from checkpoints import write_tiny_llama
@@ -321,3 +323,91 @@ def test_bench_serve_reports_the_failures(monkeypatch, capsys):
     code, err = _bench(capsys, "--base-url", "http://127.0.0.1:9")
     assert code == 1
     assert err == f"error: 2 of 3 requests failed; the first: HTTP 400: {long}\n"
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_arrival_gaps_have_the_rates_mean_and_the_burstiness_shape(burstiness, seed):
+    """vLLM's arrivals: gamma gaps of mean 1 / rate and shape `burstiness`, so their coefficient of
+    variation is 1 / sqrt(burstiness) (1: Poisson)."""
+    from fp8serve.benchmarks.serve import arrival_gaps
+
+    gaps = np.asarray(arrival_gaps(20000, 4.0, burstiness, seed))
+    assert gaps.mean() == pytest.approx(0.25, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(burstiness ** -0.5, rel=0.05)
+    assert arrival_gaps(3, float("inf"), burstiness, seed) == [0.0, 0.0, 0.0]
+    # Burstiness 1 keeps the Poisson arrivals a seed gave before the flag existed.
+    rng = np.random.default_rng(seed)
+    assert arrival_gaps(5, 2.0, 1.0, seed) == [rng.exponential(0.5) for _ in range(5)]
+
+
+def _max_overlap(requests: list[dict]) -> int:
+    events = sorted([(r["start_time"], 1) for r in requests] + [(r["start_time"] + r["latency"], -1)
+                                                                   for r in requests], key=lambda e: (e[0], e[1]))
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def test_max_concurrency_caps_the_requests_in_flight(server_url):
+    s = asyncio.run(benchmark(server_url, None, request_rate=float("inf"), num_prompts=6, input_len=6,
+                              output_len=8, max_concurrency=2))
+    assert s["completed"] == 6 and s["config"]["max_concurrency"] == 2
+    assert _max_overlap(s["requests"]) == 2
+    assert f"{'Maximum request concurrency:':<40}2" in format_results(s)
+    free = asyncio.run(benchmark(server_url, None, request_rate=float("inf"), num_prompts=6, input_len=6,
+                                 output_len=8))
+    assert _max_overlap(free["requests"]) == 6
+    assert "Maximum request concurrency" not in format_results(free)
+
+
+def test_bench_serve_sharegpt(server_url, tmp_path, capsys):
+    """Conversations' first turns as text, each generating its reply's length as the server's tokenizer
+    counts it; vLLM's filter applied with the server's max_model_len (256 here)."""
+    def count(text, special=True):
+        body = {"prompt": text, "add_special_tokens": special}
+        return httpx.post(f"{server_url}/tokenize", json=body).json()["count"]
+
+    convs = [{"conversations": [{"from": "human", "value": " the" * (6 + i)},
+                                {"from": "gpt", "value": " a b" * (3 + i)}]} for i in range(4)]
+    convs += [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": " x" * 10}]},  # short
+              {"conversations": [{"from": "human", "value": " the" * 250}, {"from": "gpt", "value": " y" * 20}]}]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(convs))
+    s = asyncio.run(benchmark(server_url, None, request_rate=float("inf"), num_prompts=10, dataset_path=str(path)))
+    expected = sorted((count(c["conversations"][0]["value"]), count(c["conversations"][1]["value"], False))
+                      for c in convs[:4])
+    assert s["completed"] == 4 and s["failed"] == 0
+    assert sorted((r["prompt_len"], r["output_len"]) for r in s["requests"]) == expected
+    assert s["config"]["dataset_name"] == "sharegpt"
+    fixed = asyncio.run(benchmark(server_url, None, request_rate=float("inf"), num_prompts=2, output_len=3,
+                                  dataset_path=str(path)))
+    assert fixed["output_lens"] == [3, 3]
+    # The same through the command line, with vLLM's flag for it.
+    out = tmp_path / "r.json"
+    code, err = _bench(capsys, "--base-url", server_url, "--dataset-path", str(path), "--sharegpt-output-len", "2",
+                       "--num-prompts", "3", "--max-concurrency", "2", "--json", str(out))
+    assert code == 0, err
+    r = json.loads(out.read_text())
+    assert r["output_lens"] == [2, 2, 2] and r["config"]["dataset_name"] == "sharegpt"
+    assert r["config"]["max_concurrency"] == 2
+
+
+def test_bench_serve_dataset_and_shape_errors_before_any_request(tmp_path, capsys):
+    """Port 9 has no server: each error below comes before the first connection."""
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    url = "http://127.0.0.1:9"
+    cases = [(["--dataset-name", "sharegpt"], "error: --dataset-name sharegpt needs --dataset-path FILE"),
+             (["--dataset-path", str(tmp_path / "bad.json")], "entry 0 has no \"conversations\" list"),
+             (["--dataset-path", str(tmp_path / "nope.json")], "no such file"),
+             (["--dataset-path", str(tmp_path / "bad.json"), "--input-len", "5"], "--input-len is for the random"),
+             (["--burstiness", "0"], "argument --burstiness: must be a finite number > 0"),
+             (["--burstiness", "inf"], "argument --burstiness: must be a finite number > 0"),
+             (["--max-concurrency", "0"], "argument --max-concurrency: must be >= 1, got 0"),
+             (["--sharegpt-output-len", "5"], "--sharegpt-output-len is for --dataset-name sharegpt"),
+             (["--dataset-path", str(tmp_path / "bad.json"), "--output-len", "4", "--sharegpt-output-len", "5"],
+              "--output-len 4 and --sharegpt-output-len 5 disagree")]
+    for extra, message in cases:
+        code, err = _bench(capsys, "--base-url", url, *extra)
+        assert code == 2 and message in err, (extra, err)
