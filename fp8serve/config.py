@@ -319,6 +319,10 @@ class ModelConfig:
     # --enforce-eager, which turns off its CUDA graphs; see decode_capture.py
     # and prefill_capture.py).
     enforce_eager: bool = False
+    # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask for per
+    # position (each costs a top-k over the vocabulary and a detokenized entry); -1 = the
+    # vocabulary size. Resolved to a count in __post_init__.
+    max_logprobs: int = 20
     # Filled in __post_init__.
     arch: ModelArchConfig = field(init=False)
     hf_config: dict = field(init=False)
@@ -342,8 +346,13 @@ class ModelConfig:
         self.model = str(self.model)
         if self.tokenizer is not None:
             self.tokenizer = _tokenizer_dir(self.tokenizer)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ConfigError(f"--max-logprobs must be an integer >= 0, or -1 for the whole vocabulary (default 20), "
+                              f"got {self.max_logprobs!r}")
         self.hf_config, cfg_path = read_hf_config(self.model)
         self.arch = ModelArchConfig.from_dict(self.hf_config, cfg_path)
+        if self.max_logprobs == -1:
+            self.max_logprobs = self.arch.vocab_size
         if self.quantization is not None:
             self.quantization = check_quantization_flag(self.quantization, self.arch.quantization_config, cfg_path)
         from fp8serve.engine.generation_defaults import default_sampling_params
@@ -582,6 +591,7 @@ class EngineConfig:
         generation_config: str = "auto",
         override_generation_config: dict | str | None = None,
         tokenizer: str | None = None,
+        max_logprobs: int = 20,
     ) -> "EngineConfig":
         if model is None:
             from fp8serve.default_model import ensure_default_model
@@ -599,6 +609,7 @@ class EngineConfig:
         )
         model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
                                    enforce_eager=enforce_eager, quantization=quantization, tokenizer=tokenizer,
+                                   max_logprobs=max_logprobs,
                                    generation_config=generation_config,
                                    override_generation_config=_json_object(override_generation_config,
                                                                            "--override-generation-config"))

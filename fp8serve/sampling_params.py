@@ -15,9 +15,10 @@ from fp8serve.errors import InvalidParameterError
 # temperature overflows float32 long before it stops changing the argmax.
 SAMPLING_EPS = 1e-5
 
-# Upper bound on logprobs / prompt_logprobs per position; vLLM's default max_logprobs.
 # Most samples one request may ask for (OpenAI's limit for `n`).
 MAX_N = 128
+# vLLM's default --max-logprobs: the engine's bound on logprobs / prompt_logprobs per position
+# (ModelConfig.max_logprobs, checked when a request is added; here only >= 0).
 MAX_LOGPROBS = 20
 
 
@@ -123,8 +124,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(
-                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
-                f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}.",
+                value is None or (_is_int(value) and value >= 0), name,
+                f"{name} must be a non-negative int or None, got {value!r}.",
             )
         _check(
             self.repetition_penalty > 0.0, "repetition_penalty",
@@ -153,6 +154,15 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def check_max_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """The engine's bound (--max-logprobs) on logprobs and prompt_logprobs per position."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        _check(value is None or value <= max_logprobs, name,
+               f"{name}: requested {value} per position, more than max_logprobs {max_logprobs} (set by "
+               "--max-logprobs)")
 
 
 def _is_int(value: object) -> bool:

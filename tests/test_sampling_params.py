@@ -1,6 +1,6 @@
 import pytest
 
-from fp8serve.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from fp8serve.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, check_max_logprobs
 
 
 def test_defaults_match_vllm():
@@ -49,7 +49,8 @@ def test_greedy_forces_filters_off():
         (dict(min_tokens=-1), "min_tokens"),
         (dict(min_tokens=20, max_tokens=10), "min_tokens"),
         (dict(logprobs=-1), "logprobs"),
-        (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+        (dict(logprobs=1.5), "logprobs"),
+        (dict(prompt_logprobs=True), "prompt_logprobs"),
         (dict(prompt_logprobs=-1), "prompt_logprobs"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(presence_penalty=2.5), "presence_penalty"),
@@ -119,10 +120,25 @@ def test_validate_checks_fields_changed_after_construction():
     with pytest.raises(ValueError, match="n must be an int"):
         p.validate()
     p = SamplingParams()
-    p.logprobs = 1000
-    with pytest.raises(ValueError, match="logprobs must be in"):
+    p.logprobs = -3
+    with pytest.raises(ValueError, match="logprobs must be a non-negative int"):
         p.validate()
     p = SamplingParams()
     p.stop = "###"
     p.validate()
     assert p.stop == ["###"]
+
+
+def test_logprobs_bound_is_the_engines():
+    """As vLLM: any non-negative count constructs; the engine's max_logprobs (--max-logprobs,
+    default 20) bounds it when the request is added."""
+    p = SamplingParams(logprobs=MAX_LOGPROBS + 5, prompt_logprobs=3)
+    check_max_logprobs(p, MAX_LOGPROBS + 5)
+    with pytest.raises(ValueError, match=r"^logprobs: requested 25 per position, more than max_logprobs 20") as e:
+        check_max_logprobs(p, MAX_LOGPROBS)
+    assert e.value.parameter == "logprobs"
+    with pytest.raises(ValueError, match=r"^prompt_logprobs: requested 3 per position, more than max_logprobs 2 ") \
+            as e:
+        check_max_logprobs(SamplingParams(prompt_logprobs=3), 2)
+    assert e.value.parameter == "prompt_logprobs"
+    check_max_logprobs(SamplingParams(), 0)

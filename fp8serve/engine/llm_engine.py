@@ -24,7 +24,7 @@ from fp8serve.engine.sequence import ParentRequest, Sequence
 from fp8serve.engine.tokenizer import check_text, eos_token_ids, load_tokenizer
 from fp8serve.errors import InvalidParameterError, UserError
 from fp8serve.outputs import CompletionOutput, Logprob, RequestOutput
-from fp8serve.sampling_params import SamplingParams
+from fp8serve.sampling_params import SamplingParams, check_max_logprobs
 from fp8serve.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -146,9 +146,11 @@ class LLMEngine:
             )
 
     def validate_params(self, params: SamplingParams) -> None:
-        """Token ids in the sampling parameters must be in the vocabulary: the sampler
-        indexes the logits with them (a bad one would fail the whole step's batch)."""
-        vocab = self.config.model_config.arch.vocab_size
+        """Logprob counts within --max-logprobs, and token ids in the sampling parameters in the
+        vocabulary: the sampler indexes the logits with them (a bad one would fail the whole step's batch)."""
+        mc = self.config.model_config
+        check_max_logprobs(params, mc.max_logprobs)
+        vocab = mc.arch.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = sorted(t for t in ids if not 0 <= t < vocab)
             if bad:

@@ -88,6 +88,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': tokens that followed an earlier '
                         'occurrence of the sequence\'s last tokens are proposed and checked in one forward pass '
                         '(off by default)')
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / prompt_logprobs a request may ask for per position (-1: the vocabulary)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -120,4 +122,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         speculative_config=args.speculative_config,
+        max_logprobs=args.max_logprobs,
     )

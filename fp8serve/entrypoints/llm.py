@@ -20,6 +20,7 @@ class LLM:
     kv_cache_dtype="auto", quantization_param_path=None, calculate_kv_scales=False,
     block_size=16, max_num_seqs=128, max_num_batched_tokens=None, device="auto", enforce_eager=False,
     enable_prefix_caching=False, enable_chunked_prefill=False, speculative_config=None)`;
+    `max_logprobs` (default 20; -1 = the vocabulary) bounds a request's logprobs per position.
     `speculative_config` is vLLM's dict (or JSON text), e.g. `{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}`.
 

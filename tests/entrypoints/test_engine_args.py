@@ -119,3 +119,14 @@ def test_every_engine_command_takes_quantization_as_serve_does(names, extra, cap
     [action] = [a for a in _subparser(names)._actions if a.dest == "quantization"]
     assert action.option_strings == served.option_strings and action.choices == served.choices
     assert action.help.startswith(served.help)
+
+
+def test_max_logprobs_reaches_the_model_config(tmp_path):
+    from checkpoints import write_tiny_llama
+
+    from fp8serve.config import EngineConfig
+
+    assert parse()["max_logprobs"] == 20
+    model = str(write_tiny_llama(tmp_path / "llama"))
+    assert EngineConfig.create(model, **parse("--max-logprobs", "50")).model_config.max_logprobs == 50
+    assert EngineConfig.create(model, **parse("--max-logprobs", "-1")).model_config.max_logprobs == 512  # vocab

@@ -314,7 +314,7 @@ def test_text_that_is_not_unicode_is_the_callers_error(llm):
     (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
     (dict(top_k=-2), "top_k .* got -2"),
     (dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
-    (dict(logprobs=21), "logprobs must be in .* got 21"),
+    (dict(logprobs=-1), "logprobs must be a non-negative int or None, got -1"),
 ])
 def test_invalid_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -443,3 +443,45 @@ def test_n_samples_per_prompt_in_input_order(llm):
         assert all(len(c.token_ids) == 6 for c in out.outputs)
         assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     assert [[c.token_ids for c in o.outputs] for o in first] == [[c.token_ids for c in o.outputs] for o in again]
+
+
+def test_max_logprobs_bounds_requests(llm, llama_dir):
+    """vLLM's max_logprobs (--max-logprobs): 20 by default, any count up to the vocabulary (-1) when
+    raised; a request over it is refused when added, naming the flag, and leaves nothing queued."""
+    with pytest.raises(ValueError, match=r"logprobs: requested 21 per position, more than max_logprobs 20 "
+                                         r"\(set by --max-logprobs\)"):
+        llm.generate([5, 6, 7], SamplingParams(max_tokens=2, logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs: requested 21"):
+        llm.generate([5, 6, 7], SamplingParams(max_tokens=2, prompt_logprobs=21), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+    wide = LLM(str(llama_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, max_model_len=MAX_MODEL_LEN,
+               max_logprobs=30)
+    out = wide.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, logprobs=25, prompt_logprobs=30),
+                        use_tqdm=False)[0]
+    c = out.outputs[0]
+    for token, entry in zip(c.token_ids, c.logprobs):
+        ranked = sorted((lp.rank, lp.logprob) for lp in entry.values())
+        assert [r for r, _ in ranked][:25] == list(range(1, 26))  # the top 25, and the sampled token (rank 1 here)
+        assert all(a[1] >= b[1] for a, b in zip(ranked, ranked[1:]))
+        assert entry[token].rank == 1
+    # Per prompt position the top 30, and the prompt's own token where it is not among them.
+    assert len(out.prompt_logprobs) == 4 and out.prompt_logprobs[0] is None
+    assert all(len(d) in (30, 31) and tok in d for d, tok in zip(out.prompt_logprobs[1:], [6, 7, 8]))
+    with pytest.raises(ValueError, match="logprobs: requested 31 per position, more than max_logprobs 30"):
+        wide.generate([5], SamplingParams(logprobs=31), use_tqdm=False)
+
+    # -1: the whole vocabulary (512).
+    whole = LLM(str(llama_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, max_model_len=MAX_MODEL_LEN,
+                max_logprobs=-1)
+    assert whole.llm_engine.config.model_config.max_logprobs == 512
+    entry = whole.generate([5, 6], SamplingParams(max_tokens=1, logprobs=512), use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert len(entry) == 512
+    total = torch.logsumexp(torch.tensor([lp.logprob for lp in entry.values()], dtype=torch.float64), 0)
+    assert abs(float(total)) < 1e-4  # the whole distribution
+
+
+@pytest.mark.parametrize("value", [-2, "5", True, 2.5])
+def test_max_logprobs_must_be_a_count(llama_dir, value):
+    with pytest.raises(ConfigError, match=f"--max-logprobs must be an integer >= 0, or -1 .* got {value!r}"):
+        LLM(str(llama_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, max_logprobs=value)

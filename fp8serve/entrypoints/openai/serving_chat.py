@@ -10,7 +10,7 @@ from fp8serve.entrypoints.openai.serving_common import (
     RequestError, RequestTimer, check_prompt, prompt_logprobs_json, random_id, resolve_max_tokens, sse,
     stream_safe_len, usage,
 )
-from fp8serve.sampling_params import SamplingParams
+from fp8serve.sampling_params import SamplingParams, check_max_logprobs
 
 
 class ChatServer:
@@ -43,7 +43,9 @@ class ChatServer:
         budget = resolve_max_tokens(request.requested_max_tokens(), len(ids), mc.max_model_len, prompt_param="messages",
                                     cap=defaults.get("max_tokens"), budget_param=request.max_tokens_field())
         try:
-            return ids, request.to_sampling_params(budget, defaults)
+            params = request.to_sampling_params(budget, defaults)
+            check_max_logprobs(params, mc.max_logprobs)
+            return ids, params
         except ValueError as e:
             # Chat's name for SamplingParams.logprobs is top_logprobs.
             param = getattr(e, "parameter", None)

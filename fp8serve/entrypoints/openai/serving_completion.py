@@ -15,7 +15,7 @@ from fp8serve.entrypoints.openai.serving_common import (
     stream_safe_len, usage,
 )
 from fp8serve.outputs import RequestOutput
-from fp8serve.sampling_params import SamplingParams
+from fp8serve.sampling_params import SamplingParams, check_max_logprobs
 
 
 @dataclass
@@ -68,6 +68,7 @@ class CompletionServer:
                                         cap=defaults.get("max_tokens"))
             try:
                 params.append(request.to_sampling_params(max(budget, 1), defaults))
+                check_max_logprobs(params[-1], mc.max_logprobs)
             except ValueError as e:
                 raise RequestError(str(e), param=getattr(e, "parameter", None)) from None
         return prompts, params, hide_output
