@@ -222,6 +222,14 @@ def read_hf_config(model_dir: str | os.PathLike) -> tuple[dict, Path]:
         raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object")
+    if cfg.get("quantization_config") is None and cfg.get("compression_config") is not None:
+        # Older compressed-tensors checkpoints (llm-compressor before mid-2024) name the block
+        # compression_config; vLLM reads it where quantization_config is absent. Moved, not
+        # copied: a checkpoint written from this dict (calibrate --out-checkpoint) has one block.
+        logger.info("%s: reading compression_config as the quantization_config (older compressed-tensors "
+                    "checkpoints name it so)", cfg_path)
+        cfg.pop("quantization_config", None)
+        cfg["quantization_config"] = cfg.pop("compression_config")
     return cfg, cfg_path
 
 

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from fp8serve.calibration.observers import MIN_SCALE, scale_from_amax
 from fp8serve.calibration.writers import copy_side_files, fp8_kv_quantization_config, save_safetensors
+from fp8serve.config import read_hf_config
 from fp8serve.quantization.fp8 import FP8_E4M3, quantize_fp8
 # The loader's list: a strategy written here must be one Fp8LinearMethod loads.
 from fp8serve.quantization.fp8_linear import WEIGHT_STRATEGIES
@@ -89,7 +90,7 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, *, activation_scheme:
     from fp8serve.model_loader.loader import iterate_checkpoint
 
     src, dst = Path(src), Path(dst)
-    hf_config = json.loads((src / "config.json").read_text())
+    hf_config = read_hf_config(src)[0]  # an older checkpoint's compression_config read as its quantization_config
     if hf_config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({hf_config['quantization_config'].get('quant_method')})")
     copy_side_files(src, dst)

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fp8serve.config import read_hf_config
 from fp8serve.errors import UserError
 from fp8serve.utils.paths import file_in_the_way
 
@@ -209,7 +210,7 @@ def write_kv_scale_checkpoint(src: str | Path, dst: str | Path, k_scales: Sequen
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise UserError(f"--out-checkpoint {dst} already exists; choose a new directory")
-    hf_config = json.loads((src / "config.json").read_text())
+    hf_config = read_hf_config(src)[0]  # an older checkpoint's compression_config becomes its quantization_config
     strategy = "attn_head" if k_scales and isinstance(k_scales[0], (list, tuple)) else "tensor"
     # Refused before anything is written.
     quantization_config = fp8_kv_quantization_config(hf_config, strategy)

@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from fp8serve.config import read_hf_config
 from fp8serve.errors import ConfigError
 from fp8serve.model_loader.weights_mapper import WeightsMapper, is_kv_scale_param
 
@@ -143,8 +144,8 @@ def _explain(model: nn.Module, model_dir: str | Path, ckpt_name: str, dtype: tor
     # No config that declares quantized weights: config.json itself says what it lacks.
     config_json = f"{model_dir}/config.json"
     try:
-        hf_quant_config = json.loads(Path(config_json).read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
+        hf_quant_config = read_hf_config(model_dir)[0].get("quantization_config")
+    except ConfigError:
         return None
     from fp8serve.quantization.compressed_tensors import explain_without_weight_config
 

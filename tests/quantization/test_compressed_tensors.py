@@ -436,3 +436,33 @@ def test_a_zero_expert_scale_is_named_as_in_the_checkpoint(base_checkpoints, tmp
     assert ("'model.layers.0.mlp.experts.1.gate_up_proj.weight_scale' of shard(s) [1] is missing or not a finite "
             "number > 0") in error, error
     assert error.endswith("; checkpoint tensor(s) model.layers.0.block_sparse_moe.experts.1.w3.weight_scale"), error
+
+
+def test_compression_config_key_is_read_as_quantization_config(base_checkpoints, tmp_path):
+    """Older llm-compressor checkpoints name the block compression_config; vLLM reads it where
+    quantization_config is absent, and so do the engine and the checkpoint writers here."""
+    import json
+
+    from fp8serve.calibration.writers import write_kv_scale_checkpoint
+
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    config = compressed_tensors_config({"group_0": fp8_group(["Linear"], "channel", FP8_DYNAMIC_TOKEN)}, ["lm_head"])
+    quantize_to_compressed_tensors_checkpoint(base_checkpoints["llama"], fp8_dir, ref_dir,
+                                              strategy_of=lambda m: "channel", quantization_config=config)
+    cfg = read_config(fp8_dir)
+    cfg["compression_config"] = cfg.pop("quantization_config")
+    (fp8_dir / "config.json").write_text(json.dumps(cfg))
+    _check_against_references(base_checkpoints["llama"], fp8_dir, ref_dir)
+    layers = LLM(str(fp8_dir), dtype="float32", kv_cache_memory="4MiB").llm_engine.model_runner.model.model.layers
+    assert layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8  # FP8 codes, read by compressed-tensors
+
+    # calibrate --out-checkpoint's writer: the weights' groups and the KV scheme in one quantization_config.
+    kv_dir = write_kv_scale_checkpoint(fp8_dir, tmp_path / "kv", [0.5, 0.25], [0.75, 1.5])
+    written = read_config(kv_dir)
+    assert "compression_config" not in written
+    assert written["quantization_config"]["config_groups"] == config["config_groups"]
+    assert written["quantization_config"]["kv_cache_scheme"]["strategy"] == "tensor"
+    llm = LLM(str(kv_dir), dtype="float32", kv_cache_memory="4MiB", kv_cache_dtype="fp8")
+    layer = llm.llm_engine.model_runner.model.model.layers[1]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.uint8
+    assert (layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) == (0.25, 1.5)
