@@ -32,6 +32,45 @@ def content_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+# What chat_template_kwargs may not set: the request's own fields and apply_chat_template's
+# plumbing (a template variable of the same name would silently change what the request asked).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "add_generation_prompt", "chat_template", "continue_final_message", "conversation", "documents", "messages",
+    "return_assistant_tokens_mask", "return_dict", "return_tensors", "tokenize", "tokenizer_kwargs", "tools",
+})
+
+
+def template_options(add_generation_prompt: bool | None, continue_final_message: bool,
+                     chat_template_kwargs: Any = None) -> dict[str, Any]:
+    """Keyword arguments for `tokenizer.apply_chat_template` from vLLM's request fields.
+
+    continue_final_message leaves the last message open (no end-of-turn marker), so the model
+    continues it; a generation prompt would open a new turn instead, so the two exclude each
+    other. add_generation_prompt None (not given) means True, or False with continue_final_message.
+    chat_template_kwargs are extra template variables (e.g. enable_thinking)."""
+    if continue_final_message is not True and continue_final_message is not False:
+        raise InvalidParameterError(f"continue_final_message must be true or false, got {continue_final_message!r}",
+                                    "continue_final_message")
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final_message
+    elif continue_final_message and add_generation_prompt:
+        raise InvalidParameterError(
+            "continue_final_message and add_generation_prompt cannot both be true: one continues the last "
+            "message, the other opens a new assistant turn; send add_generation_prompt false",
+            "continue_final_message")
+    if chat_template_kwargs is None:
+        chat_template_kwargs = {}
+    if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
+        raise InvalidParameterError(f"chat_template_kwargs must be an object of template variables, got "
+                                    f"{type(chat_template_kwargs).__name__}", "chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs))
+    if reserved:
+        raise InvalidParameterError(f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's "
+                                    "own fields", "chat_template_kwargs")
+    return {**chat_template_kwargs, "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message}
+
+
 def conversation_for_template(messages: Any, where: str = "messages") -> list[dict[str, Any]]:
     """A conversation (list of {"role", "content", ...} dicts) with every
     content made plain text; InvalidParameterError naming the message

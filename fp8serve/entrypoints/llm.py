@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from fp8serve.config import EngineConfig
 from fp8serve.engine.llm_engine import LLMEngine, PromptInput
 from fp8serve.engine.tokenizer import check_text
-from fp8serve.entrypoints.chat_utils import conversation_for_template
+from fp8serve.entrypoints.chat_utils import conversation_for_template, template_options
 from fp8serve.errors import InvalidParameterError, UserError
 from fp8serve.outputs import RequestOutput
 from fp8serve.sampling_params import SamplingParams
@@ -81,21 +81,29 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's: add_generation_prompt (default True, or False with continue_final_message, which
+        leaves the last message open for the model to continue); chat_template_kwargs are extra
+        template variables."""
         if not isinstance(messages, list) or not messages:
             raise InvalidParameterError("messages must be a conversation (a non-empty list of {'role': ..., "
                                         "'content': ...} dicts) or a non-empty list of conversations", "messages")
         one = isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(
-                        c, add_generation_prompt, chat_template, where="messages" if one else f"messages[{i}]")}
+                        c, add_generation_prompt, chat_template, where="messages" if one else f"messages[{i}]",
+                        continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)}
                    for i, c in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, where: str = "messages") -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool | None = None,
+                            chat_template: str | None = None, where: str = "messages",
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
         tok = self.llm_engine.tokenizer
         if tok is None or (tok.chat_template is None and chat_template is None):
             # The template comes with the tokenizer: name the directory it was read from.
@@ -104,12 +112,11 @@ class LLM:
             raise UserError(f"{source} has no chat template" if tok is not None else
                             f"{source} has no tokenizer files, so no chat template (pass tokenizer=DIR / "
                             "--tokenizer DIR)")
+        options = template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         conversation = conversation_for_template(messages, where)
         check_text(conversation, where)
         try:
-            ids = tok.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
-            )
+            ids = tok.apply_chat_template(conversation, tokenize=True, chat_template=chat_template, **options)
         except Exception as e:  # noqa: BLE001 - Jinja's errors: the template's or the messages' fault
             raise InvalidParameterError(f"chat template failed on {where}: {type(e).__name__}: {e}",
                                         "chat_template") from None

@@ -485,3 +485,30 @@ def test_max_logprobs_bounds_requests(llm, llama_dir):
 def test_max_logprobs_must_be_a_count(llama_dir, value):
     with pytest.raises(ConfigError, match=f"--max-logprobs must be an integer >= 0, or -1 .* got {value!r}"):
         LLM(str(llama_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, max_logprobs=value)
+
+
+def test_continue_final_message_and_chat_template_kwargs(llm):
+    """vLLM's chat options: continue_final_message leaves the last (assistant) message open, with no
+    end-of-turn marker or new turn after it; chat_template_kwargs are extra template variables."""
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "The answer is"}]
+    open_ids = llm.apply_chat_template(conv, continue_final_message=True)
+    assert tok.decode(open_ids).endswith("<|im_start|>assistant\nThe answer is")
+    closed = tok.decode(llm.apply_chat_template(conv))
+    assert closed.endswith("The answer is<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(llm.apply_chat_template(conv, add_generation_prompt=False)).endswith("The answer is<|im_end|>\n")
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt cannot both be true"):
+        llm.apply_chat_template(conv, add_generation_prompt=True, continue_final_message=True)
+    # LLM.chat generates from the open message.
+    out = llm.chat(conv, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False,
+                   continue_final_message=True)[0]
+    assert out.prompt_token_ids == open_ids and len(out.outputs[0].token_ids) == 3
+
+    template = "{% for m in messages %}{{ greeting }}, {{ m['content'] }}|{% endfor %}"
+    ids = llm.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template,
+                                  chat_template_kwargs={"greeting": "HELLO"})
+    assert tok.decode(ids) == "HELLO, hi|"
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set add_generation_prompt, tokenize: use"):
+        llm.apply_chat_template(conv, chat_template_kwargs={"tokenize": False, "add_generation_prompt": False})
+    with pytest.raises(ValueError, match="chat_template_kwargs must be an object of template variables, got list"):
+        llm.apply_chat_template(conv, chat_template_kwargs=["greeting"])

@@ -192,6 +192,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: leave the last message open for the model to continue (add_generation_prompt
+    # false); extra variables for the template (e.g. {"enable_thinking": false}).
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     # As vLLM without a tool-call parser: tools go to the chat template (the
     # model sees them in its prompt), tool_choice "none" (the default) only.
@@ -233,6 +237,8 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: also return each token's string (the tokenizer's own pieces, e.g. "ĠHello").
     return_token_strs: bool = False
     # With messages, as in a chat request (vLLM's tokenize takes both).

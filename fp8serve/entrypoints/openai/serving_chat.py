@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from fp8serve.entrypoints.chat_utils import template_options
 from fp8serve.entrypoints.openai.protocol import ChatCompletionRequest
 from fp8serve.entrypoints.openai.serving_common import (
     RequestError, RequestTimer, check_prompt, prompt_logprobs_json, random_id, resolve_max_tokens, sse,
     stream_safe_len, usage,
 )
+from fp8serve.errors import InvalidParameterError
 from fp8serve.sampling_params import SamplingParams, check_max_logprobs
 
 
@@ -25,10 +27,17 @@ class ChatServer:
             raise RequestError("this model has no chat template (the server takes one with --chat-template)",
                                param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        # add_generation_prompt counts as given only when the request sent it: its default (true)
+        # gives way to continue_final_message.
+        given = "add_generation_prompt" in request.model_fields_set
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                          tokenize=True, chat_template=template,
-                                          tools=getattr(request, "tools", None))
+            options = template_options(request.add_generation_prompt if given else None,
+                                       request.continue_final_message, request.chat_template_kwargs)
+        except InvalidParameterError as e:
+            raise RequestError(str(e), param=e.parameter) from None
+        try:
+            ids = tok.apply_chat_template(messages, tokenize=True, chat_template=template,
+                                          tools=getattr(request, "tools", None), **options)
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"chat template failed: {e}", param="messages") from None
         # transformers 5 returns a BatchEncoding-like mapping; older versions a list.

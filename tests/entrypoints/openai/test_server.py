@@ -470,6 +470,30 @@ def test_models_tokenize_detokenize(server, client, llm):
     assert chat.json()["tokens"] == ref and chat.json()["count"] == len(ref)
 
 
+def test_chat_continue_final_message_and_template_kwargs(server, llm):
+    """vLLM's chat fields, on /tokenize and /v1/chat/completions: the same prompt as LLM.chat."""
+    conv = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "The answer is"}]
+    ref = llm.apply_chat_template(conv, continue_final_message=True)
+    tok = _post(server, "/tokenize", {"model": MODEL, "messages": conv, "continue_final_message": True})
+    assert tok.status_code == 200, tok.text
+    assert tok.json()["tokens"] == ref
+    chat = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": conv, "continue_final_message": True,
+                                                 "add_generation_prompt": False, "max_tokens": 2,
+                                                 "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(ref)
+    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": conv,
+                                                        "continue_final_message": True, "add_generation_prompt": True}),
+                  400, "cannot both be true", param="continue_final_message")
+    template = "{% for m in messages %}{{ greeting }}, {{ m['content'] }}|{% endfor %}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template": template,
+            "chat_template_kwargs": {"greeting": "HELLO"}}
+    ids = _post(server, "/tokenize", body).json()["tokens"]
+    assert llm.get_tokenizer().decode(ids) == "HELLO, hi|"
+    _assert_error(_post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"tokenize": False}}),
+                  400, "chat_template_kwargs may not set tokenize", param="chat_template_kwargs")
+
+
 def test_generation_config_defaults_fill_unset_fields(tmp_path):
     """As vLLM's --generation-config auto: the model's generation_config.json (temperature 0,
     max_new_tokens 6) fills the fields a request leaves unset (greedy, 6 tokens: the offline
