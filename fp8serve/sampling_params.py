@@ -44,6 +44,8 @@ class SamplingParams:
     # False: token ids only (output text "", logprobs without decoded tokens), as vLLM's
     # detokenize=False; the offline benchmarks' --disable-detokenize.
     detokenize: bool = True
+    # vLLM's: keep only the prompt's last k tokens (left truncation); -1 = max_model_len.
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     # Added to the logits of these token ids before penalties and sampling (OpenAI's
     # logit_bias; -100 bans a token in practice, +100 all but forces it).
@@ -98,6 +100,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"{name} must be True or False, got {value!r}.")
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be an int in [1, {MAX_N}], got {self.n!r}.")
+        if self.truncate_prompt_tokens is not None:
+            _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         _check(self.temperature >= 0.0, "temperature", f"temperature must be non-negative, got {self.temperature}.")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         _check(
@@ -156,6 +160,21 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last truncate_prompt_tokens tokens (-1: max_model_len), or all of it. Checked
+    here too, as the server truncates before it builds the SamplingParams; a value above
+    max_model_len is refused, as vLLM does (it could never make a long prompt fit)."""
+    t = truncate_prompt_tokens
+    if t is None:
+        return token_ids
+    _check_truncate_prompt_tokens(t)
+    _check(t <= max_model_len, "truncate_prompt_tokens",
+           f"truncate_prompt_tokens {t} is more than max_model_len {max_model_len}; choose a smaller one (or -1 "
+           "for max_model_len).")
+    keep = max_model_len if t == -1 else t
+    return token_ids[-keep:]
+
+
 def check_max_logprobs(params: SamplingParams, max_logprobs: int) -> None:
     """The engine's bound (--max-logprobs) on logprobs and prompt_logprobs per position."""
     for name in ("logprobs", "prompt_logprobs"):
@@ -163,6 +182,11 @@ def check_max_logprobs(params: SamplingParams, max_logprobs: int) -> None:
         _check(value is None or value <= max_logprobs, name,
                f"{name}: requested {value} per position, more than max_logprobs {max_logprobs} (set by "
                "--max-logprobs)")
+
+
+def _check_truncate_prompt_tokens(value: object) -> None:
+    _check(_is_int(value) and (value >= 1 or value == -1), "truncate_prompt_tokens",
+           f"truncate_prompt_tokens must be an int >= 1, or -1 for max_model_len, got {value!r}.")
 
 
 def _is_int(value: object) -> bool:

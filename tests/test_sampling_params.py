@@ -1,6 +1,6 @@
 import pytest
 
-from fp8serve.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, check_max_logprobs
+from fp8serve.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, check_max_logprobs, truncate_prompt
 
 
 def test_defaults_match_vllm():
@@ -76,6 +76,10 @@ def test_greedy_forces_filters_off():
         (dict(ignore_eos="no"), "ignore_eos"),
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
         (dict(detokenize=0), "detokenize"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens"),
         (dict(detokenize=False, stop=["###"]), "stop"),
         (dict(stop=5), "stop"),
         (dict(stop_token_ids=5), "stop_token_ids"),
@@ -142,3 +146,17 @@ def test_logprobs_bound_is_the_engines():
         check_max_logprobs(SamplingParams(prompt_logprobs=3), 2)
     assert e.value.parameter == "prompt_logprobs"
     check_max_logprobs(SamplingParams(), 0)
+
+
+def test_truncate_prompt_keeps_the_last_tokens():
+    ids = list(range(100, 130))
+    assert truncate_prompt(ids, None, 64) == ids
+    assert truncate_prompt(ids, 5, 64) == ids[-5:]
+    assert truncate_prompt(ids, 30, 64) == ids and truncate_prompt(ids, 40, 64) == ids
+    assert truncate_prompt(ids, -1, 8) == ids[-8:]  # -1: max_model_len
+    with pytest.raises(ValueError, match="truncate_prompt_tokens 65 is more than max_model_len 64") as e:
+        truncate_prompt(ids, 65, 64)
+    assert e.value.parameter == "truncate_prompt_tokens"
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be an int >= 1, or -1"):
+            truncate_prompt(ids, bad, 64)

@@ -24,7 +24,7 @@ from fp8serve.engine.sequence import ParentRequest, Sequence
 from fp8serve.engine.tokenizer import check_text, eos_token_ids, load_tokenizer
 from fp8serve.errors import InvalidParameterError, UserError
 from fp8serve.outputs import CompletionOutput, Logprob, RequestOutput
-from fp8serve.sampling_params import SamplingParams, check_max_logprobs
+from fp8serve.sampling_params import SamplingParams, check_max_logprobs, truncate_prompt
 from fp8serve.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -131,6 +131,13 @@ class LLMEngine:
                                         f"{_describe(ids)} (convert tensors and arrays with .tolist())", "prompt")
         return text, list(ids)
 
+    def prompt_for(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """tokenize_prompt, then params.truncate_prompt_tokens (the text is dropped when the
+        tokens were cut: it would no longer be the prompt's)."""
+        text, ids = self.tokenize_prompt(prompt)
+        kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.config.model_config.max_model_len)
+        return (text if len(kept) == len(ids) else None), kept
+
     def validate_prompt(self, token_ids: list[int]) -> None:
         mc = self.config.model_config
         # InvalidParameterError is a ValueError too, as vLLM raises for these.
@@ -177,7 +184,7 @@ class LLMEngine:
         # Checked again here: fields may have been changed since construction
         # (n = 0, logprobs = 1000 would fail inside a step, taking the batch).
         params.validate()
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids = self.prompt_for(prompt, params)
         self.validate_prompt(ids)
         self.validate_params(params)
         request_id = request_id if request_id is not None else self.new_request_id()

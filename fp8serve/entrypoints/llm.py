@@ -141,9 +141,9 @@ class LLM:
         tokenized = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                text, token_ids = engine.tokenize_prompt(p)
-                engine.validate_prompt(token_ids)
                 sp.validate()
+                text, token_ids = engine.prompt_for(p, sp)
+                engine.validate_prompt(token_ids)
                 engine.validate_params(sp)
             except InvalidParameterError as e:
                 if len(prompts) == 1:

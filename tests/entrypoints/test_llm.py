@@ -512,3 +512,26 @@ def test_continue_final_message_and_chat_template_kwargs(llm):
         llm.apply_chat_template(conv, chat_template_kwargs={"tokenize": False, "add_generation_prompt": False})
     with pytest.raises(ValueError, match="chat_template_kwargs must be an object of template variables, got list"):
         llm.apply_chat_template(conv, chat_template_kwargs=["greeting"])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+    """vLLM's truncate_prompt_tokens: a prompt longer than max_model_len (64) runs on its last k
+    tokens, exactly as those tokens alone would; the text is dropped only when tokens were cut."""
+    long = [3 + (i * 7) % 500 for i in range(MAX_MODEL_LEN + 16)]
+    greedy = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match="more than --max-model-len 64"):
+        llm.generate(long, SamplingParams(**greedy), use_tqdm=False)
+    cut = llm.generate(long, SamplingParams(**greedy, truncate_prompt_tokens=10), use_tqdm=False)[0]
+    alone = llm.generate(long[-10:], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == long[-10:]
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = llm.generate(long, SamplingParams(**greedy, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == long[-MAX_MODEL_LEN:] and len(whole.prompt_token_ids) == MAX_MODEL_LEN
+    text = "The quick brown fox"
+    kept = llm.generate(text, SamplingParams(**greedy, truncate_prompt_tokens=MAX_MODEL_LEN), use_tqdm=False)[0]
+    assert kept.prompt == text
+    short = llm.generate(text, SamplingParams(**greedy, truncate_prompt_tokens=2), use_tqdm=False)[0]
+    assert short.prompt is None and len(short.prompt_token_ids) == 2
+    with pytest.raises(ValueError, match="truncate_prompt_tokens 65 is more than max_model_len 64"):
+        llm.generate(long, SamplingParams(**greedy, truncate_prompt_tokens=65), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

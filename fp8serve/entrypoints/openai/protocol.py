@@ -74,6 +74,8 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = None
+    # vLLM's: keep the prompt's last k tokens (-1: max_model_len) instead of refusing a long one.
+    truncate_prompt_tokens: int | None = None
 
     def _check_supported(self) -> None:
         """Refuse what would change the output's meaning and is not built:
@@ -130,6 +132,7 @@ class _SamplingFields(OpenAIBaseModel):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias=self._logit_bias(),
         )
 

@@ -12,7 +12,7 @@ from fp8serve.entrypoints.openai.serving_common import (
     stream_safe_len, usage,
 )
 from fp8serve.errors import InvalidParameterError
-from fp8serve.sampling_params import SamplingParams, check_max_logprobs
+from fp8serve.sampling_params import SamplingParams, check_max_logprobs, truncate_prompt
 
 
 class ChatServer:
@@ -47,6 +47,7 @@ class ChatServer:
         request.check_max_tokens()
         mc = self.state.engine.config.model_config
         ids = self.apply_chat_template(request)
+        ids = truncate_prompt(ids, request.truncate_prompt_tokens, mc.max_model_len)
         check_prompt(ids, mc.arch.vocab_size, mc.max_model_len, param="messages")
         defaults = mc.default_sampling_params
         budget = resolve_max_tokens(request.requested_max_tokens(), len(ids), mc.max_model_len, prompt_param="messages",

@@ -15,7 +15,7 @@ from fp8serve.entrypoints.openai.serving_common import (
     stream_safe_len, usage,
 )
 from fp8serve.outputs import RequestOutput
-from fp8serve.sampling_params import SamplingParams, check_max_logprobs
+from fp8serve.sampling_params import SamplingParams, check_max_logprobs, truncate_prompt
 
 
 @dataclass
@@ -49,6 +49,13 @@ class CompletionServer:
                 prompts.append(_Prompt(None, list(item)))
         return prompts
 
+    @staticmethod
+    def _truncated(p: _Prompt, truncate_prompt_tokens, max_model_len: int) -> _Prompt:
+        """truncate_prompt_tokens applied before the length checks (an echo then shows the kept
+        tokens' text, not the whole prompt's)."""
+        kept = truncate_prompt(p.token_ids, truncate_prompt_tokens, max_model_len)
+        return p if len(kept) == len(p.token_ids) else _Prompt(None, kept)
+
     def prepare(self, request: CompletionRequest) -> tuple[list[_Prompt], list[SamplingParams], bool]:
         if request.best_of not in (None, request.n):
             raise RequestError(f"best_of must equal n ({request.n}) or be left out: fp8serve returns every sample",
@@ -57,7 +64,8 @@ class CompletionServer:
             raise RequestError("suffix is not supported", param="suffix")
         request.check_max_tokens()
         mc = self.state.engine.config.model_config
-        prompts = self._prompts(request)
+        prompts = [self._truncated(p, request.truncate_prompt_tokens, mc.max_model_len)
+                   for p in self._prompts(request)]
         # Prompt-only: the engine samples one token (it always samples), which no response shows.
         hide_output = request.is_prompt_only
         params = []

@@ -494,6 +494,31 @@ def test_chat_continue_final_message_and_template_kwargs(server, llm):
                   400, "chat_template_kwargs may not set tokenize", param="chat_template_kwargs")
 
 
+def test_truncate_prompt_tokens(server, llm):
+    """vLLM's truncate_prompt_tokens on completions and chat: the last k prompt tokens, before the
+    length checks (a prompt over max_model_len is served); a bad value is a 400 naming the field."""
+    long = [3 + (i * 7) % 500 for i in range(MAX_MODEL_LEN + 10)]
+    body = {"model": MODEL, "prompt": long, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    _assert_error(_post(server, "/v1/completions", body), 400, param="prompt")
+    r = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 12, "echo": True})
+    assert r.status_code == 200, r.text
+    ref = llm.generate(long[-12:], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    choice = r.json()["choices"][0]
+    assert r.json()["usage"]["prompt_tokens"] == 12
+    assert choice["text"] == llm.get_tokenizer().decode(long[-12:]) + ref.outputs[0].text
+    conv = [{"role": "user", "content": "word " * 80}]
+    chat = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": conv, "max_tokens": 2,
+                                                 "truncate_prompt_tokens": 20})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == 20
+    for bad, fragment in ((0, "must be an int >= 1"), (MAX_MODEL_LEN + 1, "is more than max_model_len")):
+        _assert_error(_post(server, "/v1/completions", {**body, "truncate_prompt_tokens": bad}), 400, fragment,
+                      param="truncate_prompt_tokens")
+        _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": conv,
+                                                            "truncate_prompt_tokens": bad}),
+                      400, fragment, param="truncate_prompt_tokens")
+
+
 def test_generation_config_defaults_fill_unset_fields(tmp_path):
     """As vLLM's --generation-config auto: the model's generation_config.json (temperature 0,
     max_new_tokens 6) fills the fields a request leaves unset (greedy, 6 tokens: the offline
