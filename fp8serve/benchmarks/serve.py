@@ -16,7 +16,11 @@ reply's token count (`--output-len` overrides), filtered as vLLM does (the
 server's /tokenize counts the tokens).
 
 Per request: TTFT (send to first streamed chunk), ITL (gaps between chunks),
-TPOT ((E2E - TTFT) / (output tokens - 1)) and E2E latency.
+TPOT ((E2E - TTFT) / (output tokens - 1)) and E2E latency; the table gives the
+mean, median and `--metric-percentiles` of `--percentile-metrics`, and with
+`--goodput ttft:MS tpot:MS e2el:MS` the completed requests within every SLO
+per second. `--json` holds vLLM's result keys (mean_ttft_ms, p99_itl_ms,
+request_goodput, ttfts, itls, ...) next to fp8serve's own.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ _ID_POOL_TEXT = (
     "Weather, history, science, music, travel and sport are all common topics of conversation."
 )
 
+
+# The latency metrics, as vLLM names them: (key, table title, short name).
+METRICS = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+           ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL"))
+# vLLM's --goodput takes SLOs on these (ITL is per token, not per request).
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
 # Without --dataset-path: vLLM's random dataset at these lengths.
 DEFAULT_INPUT_LEN = 512
@@ -119,6 +129,61 @@ def _burstiness_arg(text: str) -> float:
     return value
 
 
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """vLLM's --metric-percentiles: comma-separated, each in (0, 100], e.g. "50,90,99"."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"expected comma-separated numbers such as 50,90,99, got {text!r}") from None
+        if not 0 < value <= 100:
+            raise ValueError(f"each percentile must be in (0, 100], got {item.strip()}")
+        values.append(value)
+    return tuple(values)
+
+
+def parse_metric_names(text: str) -> tuple[str, ...]:
+    """vLLM's --percentile-metrics: comma-separated names of ttft, tpot, itl, e2el."""
+    names = tuple(x.strip() for x in text.split(","))
+    known = [m for m, _, _ in METRICS]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ValueError(f"expected names from {','.join(known)}, got {text!r}")
+    return names
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """vLLM's --goodput: KEY:VALUE SLOs in milliseconds, KEY one of ttft, tpot, e2el."""
+    slos = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_METRICS:
+            raise ValueError(f"expected KEY:MILLISECONDS with KEY one of {', '.join(GOODPUT_METRICS)}, got {item!r}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: {value!r} is not a number of milliseconds") from None
+        if not (ms > 0 and math.isfinite(ms)):
+            raise ValueError(f"{item!r}: the SLO must be a finite number of milliseconds > 0")
+        slos[key] = ms
+    return slos
+
+
+def _parsed(parse):
+    def arg(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return arg
+
+
+def _goodput_item(text: str) -> str:
+    _parsed(parse_goodput)([text])
+    return text
+
+
 def _int_arg(minimum: int):
     """An argparse type: an integer >= `minimum`, so a bad count fails at parsing with the flag's name."""
     def parse(text: str) -> int:
@@ -181,6 +246,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "> 1 more even")
     p.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="most requests in flight at once (default: no limit); later ones wait for a slot")
+    p.add_argument("--percentile-metrics", type=_parsed(parse_metric_names), default=("ttft", "tpot", "itl", "e2el"),
+                   help="metrics the table gives percentiles of (default ttft,tpot,itl,e2el)")
+    p.add_argument("--metric-percentiles", type=_parsed(parse_percentiles), default=(99.0,),
+                   help="percentiles of each metric, e.g. 50,90,99 (default 99)")
+    p.add_argument("--goodput", nargs="+", type=_goodput_item, default=None, metavar="KEY:MS",
+                   help="SLOs for 'Request goodput', e.g. ttft:500 tpot:50 (KEY one of ttft, tpot, e2el; ms): "
+                        "completed requests within all of them, per second")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", dest="json_out", default=None, type=_output_path_arg,
@@ -322,7 +394,9 @@ def arrival_gaps(num: int, request_rate: float, burstiness: float, seed: int) ->
 async def benchmark(base_url: str, model: str | None, request_rate: float, num_prompts: int,
                     input_len: int | None = None, output_len: int | None = None, seed: int = 0,
                     api_key: str | None = None, random_prefix_len: int = 0, *, burstiness: float = 1.0,
-                    max_concurrency: int | None = None, dataset_path: str | None = None) -> dict:
+                    max_concurrency: int | None = None, dataset_path: str | None = None,
+                    percentiles: tuple[float, ...] = (99.0,), percentile_metrics: tuple[str, ...] | None = None,
+                    goodput: dict[str, float] | None = None) -> dict:
     """`dataset_path` given: ShareGPT conversations (input_len and random_prefix_len must be left
     unset); else random prompts of input_len (default 512) tokens. output_len: tokens per request
     (random default 256; ShareGPT default: the reply's)."""
@@ -396,20 +470,42 @@ async def benchmark(base_url: str, model: str | None, request_rate: float, num_p
                 await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration, dict(base_url=base_url, model=model, request_rate=request_rate,
-                                             burstiness=burstiness, max_concurrency=max_concurrency,
-                                             dataset_name="sharegpt" if sharegpt else "random",
-                                             dataset_path=dataset_path, num_prompts=num_prompts,
-                                             input_len=input_len, random_prefix_len=random_prefix_len,
-                                             output_len=output_len, seed=seed))
+    summary = summarize(results, duration, dict(base_url=base_url, model=model, request_rate=request_rate,
+                                                burstiness=burstiness, max_concurrency=max_concurrency,
+                                                dataset_name="sharegpt" if sharegpt else "random",
+                                                dataset_path=dataset_path, num_prompts=num_prompts,
+                                                input_len=input_len, random_prefix_len=random_prefix_len,
+                                                output_len=output_len, seed=seed),
+                        percentiles, goodput)
+    if percentile_metrics is not None:
+        summary["percentile_metrics"] = list(percentile_metrics)
+    return summary
 
 
-def _stats(values: list[float], scale: float) -> dict:
+def _label(p: float) -> str:
+    """99 -> "99", 99.9 -> "99.9": vLLM's names (p99_ttft_ms, "P99.9 TTFT")."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def _stats(values: list[float], scale: float, percentiles: tuple[float, ...] = (99.0,)) -> dict:
+    keys = ["mean", "median", "std"] + [f"p{_label(p)}" for p in sorted({99.0, *percentiles})]
     if not values:  # no successful request (or none with 2+ tokens): no latency, not a latency of 0
-        return {"mean": None, "median": None, "std": None, "p99": None}
+        return dict.fromkeys(keys)
     a = np.asarray(values) * scale
-    return {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std()),
-            "p99": float(np.percentile(a, 99))}
+    out = {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std())}
+    out.update({f"p{_label(p)}": float(np.percentile(a, p)) for p in sorted({99.0, *percentiles})})
+    return out
+
+
+def _tpot(r: RequestResult) -> float:
+    """Seconds per output token after the first; 0 for a one-token output (as vLLM counts it)."""
+    return (r.latency - r.ttft) / (r.output_len - 1) if r.output_len > 1 else 0.0
+
+
+def is_good(r: RequestResult, slos_ms: dict[str, float]) -> bool:
+    """A successful request within every SLO (vLLM's goodput)."""
+    values = {"ttft": r.ttft, "tpot": _tpot(r), "e2el": r.latency}
+    return r.success and all(values[k] * 1000 <= ms for k, ms in slos_ms.items())
 
 
 def saturated_output_throughput(results: list[RequestResult]) -> float | None:
@@ -437,12 +533,20 @@ def saturated_output_throughput(results: list[RequestResult]) -> float | None:
     return tokens / t_end if t_end > 0 else None
 
 
-def summarize(results: list[RequestResult], duration: float, config: dict) -> dict:
+def summarize(results: list[RequestResult], duration: float, config: dict,
+              percentiles: tuple[float, ...] = (99.0,), goodput: dict[str, float] | None = None) -> dict:
+    """The run's figures, as nested dicts (ttft_ms: {mean, median, std, p99, ...}) and as vLLM's
+    flat result keys (mean_ttft_ms, p99_ttft_ms, duration, request_goodput, ttfts, itls, ...) for
+    scripts written against vLLM's --save-result files."""
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
-    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
-    return {
+    tpots = [_tpot(r) for r in ok if r.output_len > 1]
+    values = {"ttft": [r.ttft for r in ok], "tpot": tpots, "itl": [x for r in ok for x in r.itl],
+              "e2el": [r.latency for r in ok]}
+    stats = {f"{m}_ms": _stats(values[m], 1000, percentiles) for m, _, _ in METRICS}
+    flat = {f"{k}_{m}_ms": v for m, _, _ in METRICS for k, v in stats[f"{m}_ms"].items()}
+    summary = {
         "config": config,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -455,13 +559,20 @@ def summarize(results: list[RequestResult], duration: float, config: dict) -> di
         "output_throughput": total_out / duration,
         "saturated_output_throughput": saturated_output_throughput(results),
         "total_token_throughput": (total_in + total_out) / duration,
-        "ttft_ms": _stats([r.ttft for r in ok], 1000),
-        "tpot_ms": _stats(tpots, 1000),
-        "itl_ms": _stats([x for r in ok for x in r.itl], 1000),
-        "e2el_ms": _stats([r.latency for r in ok], 1000),
+        **stats,
+        **flat,
+        "duration": duration,
+        "percentiles": [float(p) for p in percentiles],
+        "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_len for r in results],
+        "ttfts": [r.ttft for r in results],
+        "itls": [r.itl for r in results],
         "requests": [asdict(r) for r in results],
     }
+    if goodput:
+        summary["goodput_slos_ms"] = dict(goodput)
+        summary["request_goodput"] = sum(is_good(r, goodput) for r in results) / duration
+    return summary
 
 
 def format_results(s: dict) -> str:
@@ -481,16 +592,21 @@ def format_results(s: dict) -> str:
     row("Total input tokens:", s["total_input_tokens"])
     row("Total generated tokens:", s["total_output_tokens"])
     row("Request throughput (req/s):", s["request_throughput"])
+    if s.get("request_goodput") is not None:
+        row("Request goodput (req/s):", s["request_goodput"])
     row("Output token throughput (tok/s):", s["output_throughput"])
     row("Total Token throughput (tok/s):", s["total_token_throughput"])
-    for key, title, name in (("ttft_ms", "Time to First Token", "TTFT"),
-                             ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
-                             ("itl_ms", "Inter-token Latency", "ITL"),
-                             ("e2el_ms", "End-to-end Latency", "E2EL")):
+    metrics = s.get("percentile_metrics") or [m for m, _, _ in METRICS]
+    percentiles = s.get("percentiles") or [99.0]
+    for key, title, name in METRICS:
+        if key not in metrics:
+            continue
+        stats = s[f"{key}_ms"]
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
-        row(f"Mean {name} (ms):", s[key]["mean"])
-        row(f"Median {name} (ms):", s[key]["median"])
-        row(f"P99 {name} (ms):", s[key]["p99"])
+        row(f"Mean {name} (ms):", stats["mean"])
+        row(f"Median {name} (ms):", stats["median"])
+        for p in percentiles:
+            row(f"P{_label(p)} {name} (ms):", stats.get(f"p{_label(p)}"))
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -517,7 +633,10 @@ def run(args: argparse.Namespace) -> int:
                                         args.input_len, output_len, args.seed, args.api_key,
                                         args.random_prefix_len, burstiness=args.burstiness,
                                         max_concurrency=args.max_concurrency,
-                                        dataset_path=args.dataset_path if dataset == "sharegpt" else None))
+                                        dataset_path=args.dataset_path if dataset == "sharegpt" else None,
+                                        percentiles=args.metric_percentiles,
+                                        percentile_metrics=args.percentile_metrics,
+                                        goodput=parse_goodput(args.goodput) if args.goodput else None))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

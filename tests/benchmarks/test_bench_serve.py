@@ -411,3 +411,66 @@ def test_bench_serve_dataset_and_shape_errors_before_any_request(tmp_path, capsy
     for extra, message in cases:
         code, err = _bench(capsys, "--base-url", url, *extra)
         assert code == 2 and message in err, (extra, err)
+
+
+def test_summary_has_vllms_flat_keys_percentiles_and_goodput():
+    """vLLM's result fields (mean_ttft_ms, p90_tpot_ms, request_goodput, ttfts, ...) from the same
+    numbers as the nested ones; goodput counts the successful requests within every SLO."""
+    from fp8serve.benchmarks.serve import RequestResult, summarize
+
+    rs = [RequestResult(success=True, prompt_len=5, output_len=3, ttft=0.1, latency=0.3, itl=[0.1, 0.1]),
+          RequestResult(success=True, prompt_len=5, output_len=3, ttft=0.3, latency=0.9, itl=[0.3, 0.3]),
+          RequestResult(success=True, prompt_len=5, output_len=1, ttft=0.6, latency=0.6),
+          RequestResult(error="HTTP 500: x")]
+    s = summarize(rs, 2.0, {}, percentiles=(50.0, 90.0, 99.9), goodput={"ttft": 400.0, "tpot": 150.0})
+    assert s["mean_ttft_ms"] == pytest.approx(1000 * (0.1 + 0.3 + 0.6) / 3) == s["ttft_ms"]["mean"]
+    assert s["p90_ttft_ms"] == pytest.approx(np.percentile([100, 300, 600], 90))
+    assert s["p99.9_e2el_ms"] == pytest.approx(np.percentile([300, 900, 600], 99.9))
+    assert s["p99_itl_ms"] == s["itl_ms"]["p99"]  # p99 always there: the sweep's table reads it
+    assert s["median_tpot_ms"] == pytest.approx(200.0)  # (0.3-0.1)/2 and (0.9-0.3)/2: 100 and 300
+    # Good: the first (ttft 100, tpot 100); the second's tpot is 300, the third's ttft 600; the fourth failed.
+    assert s["request_goodput"] == pytest.approx(1 / 2.0)
+    assert s["duration"] == 2.0 and s["input_lens"] == [5, 5, 5, 0] and s["ttfts"][:3] == [0.1, 0.3, 0.6]
+    assert s["itls"][1] == [0.3, 0.3]
+    text = format_results(s)
+    assert f"{'Request goodput (req/s):':<40}0.50" in text
+    for label in ("P50 TTFT (ms):", "P90 TPOT (ms):", "P99.9 E2EL (ms):"):
+        assert label in text
+    assert "P99 TTFT (ms):" not in text
+    s["percentile_metrics"] = ["ttft"]
+    text = format_results(s)
+    assert "Mean TTFT (ms):" in text and "TPOT" not in text and "Inter-token Latency" not in text
+    # A one-token output has a TPOT of 0 (vLLM's), so a TPOT SLO alone does not fail it.
+    assert summarize(rs[2:3], 1.0, {}, goodput={"tpot": 1.0})["request_goodput"] == 1.0
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--goodput", "ttft", "expected KEY:MILLISECONDS with KEY one of ttft, tpot, e2el, got 'ttft'"),
+    ("--goodput", "itl:50", "KEY one of ttft, tpot, e2el"),
+    ("--goodput", "ttft:-5", "'ttft:-5': the SLO must be a finite number of milliseconds > 0"),
+    ("--goodput", "tpot:fast", "'fast' is not a number of milliseconds"),
+    ("--metric-percentiles", "50,101", "each percentile must be in (0, 100], got 101"),
+    ("--metric-percentiles", "p99", "expected comma-separated numbers"),
+    ("--percentile-metrics", "ttft,latency", "expected names from ttft,tpot,itl,e2el"),
+])
+def test_bench_serve_refuses_bad_slos_and_percentiles(capsys, flag, value, message):
+    code, err = _bench(capsys, "--base-url", "http://127.0.0.1:9", flag, value)
+    assert code == 2 and f"argument {flag}: " in err and message in err, err
+
+
+def test_bench_serve_goodput_and_percentiles_end_to_end(server_url, tmp_path, capsys):
+    from fp8serve.entrypoints.cli import main
+
+    out = tmp_path / "r.json"
+    capsys.readouterr()
+    code = main(["bench", "serve", "--base-url", server_url, "--num-prompts", "3", "--input-len", "6", "--output-len",
+                 "4", "--goodput", "ttft:600000", "e2el:600000", "--metric-percentiles", "50,90",
+                 "--percentile-metrics", "ttft,e2el", "--json", str(out)])
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # ten-minute SLOs: every request
+    assert r["goodput_slos_ms"] == {"ttft": 600000.0, "e2el": 600000.0}
+    assert r["p50_ttft_ms"] == pytest.approx(np.percentile(np.asarray(r["ttfts"]) * 1000, 50))
+    assert r["percentiles"] == [50.0, 90.0] and r["percentile_metrics"] == ["ttft", "e2el"]
+    printed = capsys.readouterr().out
+    assert "P90 E2EL (ms):" in printed and "TPOT" not in printed and "Request goodput (req/s):" in printed
