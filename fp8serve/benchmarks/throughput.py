@@ -120,14 +120,18 @@ def run(args: argparse.Namespace) -> int:
             what = f"the longest request of {what} at --random-range-ratio {args.random_range_ratio:g}"
         check_fits(config, max_random_total_len(input_len, output_len, args.random_range_ratio,
                                                 args.random_prefix_len), what, args.max_model_len)
+    if name == "sharegpt":
+        from fp8serve.engine.tokenizer import has_tokenizer_files
+
+        mc = config.model_config
+        if not has_tokenizer_files(mc.tokenizer or mc.model):
+            raise UserError(f"{mc.tokenizer or mc.model} has no tokenizer files to tokenize the ShareGPT "
+                            "conversations with: pass --tokenizer DIR")
     llm = LLM.from_engine_config(config)
     if name == "random":
         requests = random_requests(random_pool(llm), args.num_prompts, input_len, output_len,
                                    args.random_range_ratio, args.random_prefix_len, args.seed)
     else:
-        if llm.llm_engine.tokenizer is None:
-            raise UserError(f"{config.model_config.model} has no tokenizer files to tokenize the ShareGPT "
-                            "conversations with: pass --tokenizer DIR")
         requests = sharegpt_requests(pairs, llm.llm_engine.tokenizer, args.num_prompts, args.seed,
                                      args.output_len, config.model_config.max_model_len)
         if not requests:

@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from checkpoints import write_tiny_llama
+from checkpoints import read_config, write_tiny_llama
 
 from fp8serve.entrypoints import cli
 from fp8serve.entrypoints.llm import LLM
@@ -216,3 +216,22 @@ def test_disable_detokenize(model_dir, tmp_path, capsys, generate_calls, kind):
     for o in on:
         assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True).rstrip("\ufffd")
     assert all(o.outputs[0].text == "" and len(o.outputs[0].token_ids) == 4 for o in off)
+
+
+def test_checkpoint_without_tokenizer(tmp_path, capsys, monkeypatch, generate_calls):
+    """Random prompts need no tokenizer (the config's EOS is left out of them); ShareGPT text does,
+    and is refused before the weights load."""
+    bare = str(write_tiny_llama(tmp_path / "bare", with_tokenizer=False))
+    rc, _, err = run_main(bench("throughput", bare, "--num-prompts", "2", "--input-len", "30", "--output-len", "2"),
+                          capsys)
+    assert rc == 0, err
+    eos = read_config(bare)["eos_token_id"]
+    assert all(eos not in o.prompt_token_ids and len(o.prompt_token_ids) == 30 for o in generate_calls[0])
+    (tmp_path / "sg.json").write_text(json.dumps([{"conversations": [{"value": "a b c d e"}, {"value": "f g h i"}]}]))
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(LLM, "from_engine_config", no_load)
+    rc, _, err = run_main(bench("throughput", bare, "--dataset-path", str(tmp_path / "sg.json")), capsys)
+    assert rc == 2 and "has no tokenizer files to tokenize the ShareGPT conversations with: pass --tokenizer" in err
