@@ -144,6 +144,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: the tokenizer's special tokens (e.g. BOS) around a text prompt; false for a prompt
+    # that already carries them (a rendered chat template).
+    add_special_tokens: bool = True
 
     def check_max_tokens(self) -> None:
         """As vLLM: at least 1, or 0 with echo (a prompt-only request: the prompt scored, nothing

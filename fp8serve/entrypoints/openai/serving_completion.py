@@ -44,7 +44,7 @@ class CompletionServer:
             if isinstance(item, str):
                 if tok is None:
                     raise RequestError("this model has no tokenizer: send token ids as the prompt", param="prompt")
-                prompts.append(_Prompt(item, tok.encode(item, add_special_tokens=True)))
+                prompts.append(_Prompt(item, tok.encode(item, add_special_tokens=request.add_special_tokens)))
             else:
                 prompts.append(_Prompt(None, list(item)))
         return prompts
