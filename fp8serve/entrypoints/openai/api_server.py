@@ -124,8 +124,14 @@ class _GuardMiddleware:
             scope, receive, send)
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
+def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None) -> FastAPI:
+    # vLLM's --served-model-name NAME...: a request may name any; the first is the metrics' label
+    # and the name of a response to a request that names none.
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"served model names must be distinct and at least one, got {names}")
+    served_model_name = names[0]
     state = ServerState(engine, served_model_name, ServerMetrics(engine, served_model_name), api_key,
                         chat_template=chat_template)
     completions, chat = CompletionServer(state), ChatServer(state)
@@ -154,7 +160,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         return _error("; ".join(parts) or "invalid request", 400, param=param)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        if name is not None and name not in names:
             raise RequestError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
     async def respond(request: Request, body, server) -> Response:
@@ -188,8 +194,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def list_models():
         mc = engine.config.model_config
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": state.created, "owned_by": "fp8serve",
-            "root": mc.model, "parent": None, "max_model_len": mc.max_model_len}]}
+            "id": name, "object": "model", "created": state.created, "owned_by": "fp8serve",
+            "root": mc.model, "parent": None, "max_model_len": mc.max_model_len} for name in names]}
 
     @app.get("/health")
     async def health():

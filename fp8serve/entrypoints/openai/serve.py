@@ -38,8 +38,9 @@ def register(subparsers) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: MODEL as given, or the built-in model's name)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients use, as vLLM: requests may name any, responses and metrics use "
+                        "the first (default: MODEL as given, or the built-in model's name)")
     g.add_argument("--max-request-body-size", default=str(DEFAULT_MAX_BODY_BYTES),
                    help="larger request bodies get 413 (bytes, or e.g. 8MiB)")
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
@@ -125,13 +126,14 @@ def run(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     engine = AsyncLLMEngine.from_args(model, stall_timeout=args.stall_timeout, log_stats=not args.disable_log_stats,
                                       **engine_kwargs(args))
-    name = args.served_model_name or model or DEFAULT_MODEL_NAME
-    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=max_body, chat_template=chat_template)
+    names = args.served_model_name or [model or DEFAULT_MODEL_NAME]
+    name = names[0]
+    app = build_app(engine, names, api_key=args.api_key, max_body_bytes=max_body, chat_template=chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5, access_log=False)
     server = _draining_server_class()(config, app, engine, args.shutdown_timeout)
-    logger.info("serving %s at http://%s:%d (model name '%s')", model or DEFAULT_MODEL_NAME, args.host, args.port,
-                name)
+    logger.info("serving %s at http://%s:%d (model name%s %s)", model or DEFAULT_MODEL_NAME, args.host, args.port,
+                "s" if len(names) > 1 else "", ", ".join(f"'{n}'" for n in names))
     server.run()
     asyncio.run(engine.shutdown(drain_timeout=0))
     logger.info("server stopped")

@@ -73,7 +73,7 @@ class ChatServer:
                     "logprobs": self._logprobs(request, c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
         response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                    "model": self.state.model_name, "choices": choices,
+                    "model": request.model or self.state.model_name, "choices": choices,
                     "usage": usage(len(ids), sum(len(c.token_ids) for c in final.outputs))}
         if request.prompt_logprobs is not None:  # vLLM's place for them in a chat response
             response["prompt_logprobs"] = prompt_logprobs_json(ids, final.prompt_logprobs,
@@ -88,7 +88,7 @@ class ChatServer:
 
         def chunk(choices: list, **extra) -> str:
             return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": self.state.model_name, "choices": choices, **extra})
+                        "model": request.model or self.state.model_name, "choices": choices, **extra})
 
         opts = request.stream_options
         # vLLM's continuous_usage_stats: each chunk also carries the usage of

@@ -123,7 +123,8 @@ class CompletionServer:
                 num_completion += len(token_ids)
             num_prompt += len(p.token_ids)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.state.model_name, "choices": choices, "usage": usage(num_prompt, num_completion)}
+                "model": request.model or self.state.model_name, "choices": choices,
+                "usage": usage(num_prompt, num_completion)}
 
     async def stream(self, request: CompletionRequest, prepared) -> AsyncIterator[str]:
         prompts, params, hide_output = prepared
@@ -144,7 +145,7 @@ class CompletionServer:
 
         def chunk(choices: list, **extra) -> str:
             return sse({"id": request_id, "object": "text_completion", "created": created,
-                        "model": self.state.model_name, "choices": choices, **extra})
+                        "model": request.model or self.state.model_name, "choices": choices, **extra})
 
         async for i, out in self._outputs(request_id, prompts, params, hide_output):
             timers[i].on_output(out)

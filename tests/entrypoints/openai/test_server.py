@@ -940,3 +940,30 @@ def test_chat_max_completion_tokens_wins_over_the_deprecated_max_tokens(server, 
     for field in ("max_completion_tokens", "max_tokens"):
         _assert_error(_post(server, "/v1/chat/completions", {**chat, field: MAX_MODEL_LEN}), 400,
                       f"Please reduce the prompt or {field}.", param=field)
+
+
+def test_several_served_model_names(model_dir):
+    """vLLM's --served-model-name A B: requests may name either and get that name back; /v1/models
+    lists both; the metrics carry the first; any other name is a 404."""
+    s = ServerProcess(model_dir, "--served-model-name", "main-name", "alias")
+    try:
+        models = httpx.get(f"{s.url}/v1/models", timeout=60).json()["data"]
+        assert [m["id"] for m in models] == ["main-name", "alias"]
+        assert all(m["max_model_len"] == MAX_MODEL_LEN for m in models)
+        for name in ("main-name", "alias"):
+            r = httpx.post(f"{s.url}/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == name, r.text
+        chat = httpx.post(f"{s.url}/v1/chat/completions", timeout=60,
+                          json={"model": "alias", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert chat.json()["model"] == "alias"
+        unnamed = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert unnamed.json()["model"] == "main-name"
+        _assert_error(httpx.post(f"{s.url}/v1/completions", json={"model": "other", "prompt": "hi"}, timeout=60),
+                      404, "The model `other` does not exist", param="model")
+        metrics = httpx.get(f"{s.url}/metrics", timeout=60).text
+        assert 'model_name="main-name"' in metrics and 'model_name="alias"' not in metrics
+    finally:
+        rc, out = s.stop()
+    assert rc == 0, out
+    assert "(model names 'main-name', 'alias')" in out
