@@ -19,11 +19,10 @@ from fp8serve.benchmarks.offline import (
     check_fits,
     describe_run,
     engine_config,
-    output_json_arg,
     random_pool,
     write_json,
 )
-from fp8serve.benchmarks.serve import non_negative_int, positive_int
+from fp8serve.benchmarks.serve import non_negative_int, output_path_arg, positive_int
 from fp8serve.entrypoints.engine_args import add_engine_args
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -43,7 +42,7 @@ def register(subparsers) -> None:
     g.add_argument("--num-iters-warmup", type=non_negative_int, default=10,
                    help="untimed iterations first (default 10)")
     g.add_argument("--num-iters", type=positive_int, default=30, help="timed iterations (default 30)")
-    p.add_argument("--output-json", type=output_json_arg, default=None, metavar="FILE",
+    p.add_argument("--output-json", type=output_path_arg, default=None, metavar="FILE",
                    help="write the latencies here (vLLM's fields, and the engine's configuration)")
     p.set_defaults(func=run)
 

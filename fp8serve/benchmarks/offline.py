@@ -11,20 +11,10 @@ import platform
 import torch
 
 from fp8serve.benchmarks.datasets import ordinary_token_ids
-from fp8serve.benchmarks.serve import check_output_path
 from fp8serve.config import EngineConfig
 from fp8serve.entrypoints.engine_args import engine_kwargs
 from fp8serve.entrypoints.llm import LLM
 from fp8serve.errors import UserError
-
-
-def output_json_arg(text: str) -> str:
-    """--output-json: a file that can be written, checked at parsing (not after a long run)."""
-    try:
-        check_output_path(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -117,15 +117,12 @@ def check_burstiness(value: float) -> None:
         raise ValueError(f"must be a finite number > 0 (1 = Poisson), got {value:g}")
 
 
-def _burstiness_arg(text: str) -> float:
+def parse_burstiness(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    try:
-        check_burstiness(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise ValueError(f"expected a number, got {text!r}") from None
+    check_burstiness(value)
     return value
 
 
@@ -214,7 +211,8 @@ def check_output_path(path: str) -> None:
         raise ValueError(f"cannot write {path!r}: permission denied")
 
 
-def _output_path_arg(text: str) -> str:
+def output_path_arg(text: str) -> str:
+    """An argparse type: a file that can be written, checked at parsing (not after a long run)."""
     try:
         check_output_path(text)
     except ValueError as e:
@@ -241,7 +239,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", choices=("random", "sharegpt"), default=None,
                    help="random (default without --dataset-path) or sharegpt (the default with one)")
     p.add_argument("--dataset-path", default=None, metavar="FILE", help="a ShareGPT JSON file")
-    p.add_argument("--burstiness", type=_burstiness_arg, default=1.0,
+    p.add_argument("--burstiness", type=_parsed(parse_burstiness), default=1.0,
                    help="arrival shape at --request-rate: gamma-distributed gaps, 1 = Poisson, < 1 burstier, "
                         "> 1 more even")
     p.add_argument("--max-concurrency", type=positive_int, default=None,
@@ -255,7 +253,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "completed requests within all of them, per second")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--json", dest="json_out", default=None, type=_output_path_arg,
+    p.add_argument("--json", dest="json_out", default=None, type=output_path_arg,
                    help="write the results and per-request data here")
 
 

@@ -31,11 +31,10 @@ from fp8serve.benchmarks.offline import (
     check_fits,
     describe_run,
     engine_config,
-    output_json_arg,
     random_pool,
     write_json,
 )
-from fp8serve.benchmarks.serve import non_negative_int, positive_int
+from fp8serve.benchmarks.serve import non_negative_int, output_path_arg, positive_int
 from fp8serve.entrypoints.engine_args import add_engine_args
 from fp8serve.errors import UserError
 
@@ -83,7 +82,7 @@ def register(subparsers) -> None:
     p.add_argument("--n", type=positive_int, default=1, help="samples per prompt")
     p.add_argument("--disable-detokenize", action="store_true",
                    help="token ids only: leave the detokenizer out of the timed run")
-    p.add_argument("--output-json", type=output_json_arg, default=None, metavar="FILE",
+    p.add_argument("--output-json", type=output_path_arg, default=None, metavar="FILE",
                    help="write the results here (vLLM's fields, and the engine's configuration)")
     p.set_defaults(func=run)
 

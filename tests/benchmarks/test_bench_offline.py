@@ -10,22 +10,14 @@ import re
 import numpy as np
 import pytest
 from checkpoints import read_config, write_tiny_llama
+from cli_runs import run_main
 
-from fp8serve.entrypoints import cli
 from fp8serve.entrypoints.llm import LLM
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(write_tiny_llama(tmp_path_factory.mktemp("offline") / "llama"))
-
-
-def run_main(argv, capsys) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:  # argparse
-        rc = e.code
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
 
 
 def bench(kind: str, model: str, *extra: str) -> list[str]:

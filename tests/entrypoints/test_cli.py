@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import write_tiny_llama
+from cli_runs import run_main
 
 from fp8serve.entrypoints import cli
 
@@ -111,15 +112,6 @@ def test_unknown_kv_cache_dtype(results):
 
 def case(extra: list[str], expected: list[str]):
     return pytest.param(extra, expected, id=" ".join(extra))
-
-
-def run_main(argv, capsys) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:  # argparse
-        rc = e.code
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
 
 
 def test_prompt_longer_than_max_model_len(model_dir, capsys):
