@@ -41,15 +41,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Added to the logits of these token ids before penalties and sampling (OpenAI's
+    # logit_bias; -100 bans a token in practice, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     # False: token ids only (output text "", logprobs without decoded tokens), as vLLM's
     # detokenize=False; the offline benchmarks' --disable-detokenize.
     detokenize: bool = True
     # vLLM's: keep only the prompt's last k tokens (left truncation); -1 = max_model_len.
     truncate_prompt_tokens: int | None = None
-    include_stop_str_in_output: bool = False
-    # Added to the logits of these token ids before penalties and sampling (OpenAI's
-    # logit_bias; -100 bans a token in practice, +100 all but forces it).
-    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -182,7 +182,7 @@ class LLMEngine:
                                         "sampling_params")
         params = copy.deepcopy(params) if params is not None else SamplingParams()
         # Checked again here: fields may have been changed since construction
-        # (n = 0, logprobs = 1000 would fail inside a step, taking the batch).
+        # (n = 0 would fail inside a step, taking the batch).
         params.validate()
         text, ids = self.prompt_for(prompt, params)
         self.validate_prompt(ids)
