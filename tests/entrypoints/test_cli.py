@@ -153,6 +153,8 @@ def test_kv_cache_larger_than_the_machine(model_dir, capsys):
         (["--max-request-body-size", "0"], "--max-request-body-size must be at least 1 byte"),
         (["--model", "/elsewhere"], "two models given"),
         (["--uvicorn-log-level", "bogus"], "invalid choice: 'bogus'"),
+        (["--served-model-name", "a", "b", "a"], "--served-model-name: 'a' given twice; give distinct"),
+        (["--served-model-name", " "], "--served-model-name: an empty name"),
     ],
 )
 def test_serve_flags_are_checked_before_the_model_loads(model_dir, capsys, extra, expected):

@@ -123,10 +123,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-request-body-size: {e}") from None
     if max_body < 1:
         raise UserError(f"--max-request-body-size must be at least 1 byte, got {args.max_request_body_size!r}")
+    names = args.served_model_name or [model or DEFAULT_MODEL_NAME]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated or not all(n.strip() for n in names):
+        what = f"{', '.join(map(repr, repeated))} given twice" if repeated else "an empty name"
+        raise UserError(f"--served-model-name: {what}; give distinct, non-empty names")
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     engine = AsyncLLMEngine.from_args(model, stall_timeout=args.stall_timeout, log_stats=not args.disable_log_stats,
                                       **engine_kwargs(args))
-    names = args.served_model_name or [model or DEFAULT_MODEL_NAME]
     name = names[0]
     app = build_app(engine, names, api_key=args.api_key, max_body_bytes=max_body, chat_template=chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
