@@ -167,7 +167,8 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return slos
 
 
-def _parsed(parse):
+def parse_args_of(parse):
+    """An argparse type from a parser that raises ValueError: the message becomes argparse's."""
     def arg(text: str):
         try:
             return parse(text)
@@ -177,7 +178,7 @@ def _parsed(parse):
 
 
 def _goodput_item(text: str) -> str:
-    _parsed(parse_goodput)([text])
+    parse_args_of(parse_goodput)([text])
     return text
 
 
@@ -239,14 +240,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", choices=("random", "sharegpt"), default=None,
                    help="random (default without --dataset-path) or sharegpt (the default with one)")
     p.add_argument("--dataset-path", default=None, metavar="FILE", help="a ShareGPT JSON file")
-    p.add_argument("--burstiness", type=_parsed(parse_burstiness), default=1.0,
+    p.add_argument("--burstiness", type=parse_args_of(parse_burstiness), default=1.0,
                    help="arrival shape at --request-rate: gamma-distributed gaps, 1 = Poisson, < 1 burstier, "
                         "> 1 more even")
     p.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="most requests in flight at once (default: no limit); later ones wait for a slot")
-    p.add_argument("--percentile-metrics", type=_parsed(parse_metric_names), default=("ttft", "tpot", "itl", "e2el"),
+    p.add_argument("--percentile-metrics", type=parse_args_of(parse_metric_names),
+                   default=("ttft", "tpot", "itl", "e2el"),
                    help="metrics the table gives percentiles of (default ttft,tpot,itl,e2el)")
-    p.add_argument("--metric-percentiles", type=_parsed(parse_percentiles), default=(99.0,),
+    p.add_argument("--metric-percentiles", type=parse_args_of(parse_percentiles), default=(99.0,),
                    help="percentiles of each metric, e.g. 50,90,99 (default 99)")
     p.add_argument("--goodput", nargs="+", type=_goodput_item, default=None, metavar="KEY:MS",
                    help="SLOs for 'Request goodput', e.g. ttft:500 tpot:50 (KEY one of ttft, tpot, e2el; ms): "

@@ -34,7 +34,7 @@ from fp8serve.benchmarks.offline import (
     random_pool,
     write_json,
 )
-from fp8serve.benchmarks.serve import non_negative_int, output_path_arg, positive_int
+from fp8serve.benchmarks.serve import non_negative_int, output_path_arg, parse_args_of, positive_int
 from fp8serve.entrypoints.engine_args import add_engine_args
 from fp8serve.errors import UserError
 
@@ -46,13 +46,12 @@ DATASET_NAMES = ("random", "sharegpt")
 DEFAULT_NUM_PROMPTS = 64
 
 
-def _range_ratio_arg(text: str) -> float:
+def parse_range_ratio(text: str) -> float:
     try:
         ratio = float(text)
-        check_range_ratio(ratio)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e) if "[0, 1)" in str(e) else f"expected a number, got {text!r}") \
-            from None
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+    check_range_ratio(ratio)
     return ratio
 
 
@@ -68,7 +67,7 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", "--random-output-len", dest="output_len", type=positive_int, default=None,
                    help="tokens to generate per request (random: default 128; sharegpt: default the reply's "
                         "length)")
-    g.add_argument("--random-range-ratio", type=_range_ratio_arg, default=0.0,
+    g.add_argument("--random-range-ratio", type=parse_args_of(parse_range_ratio), default=0.0,
                    help="random: lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1 (default 0: exact)")
     g.add_argument("--random-prefix-len", "--prefix-len", dest="random_prefix_len", type=non_negative_int,
                    default=0, help="random: tokens of one random prefix shared by every prompt")

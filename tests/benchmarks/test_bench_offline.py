@@ -143,18 +143,19 @@ def test_throughput_refuses_before_loading(model_dir, tmp_path, capsys, monkeypa
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("kind, flag, value", [
-    ("throughput", "--random-range-ratio", "1"),
-    ("throughput", "--num-prompts", "0"),
-    ("throughput", "--output-json", "/no/such/dir/x.json"),
-    ("latency", "--num-iters", "0"),
-    ("latency", "--num-iters-warmup", "-1"),
-    ("latency", "--batch-size", "0"),
+@pytest.mark.parametrize("kind, flag, value, message", [
+    ("throughput", "--random-range-ratio", "1", "must be in [0, 1), got 1"),
+    ("throughput", "--random-range-ratio", "abc", "expected a number, got 'abc'"),
+    ("throughput", "--num-prompts", "0", "must be >= 1, got 0"),
+    ("throughput", "--output-json", "/no/such/dir/x.json", "folder '/no/such/dir' of '/no/such/dir/x.json' does not"),
+    ("latency", "--num-iters", "0", "must be >= 1, got 0"),
+    ("latency", "--num-iters-warmup", "-1", "must be >= 0, got -1"),
+    ("latency", "--batch-size", "0", "must be >= 1, got 0"),
 ])
-def test_bad_flags_are_refused_at_parsing(model_dir, capsys, kind, flag, value):
+def test_bad_flags_are_refused_at_parsing(model_dir, capsys, kind, flag, value, message):
     rc, _, err = run_main(bench(kind, model_dir, flag, value), capsys)
     assert rc == 2
-    assert f"argument {flag}" in err
+    assert f"argument {flag}: {message}" in err, err
 
 
 def test_latency_times_the_batch(model_dir, tmp_path, capsys, generate_calls):
