@@ -228,7 +228,6 @@ def read_hf_config(model_dir: str | os.PathLike) -> tuple[dict, Path]:
         # copied: a checkpoint written from this dict (calibrate --out-checkpoint) has one block.
         logger.info("%s: reading compression_config as the quantization_config (older compressed-tensors "
                     "checkpoints name it so)", cfg_path)
-        cfg.pop("quantization_config", None)
         cfg["quantization_config"] = cfg.pop("compression_config")
     return cfg, cfg_path
 

@@ -131,7 +131,6 @@ def run(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     engine = AsyncLLMEngine.from_args(model, stall_timeout=args.stall_timeout, log_stats=not args.disable_log_stats,
                                       **engine_kwargs(args))
-    name = names[0]
     app = build_app(engine, names, api_key=args.api_key, max_body_bytes=max_body, chat_template=chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5, access_log=False)
