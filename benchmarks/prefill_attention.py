@@ -218,14 +218,17 @@ def main(argv: list[str] | None = None) -> int:
                         f"{t_sdpa / t:.2f}x"]
             emit("| " + " | ".join(row) + " |")
     emit()
+    def prompts(tokens: int) -> str:
+        return "every prompt" if tokens <= 1 else f"prompts averaging >= {tokens} tokens"
+
     def min_tokens(n: str) -> str:
         if n != "bfloat16":
-            return f"{MIN_MEAN_PROMPT_TOKENS} tokens"
+            return prompts(MIN_MEAN_PROMPT_TOKENS)
         if amx_available():
-            return f"{MIN_MEAN_PROMPT_TOKENS_AMX} tokens, the AMX kernel"
-        return f"{MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR} tokens, the vector kernel: no AMX here"
+            return f"{prompts(MIN_MEAN_PROMPT_TOKENS_AMX)}, the AMX kernel"
+        return f"{prompts(MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR)}, the vector kernel: no AMX here"
 
-    where = [f"{n} (prompts averaging >= {min_tokens(n)})" for n in args.dtypes if applies(DTYPES[n], 1 << 20, 1)]
+    where = [f"{n} ({min_tokens(n)})" for n in args.dtypes if applies(DTYPES[n], 1 << 20, 1)]
     emit("The engine runs a kernel for fresh prefills in: " + (", ".join(where) or "none of these dtypes")
          + " (fp8serve/kernels/prefill_attention_ops.py `applies`); SDPA otherwise.")
     if not args.no_save:

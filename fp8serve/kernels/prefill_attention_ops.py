@@ -12,20 +12,29 @@ no padding to the longest prompt, GQA groups share each K/V load.
 torch's SDPA, measured with `benchmarks/prefill_attention.py`:
 - float32 (the dtype `--dtype auto` picks on CPUs without AMX/AVX512-BF16),
   where torch's CPU flash kernel reaches about a third of the matmul peak,
-  for prompts of 64 tokens or more on average: at 16 x 32 tokens SDPA was
-  faster (0.33 vs 0.43 ms), at 16 x 64 they tied, from 128 tokens the
-  kernel won (1.4x at 1 x 128, 1.7x at 1 x 512);
+  at every prompt length. From 128 tokens the kernel won on a Zen 4 (1.4x
+  at 1 x 128, 1.7x at 1 x 512); at 16 x 32 SDPA was faster there (0.33 vs
+  0.43 ms) and they tied at 16 x 64, which on an AVX2-only Zen 2 the kernel
+  ran 1.31-1.58x as fast. Below 16 tokens the two are within noise on the
+  Zen 2 (SDPA / kernel 0.76-1.08x in one run, 0.95-1.46x in another,
+  results/prefill_attention_small_2026-12-05_zen2.md): at most ~0.15 ms a
+  layer, well under 1% of such a step's linear layers, paid so that every float32 prefill, fresh or
+  continuing a cached prefix (the kernel's context form), computes each row
+  in the same order. Torch's SDPA does not: a prompt's first rows came out
+  an ulp or so apart when the prompt was 14 tokens long rather than 16, so
+  prefix caching changed the output in the last bits, and where the cache is
+  FP8, now and then a stored code (tests/engine/test_prefix_caching.py);
 - bf16 on CPUs with AMX (where `--dtype auto` picks bf16), for prompts of
   8 tokens or more on average: 1.28x at 64 x 8, 1.13x at 16 x 32, 1.00x at
   16 x 64, 1.38x at 1 x 128, 1.76x at 1 x 512, 1.56x at 1 x 2048, 1.32x at
   8 x 256, 1.38x at 4 x 1024 (results/prefill_attention_2026-11-30_stop15.md);
 - bf16 on CPUs without AMX (`--dtype auto` picks bf16 where its matmul
   measures faster, as with AVX512-BF16), the vector kernel (bf16 widened to
-  float32 in registers), for prompts of 8 tokens or more on average: torch's
-  SDPA has no AMX to use there, and on an AMD Zen 4 guest the kernel ran
-  1.61-2.42x as fast in every cell from 64 x 8 to 1 x 2048
-  (results/prefill_attention_2026-11-30_stop19_zen4.md; not measured on
-  AVX2-only CPUs).
+  float32 in registers), at every prompt length: torch's SDPA has no AMX to
+  use there; on an AMD Zen 4 guest the kernel ran 1.61-2.42x as fast in
+  every cell from 64 x 8 to 1 x 2048
+  (results/prefill_attention_2026-11-30_stop19_zen4.md), and on the AVX2-only
+  Zen 2 1.05-2.15x from 1 x 1 to 64 x 8.
   With AMX, head sizes the AMX kernel cannot take stay on SDPA, which uses AMX.
 """
 
@@ -42,10 +51,10 @@ from fp8serve.kernels.cpu_ops import load_cpu_ops
 _PATHS = {"best": 0, "avx2": 1, "avx512": 2, "scalar": 3, "bf16dot": 4}
 BEST_PATH = _PATHS["best"]  # for callers of the C++ ops themselves (the engine's backend)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Below these mean prompt lengths per sequence SDPA is as fast or faster.
-MIN_MEAN_PROMPT_TOKENS = 64  # float32, the vector kernel
-MIN_MEAN_PROMPT_TOKENS_AMX = 8  # bf16, the AMX kernel
-MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR = 8  # bf16 without AMX, the vector kernel (shortest measured: 64 x 8)
+# Mean prompt lengths per sequence from which a kernel replaces SDPA (see the docstring).
+MIN_MEAN_PROMPT_TOKENS = 1  # float32, the vector kernel: every prompt (the same row order, cached prefix or not)
+MIN_MEAN_PROMPT_TOKENS_AMX = 8  # bf16, the AMX kernel: below it SDPA, which uses AMX too, is as fast or faster
+MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR = 1  # bf16 without AMX, the vector kernel: faster at every measured length
 
 
 def is_available() -> bool:

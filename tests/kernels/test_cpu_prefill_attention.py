@@ -143,22 +143,22 @@ def test_rejects_bad_inputs(ops, seed):
 
 
 def test_engine_uses_it_where_it_was_measured_faster(ops):
-    from fp8serve.kernels.prefill_attention_ops import (MIN_MEAN_PROMPT_TOKENS, MIN_MEAN_PROMPT_TOKENS_AMX,
-                                                        MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR, amx_available,
-                                                        applies)
+    from fp8serve.kernels.prefill_attention_ops import (MIN_MEAN_PROMPT_TOKENS_AMX, amx_available, applies,
+                                                        applies_with_context)
 
-    assert applies(torch.float32, MIN_MEAN_PROMPT_TOKENS * 4, 4)
-    assert not applies(torch.float32, MIN_MEAN_PROMPT_TOKENS * 4 - 1, 4), "short prompts: SDPA is faster"
+    # float32: every prompt, one token long included, fresh or continuing a cached context, so that a
+    # row's sums do not depend on the prompt's length (SDPA's do: see the module's docstring).
+    assert applies(torch.float32, 4, 4) and applies(torch.float32, 1, 1) and applies(torch.float32, 4096, 1)
+    assert applies_with_context(torch.float32, 5, 5)
     if amx_available():
         # bf16: the AMX kernel for prompts of 8+ tokens on average; SDPA (on AMX) for other head sizes.
         assert applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4, 4)
         assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4 - 1, 4)
         assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_AMX * 4, 4, head_size=80), "AMX needs % 32"
     else:
-        # bf16 without AMX: the vector kernel for prompts of 8+ tokens on average, any head size.
-        assert applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR * 4, 4)
-        assert applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR * 4, 4, head_size=80)
-        assert not applies(torch.bfloat16, MIN_MEAN_PROMPT_TOKENS_BF16_VECTOR * 4 - 1, 4)
+        # bf16 without AMX: the vector kernel for every prompt (faster at every length measured), any head size.
+        assert applies(torch.bfloat16, 4, 4) and applies(torch.bfloat16, 1, 1)
+        assert applies(torch.bfloat16, 4, 4, head_size=80)
     assert not applies(torch.float16, 1 << 20, 1)
 
 

@@ -3,8 +3,8 @@ each sequence's K/V straight from its blocks in the storage format (FP8
 included) instead of gathering and dequantizing a padded copy. Fresh
 prefills (no cached context) run the C++ causal prefill kernel over the
 step's own K/V (as stored: decoded FP8 where the cache is lossy), packed
-varlen, where kernels/prefill_attention_ops.py measured it faster (float32
-prompts of 64+ tokens on average, bf16 of 8+). Prefills that continue a
+varlen, where kernels/prefill_attention_ops.py says (float32 and bf16
+without AMX: every prompt; bf16 on AMX: 8+ tokens on average). Prefills that continue a
 cached context (prefix caching) run the same kernel's context form over the
 context read back from the cache, where the same rule holds for contexts
 plus new tokens and the compute dtype is not bf16 on AMX: the rows come out
