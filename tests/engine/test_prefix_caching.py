@@ -43,6 +43,18 @@ def generated_logprobs(out) -> list[float]:
     return [lp[t].logprob for t, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
 
 
+def assert_moved_less_than_fp8_storage(ours: dict, reference: dict, float32_kv: dict, context) -> None:
+    """`ours` and `reference` ran with one FP8 KV cache and differ only in float32 rounding before
+    some K/V writes (another batch composition or sum order), which now and then moves a value across
+    a rounding midpoint to the neighbouring FP8 code (one e4m3 code is 1/8 of the value, an ulp of
+    float32 2^-23). So no float32 tolerance holds; what does: the same tokens, and logprobs no further
+    from the reference than FP8 storage itself moves them (the reference against a float32 cache on
+    each request's first token, the same prompt either way). Reading wrong blocks moves them further."""
+    fp8_effect = max(abs(generated_logprobs(ref)[0] - generated_logprobs(float32_kv[rid])[0])
+                     for rid, ref in reference.items())
+    assert_same_generation(ours, reference, max(2e-5, fp8_effect), (context, fp8_effect))
+
+
 def run_one_at_a_time(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
     finished = {}
     for i, prompt in enumerate(prompts):
@@ -273,7 +285,13 @@ def test_mixtral_shares_prefixes_too(tmp_path, kv_cache_dtype, seed):
     reference = run_one_at_a_time(make_engine(model, prefix_caching=False, kv_cache_dtype=kv_cache_dtype), prompts,
                                   params)
     assert engine.block_manager.prefix_cache_hits == 2 * 12
-    assert_same_generation(cached, reference, 2e-5, seed)
+    if kv_cache_dtype == "auto":
+        assert_same_generation(cached, reference, 2e-5, seed)
+    else:
+        # Each expert runs the rows routed to it, as many as the prompt sends it: 1-2 rows take another sum
+        # order in the linear layers (see the tail test above), so an FP8 code can flip (2 seeds of 300).
+        float32_kv = run_one_at_a_time(make_engine(model, prefix_caching=False), prompts, params)
+        assert_moved_less_than_fp8_storage(cached, reference, float32_kv, seed)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
@@ -306,4 +324,9 @@ def test_decode_steps_attend_the_shared_blocks_once(model_dir, kv_cache_dtype, s
     # One prefill step, then 5 decode steps of all five requests over their 20 shared tokens (a
     # step that records the decode forward runs the layers' ops once more).
     assert prefix_phases[0] == 0 and prefix_phases[2] >= 5 * num_layers, (prefix_phases, seed)
-    assert_same_generation(results[2], results[0], 1e-4, seed)
+    if kv_cache_dtype == "auto":
+        assert_same_generation(results[2], results[0], 1e-4, seed)
+    else:
+        # The decode steps' attention sums differ, so the K/V a step writes can sit a code apart (1 seed of 300).
+        float32_kv = run(make_engine(model_dir, prefix_caching=True), requests)
+        assert_moved_less_than_fp8_storage(results[2], results[0], float32_kv, seed)
