@@ -70,8 +70,10 @@ def simulate(num_blocks: int, num_prompts: int = 48, input_len: int = 256, outpu
                       BlockManager(num_blocks, block_size), reserve_growth=policy == "reserve")
     rng = random.Random(seed)
     lengths: dict[str, int] = {}
+    # Outputs that all run to max_tokens ignore EOS (as the engine's benchmarks ask); shorter ones model EOS stops.
+    ignore_eos = min_output_len is None and (max_tokens or output_len) == output_len
     for i in range(num_prompts):
-        params = SamplingParams(max_tokens=max_tokens or output_len, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens or output_len, ignore_eos=ignore_eos)
         sched.add(Sequence(f"sim-{i}", list(range(input_len)), params))
         lengths[f"sim-{i}"] = output_len if min_output_len is None else rng.randint(min_output_len, output_len)
     t, tokens, steps, batch_sum = 0.0, 0, 0, 0

@@ -31,6 +31,16 @@ Numbers: benchmarks/results/scheduler_reserve_2026-12-01_zen4.md (the
 scheduler replayed with this machine's step times, benchmarks/scheduler_sim.py
 --policy) and kv_saturation_engine_2026-12-01_zen4_admission.md (the engine).
 
+Requests that only their budget can end
+(ignore_eos, no stop strings or stop token ids: benchmarks, fixed-length
+generation) reserve all of it from the start, and min_tokens is a floor:
+with 0.7 before any request finished, the first wave of the KV-limited
+workload overran the cache and preempted 1 (bf16) and 3 (FP8) sequences,
+each a prompt and its output prefilled again; reserving what they will
+certainly generate ran it without one, 1.03-1.05x FP8 / bf16 output tok/s
+where it was 0.97-0.98x (AVX2 Zen 2 guest,
+benchmarks/results/kv_saturation_engine_2026-12-05_zen2_certain.md).
+
 With prefix caching (block_manager.py), a waiting sequence shares the
 registered blocks of its longest cached prefix and only its new tokens count
 against the step's token budget; fresh prompts go first in the step, so the
@@ -154,10 +164,24 @@ class Scheduler:
         max_tokens = seq.sampling_params.max_tokens
         return room if max_tokens is None else min(room, max_tokens)
 
+    def certain_output(self, seq: Sequence) -> int:
+        """Tokens `seq` will generate whatever it samples: its whole budget where only the budget can end
+        it (ignore_eos without stop strings or stop token ids), else its min_tokens (no stop is honoured
+        before them), within the budget. An abort can still end it sooner."""
+        p = seq.sampling_params
+        budget = self.output_budget(seq)
+        if p.ignore_eos and not p.stop and not p.stop_token_ids:
+            return budget
+        return min(p.min_tokens, budget)
+
     def expected_growth(self, seq: Sequence, ratio: float | None = None) -> int:
-        """Tokens to keep free for `seq`: `ratio` (default reserve_ratio) of its budget less what it
-        has generated, at most RESERVE_MAX_TOKENS_PER_SEQ."""
+        """Tokens to keep free for `seq`: `ratio` (default reserve_ratio) of its budget, or what it will
+        certainly generate where that is more, less what it has generated, at most
+        RESERVE_MAX_TOKENS_PER_SEQ; nothing without the reservation."""
+        if not self.reserve_growth:
+            return 0
         expected = math.ceil((self.reserve_ratio if ratio is None else ratio) * self.output_budget(seq))
+        expected = max(expected, self.certain_output(seq))
         return min(RESERVE_MAX_TOKENS_PER_SEQ, max(0, expected - len(seq.output_token_ids)))
 
     def growth_reserve(self, tokens: int) -> int:

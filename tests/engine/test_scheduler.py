@@ -473,6 +473,52 @@ def test_budget_and_expected_growth():
     assert off.reserve_ratio == 0.0 and off.expected_growth(make_seq_max(4, 10, "e")) == 0
 
 
+def test_outputs_that_nothing_but_the_budget_can_end_are_reserved_whole():
+    """ignore_eos without stop strings or stop token ids: the whole budget will be generated, so it is
+    all reserved, whatever the ratio (0.7 before anything finished); min_tokens is a floor otherwise."""
+    from fp8serve.engine.sequence import Sequence
+
+    sched = make_scheduler(max_model_len=32, reserve_growth=True)
+
+    def seq(name, **params):
+        return Sequence(name, [5] * 4, SamplingParams(max_tokens=20, **params))
+
+    sure = seq("a", ignore_eos=True)
+    assert sched.certain_output(sure) == 20 and sched.expected_growth(sure) == 20  # not ceil(0.7 * 20) = 14
+    sure.output_token_ids += [7] * 5
+    assert sched.expected_growth(sure) == 15
+    assert sched.expected_growth(seq("b", ignore_eos=True, stop=["x"])) == 14  # a stop string may end it
+    assert sched.expected_growth(seq("c", ignore_eos=True, stop_token_ids=[9])) == 14
+    assert sched.certain_output(seq("d", min_tokens=18)) == 18 and sched.expected_growth(seq("d", min_tokens=18)) == 18
+    assert sched.expected_growth(seq("e", min_tokens=3)) == 14  # below the ratio's estimate
+    longer = Sequence("f", [5] * 30, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert sched.certain_output(longer) == 2  # the model length ends it first
+    off = make_scheduler(max_model_len=32, reserve_growth=False)
+    assert off.expected_growth(seq("g", ignore_eos=True)) == 0  # no reservation at all
+
+
+def test_a_saturating_workload_of_ignore_eos_requests_runs_without_preemptions():
+    """The KV-limited benchmark's shape (benchmarks/kv_saturation_engine.py, scheduler_sim.py): requests
+    that all run to max_tokens, a cache for 4 of them at full length. The ratio's 0.7 before any has
+    finished admitted a fifth, and the first wave ran out of blocks; reserving what they will
+    certainly generate admits 4 and never preempts (every recompute is a prefill done twice)."""
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=16, max_model_len=32, reserve_growth=True)
+    for i in range(12):
+        sched.add(Sequence(f"r{i}", [5] * 16, SamplingParams(max_tokens=16, ignore_eos=True)))
+    finished = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out is not None, "stuck"
+        assert len(sched.running) <= 4
+        run_step(out)
+        for s in list(sched.running):
+            if len(s.output_token_ids) >= 16:
+                s.finish_reason = "length"
+                sched.finish(s)
+                finished += 1
+    assert finished == 12 and sched.num_preemptions == 0
+
+
 def test_ratio_is_learned_from_the_requests_that_finished():
     from fp8serve.engine.scheduler import RESERVE_WINDOW
 

@@ -128,9 +128,10 @@ def _prompts(vocab_size: int = 512, seed: int = 1) -> list[dict]:
             for n in PROMPT_LENGTHS]
 
 
-def run_recorded(model_dir, prompts, max_tokens, **llm_kwargs):
+def run_recorded(model_dir, prompts, max_tokens, reserve_growth: bool = True, **llm_kwargs):
     llm_kwargs = {"dtype": "float32", "kv_cache_memory": KV_CACHE_MEMORY, **llm_kwargs}
     llm = LLM(str(model_dir), **llm_kwargs)
+    llm.llm_engine.scheduler.reserve_growth = reserve_growth  # False: admit on the watermark alone (vLLM's)
     recorder = LogitsRecorder(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -227,8 +228,10 @@ def test_preempted_sequences_resume_with_the_same_logits(tmp_path):
     lengths, max_tokens = (5, 9, 12, 7), (40, 38, 36, 42)
     g = torch.Generator().manual_seed(7)
     prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in lengths]
-    llm, outputs, recorder = run_recorded(
-        model_dir, prompts, max_tokens, kv_cache_memory=6 * block_bytes, block_size=16, max_model_len=64)
+    # The requests ignore EOS, so the scheduler would reserve their whole budgets and run them without a
+    # preemption; admitting on the watermark alone (vLLM's policy) overfills the cache.
+    llm, outputs, recorder = run_recorded(model_dir, prompts, max_tokens, reserve_growth=False,
+                                          kv_cache_memory=6 * block_bytes, block_size=16, max_model_len=64)
     engine = llm.llm_engine
     assert engine.model_runner.num_blocks == 6
     assert engine.scheduler.num_preemptions > 0
