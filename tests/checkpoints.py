@@ -118,6 +118,20 @@ def make_tokenizer(out_dir) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+
+def make_bos_tokenizer(directory):
+    """The tests' byte-level BPE with a BOS (<|im_start|>, id 1) put before every text it encodes with
+    special tokens, loaded with transformers."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    make_tokenizer(directory)
+    tok = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+
 def _rope_parameters(rope_theta: float, rope_scaling: dict | None) -> dict:
     params = dict(rope_scaling or {})
     # Old configs spell the type "type"; transformers 5 wants "rope_type".

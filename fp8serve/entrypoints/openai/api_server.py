@@ -228,7 +228,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
                 check_request_text(body)
                 if body.messages is not None:
                     return chat.apply_chat_template(body)
-                return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
 
             ids = await state.off_loop(token_ids)
             # vLLM's response: token_strs null unless asked for.

@@ -203,6 +203,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    # vLLM's: the tokenizer's special tokens (e.g. BOS) added on top of what the template writes;
+    # false by default, as templates write their own.
+    add_special_tokens: bool = False
     # As vLLM without a tool-call parser: tools go to the chat template (the
     # model sees them in its prompt), tool_choice "none" (the default) only.
     tools: list[dict[str, Any]] | None = None
@@ -241,7 +244,8 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # vLLM's defaults: true for a prompt, false for messages (the chat request's).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

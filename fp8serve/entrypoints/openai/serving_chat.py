@@ -35,11 +35,16 @@ class ChatServer:
                                        request.continue_final_message, request.chat_template_kwargs)
         except InvalidParameterError as e:
             raise RequestError(str(e), param=e.parameter) from None
+        # add_special_tokens: the text the template renders, encoded with the tokenizer's special
+        # tokens around it (a BOS the template does not write); else the template's tokens alone.
+        special = bool(request.add_special_tokens)
         try:
-            ids = tok.apply_chat_template(messages, tokenize=True, chat_template=template,
+            ids = tok.apply_chat_template(messages, tokenize=not special, chat_template=template,
                                           tools=getattr(request, "tools", None), **options)
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"chat template failed: {e}", param="messages") from None
+        if special:
+            return tok.encode(ids, add_special_tokens=True)
         # transformers 5 returns a BatchEncoding-like mapping; older versions a list.
         return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from checkpoints import make_tokenizer
+from checkpoints import make_bos_tokenizer
 
 from fp8serve.entrypoints.openai.protocol import CompletionRequest
 from fp8serve.entrypoints.openai.serving_completion import CompletionServer
@@ -15,15 +15,7 @@ from fp8serve.entrypoints.openai.serving_completion import CompletionServer
 @pytest.fixture(scope="module")
 def bos_tokenizer(tmp_path_factory):
     """The tests' byte-level BPE with a BOS (<|im_start|>, id 1) put before every text."""
-    from tokenizers import Tokenizer, processors
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("bos_tok")
-    make_tokenizer(d)
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    tok.save(str(d / "tokenizer.json"))
-    return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    return make_bos_tokenizer(tmp_path_factory.mktemp("bos_tok"))
 
 
 def test_add_special_tokens(bos_tokenizer):
