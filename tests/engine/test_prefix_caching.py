@@ -36,7 +36,8 @@ def shared_prefix_prompts(seed: int, prefix_len: int = 13, n: int = 6, min_tail:
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 512) for _ in range(prefix_len)]
     firsts = rng.sample(range(3, 512), n)
-    return [prefix + [firsts[i]] + [rng.randrange(3, 512) for _ in range(rng.randint(min_tail - 1, 8))] for i in range(n)]
+    return [prefix + [firsts[i]] + [rng.randrange(3, 512) for _ in range(rng.randint(min_tail - 1, 8))]
+            for i in range(n)]
 
 
 def generated_logprobs(out) -> list[float]:
