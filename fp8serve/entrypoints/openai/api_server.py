@@ -152,7 +152,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
         errors = exc.errors()
         if errors and errors[0].get("type") == "json_invalid":
             return _error(f"malformed JSON body: {errors[0].get('ctx', {}).get('error', '')}", 400)
-        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}" for e in errors]
+        # An error about the body as a whole (a JSON array, a string) has no field to name.
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'request body'}: {e.get('msg')}"
+                 for e in errors]
         # The request's own field (`stop`), not the last step of pydantic's
         # path into a union (`stop.list[str].1` would say `1`).
         fields = [x for e in errors for x in e.get("loc", ()) if x != "body"]

@@ -371,6 +371,9 @@ def test_validation_errors(server, client):
     _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 99999]}), 400, "out of range")
     _assert_error(_post(server, "/v1/completions", b'{"model": "tiny-llama", "prompt": '), 400, "json")
     _assert_error(_post(server, "/v1/completions", {"model": MODEL}), 400, "prompt", param="prompt")
+    # A body that is JSON but not an object: the message names the body, not an empty field.
+    err = _assert_error(_post(server, "/v1/completions", [1, 2]), 400, "request body: ", param=None)
+    assert err["param"] is None and not err["message"].startswith(":"), err
     # A prompt that leaves no room for output is blamed on the prompt (chat: on the messages).
     _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * MAX_MODEL_LEN,
                                                     "max_tokens": None}), 400, "no room", param="prompt")
