@@ -485,6 +485,41 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
     return (ops.dense_gemv_packed_float_out if float_out else ops.dense_gemv_packed)(x, packed, n, bias)
 
 
+# The rows bf16_tiled_gemm serves: float32 x against a bf16 weight's packed
+# copy (a bf16 checkpoint under float32 compute, on the AVX2 CPUs where
+# gemv_packing packs for it). The default model's 120 decode linears read
+# from memory (AVX2-only Zen 2 EPYC, 6 ABBA rounds,
+# benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md): 0.80x dense_gemv at
+# 8 rows, 1.06-1.09x at 12-16 (1.14x at 16 in another run), 1.12-1.29x at
+# 17-32; 1.12-1.57x oneDNN's packed float32 weight at 48-256, and 1.01-1.08x at
+# 512-2048 (no clear gain: prefills keep oneDNN).
+BF16_TILED_GEMM_MIN_ROWS = 12
+BF16_TILED_GEMM_MAX_ROWS = 256
+
+
+@functools.cache
+def bf16_tiled_gemm_built() -> bool:
+    """Whether the C++ kernels were built with bf16_tiled_gemm (AVX2 + FMA)."""
+    ops = load_cpu_ops()
+    return ops is not None and hasattr(ops, "bf16_tiled_gemm_available") and bool(ops.bf16_tiled_gemm_available())
+
+
+def bf16_tiled_gemm_applies(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether `bf16_tiled_gemm` serves x against a layer's packed copy
+    (`weight_gemv_packed`, None where the engine made none)."""
+    return (packed is not None and x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+            and BF16_TILED_GEMM_MIN_ROWS <= x.shape[0] <= BF16_TILED_GEMM_MAX_ROWS and bf16_tiled_gemm_built())
+
+
+def bf16_tiled_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) in float32, x float32, from a bf16 weight's packed
+    copy (gemv_packing.pack_gemv_weight); n = weight.shape[0]. See
+    cpu/bf16_tiled_gemm.cpp."""
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()  # exact: a 16-bit checkpoint's bias
+    return load_cpu_ops().bf16_tiled_gemm(x.contiguous(), packed, n, bias)
+
+
 # The rows fp8_gemv_packed serves (FP8 layers with a packed copy, bf16 x).
 # Measured like the above (120 decode linears from memory, e4m3 codes,
 # benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md): 1.13-1.46x the

@@ -20,6 +20,16 @@ prefill path (dequantize + GEMM) read; packed, the same codes run every
 decode batch of 1-512 rows 1.1-2.5x as fast (cpu_ops.FP8_GEMV_PACKED_MAX_ROWS),
 for 1 byte per weight more.
 
+Under float32 compute (a bf16 checkpoint on a CPU without fast bf16
+arithmetic: narrow_weights.py) the same bf16 layout serves float32
+activations: bf16_tiled_gemm (cpu/bf16_tiled_gemm.cpp, AVX2 + FMA) turns each
+pair into two float32 weights by one shift and one AND and runs 6 x 16
+register tiles over a block. Only the plain linear layers get the copy
+there; on an AVX2-only Zen 2 EPYC their decode linears ran 1.09-1.29x as fast
+as dense_gemv at 12-32 rows and 1.12-1.57x as fast as oneDNN's packed float32
+copy at 48-256 (benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md), so
+`float32_packing_applies` on AMD CPUs without AVX-512.
+
 The packed copy sits beside the plain weight (the embedding lookup of a tied
 LM head, linear layers' batches of 1-12 and every other path read the plain
 one; the LM head reads its packed copy from one row, 1.05-1.33x there; oneDNN
@@ -151,7 +161,11 @@ def pack_gemv_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
     slot: plain linear layers and the LM head) a packed copy of its weight,
     and every FP8 linear its codes packed for fp8_gemv_packed, where
     `packing_applies` and the copies fit in a quarter of the memory
-    available. Returns the bytes packed (0 when nothing was)."""
+    available. Under float32 compute, the bf16 weights of plain linear layers
+    only, for bf16_tiled_gemm (`float32_packing_applies`). Returns the bytes
+    packed (0 when nothing was)."""
+    if compute_dtype == torch.float32:
+        return _pack_for_float32_compute(model)
     if compute_dtype != torch.bfloat16:
         return 0
     slots = [m for m in model.modules()
@@ -173,3 +187,47 @@ def pack_gemv_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
     logger.info("dense_gemv: packed %d bf16 and %d FP8 weights once for decode batches (%.0f MiB, another copy)",
                 count, len(fp8), total / 2**20)
     return total
+
+
+def float32_packing_applies() -> bool:
+    """Whether bf16 linear weights under float32 compute get a packed copy for
+    bf16_tiled_gemm (cpu/bf16_tiled_gemm.cpp): where the kernels were built
+    with it, on AMD CPUs without AVX-512 (measured on an AVX2-only Zen 2 EPYC;
+    AVX-512 builds keep oneDNN's 16-lane GEMM, as for fp8_tiled_gemm), or as
+    FP8SERVE_GEMV_PACKED_WEIGHTS says."""
+    from fp8serve.kernels import cpu_ops
+    from fp8serve.utils.platform import cpu_flags
+
+    wanted = env_switch(PACKED_WEIGHTS_ENV)  # a bad value is an error on any build
+    if not cpu_ops.bf16_tiled_gemm_built():
+        return False
+    if wanted is not None:
+        return wanted
+    return is_amd_cpu() and "avx512f" not in cpu_flags()
+
+
+def _pack_for_float32_compute(model: nn.Module) -> int:
+    """The bf16 weights of plain linear layers (16-bit weights under float32
+    compute: narrow_weights.py) packed for bf16_tiled_gemm's decode batches.
+    The LM head gets none: its float32 steps read the plain rows (screened
+    greedy steps, dense_gemv slices)."""
+    from fp8serve.kernels import cpu_ops
+    from fp8serve.layers.linear import MergedLinear
+    from fp8serve.quantization.unquantized import UnquantizedLinearMethod
+
+    layers = [m for m in model.modules()
+              if isinstance(m, MergedLinear) and isinstance(m.quant_method, UnquantizedLinearMethod)
+              and m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2 and m.weight.shape[1] % 2 == 0
+              and m.weight.device.type == "cpu"]
+    if not layers or not float32_packing_applies():
+        return 0
+    weights = {id(m.weight): m.weight for m in layers}
+    total = sum(BLOCK_ROWS * packed_shape(*w.shape)[0] * w.shape[1] * w.element_size() for w in weights.values())
+    if not copy_fits(total, "bf16_tiled_gemm: weights", logger):
+        return 0
+    count = pack_each_weight_once(layers, "weight_gemv_packed", pack_gemv_weight)
+    logger.info("bf16_tiled_gemm: packed %d bf16 weights once for float32 decode batches of %d-%d rows "
+                "(%.0f MiB, another copy)", count, cpu_ops.BF16_TILED_GEMM_MIN_ROWS, cpu_ops.BF16_TILED_GEMM_MAX_ROWS,
+                total / 2**20)
+    return total
+

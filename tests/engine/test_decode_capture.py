@@ -128,6 +128,36 @@ def test_replays_with_gemv_packed_weights_equal_eager(ops, llama_dir, seed, monk
         f"seed={seed}"
 
 
+def test_replays_with_bf16_tiled_gemm_equal_eager(ops, tmp_path, seed, monkeypatch):
+    """A bf16 checkpoint under float32 compute: decode batches of 12+
+    sequences run bf16_tiled_gemm on the weights' packed copies
+    (gemv_packing.py); the recorded decode knows them as model state and
+    replays exactly what the eager model gives."""
+    from checkpoints import write_tiny_llama
+
+    from fp8serve.kernels import cpu_ops, gemv_packing
+    from fp8serve.layers.linear import MergedLinear
+
+    if not cpu_ops.bf16_tiled_gemm_built():
+        pytest.skip("bf16_tiled_gemm is not built here")
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    bf16_dir = str(write_tiny_llama(tmp_path / "bf16", dtype=torch.bfloat16))
+    calls = []
+    real = cpu_ops.bf16_tiled_gemm
+    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
+                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    requests = random_requests(seed, 20)
+    eager = run(make_engine(bf16_dir, enforce_eager=True), requests)
+    engine = make_engine(bf16_dir, enforce_eager=False)
+    linears = [m for m in engine.model_runner.model.modules() if isinstance(m, MergedLinear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 and m.weight_gemv_packed is not None for m in linears)
+    assert run(engine, requests) == eager, f"seed={seed}"
+    assert any(m == 20 for m in calls), f"seed={seed}: no decode batch of 20 ran bf16_tiled_gemm"
+    captures = engine.model_runner.decode_captures
+    assert any(b >= cpu_ops.BF16_TILED_GEMM_MIN_ROWS for b in captures.scripted_batch_sizes), f"seed={seed}"
+    assert captures.num_replays >= 8, f"seed={seed}"
+
+
 def test_replays_with_packed_bf16_weights_equal_eager(ops, llama_dir, seed, monkeypatch):
     """bf16 linears on oneDNN's packed weights (opaque tensors, no storage):
     the recorded decode knows them as model state and replays exactly what

@@ -72,10 +72,12 @@ def test_pack_gemv_weights_off(monkeypatch, setting):
     assert model.qkv.weight_gemv_packed is None and model.head.weight_gemv_packed is None
 
 
-def test_pack_gemv_weights_only_for_bf16_compute(monkeypatch):
+def test_pack_gemv_weights_not_for_fp16_compute(monkeypatch):
+    """bf16 compute packs for the bf16 GEMVs, float32 compute for bf16_tiled_gemm
+    (tests/kernels/test_bf16_tiled_gemm.py); fp16 compute has no packed kernel."""
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
     model = tiny_bf16_model()
-    assert gemv_packing.pack_gemv_weights(model, torch.float32) == 0
+    assert gemv_packing.pack_gemv_weights(model, torch.float16) == 0
     assert model.qkv.weight_gemv_packed is None
 
 

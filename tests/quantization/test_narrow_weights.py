@@ -2,7 +2,8 @@
 (fp8serve/quantization/narrow_weights.py): when that applies, and that the
 engine's results are those of the float32-weight engine bit for bit on every
 path (prefill GEMMs, dense_gemv decode rows, decode batches above them, the
-LM head), and match transformers in float64."""
+LM head) except bf16_tiled_gemm's rows (equal to float32 rounding there), and
+match transformers in float64."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from checkpoints import add_tensors, hf_logits, read_tensor, write_tiny_llama
 
 from fp8serve import LLM, SamplingParams
 from fp8serve.errors import ConfigError
-from fp8serve.kernels import cpu_ops, onednn_linear
+from fp8serve.kernels import cpu_ops, gemv_packing, onednn_linear
 from fp8serve.quantization import narrow_weights
 from fp8serve.quantization.narrow_weights import NarrowWeightsConfig
 
@@ -95,25 +96,42 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 @needs_kernels
 @pytest.mark.parametrize("name", ["bf16", "bf16_tied", "fp16"])
 @pytest.mark.parametrize("packed", ["1", "0"], ids=["packed", "unpacked"])
-# 1 and 3 sequences decode on dense_gemv's rows; 40 above them (oneDNN).
+# 1 and 3 sequences decode on dense_gemv's rows; 40 above them (oneDNN, or bf16_tiled_gemm).
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])
-def test_same_results_as_float32_weights(checkpoints, monkeypatch, seed, name, packed, num_seqs):
+# tiled: the bf16 weights' packed copy for bf16_tiled_gemm (decode batches and
+# prompts of 12-256 rows), whose sums run in another order than oneDNN's.
+@pytest.mark.parametrize("tiled", ["0", "1"], ids=["gemm", "tiled"])
+def test_same_results_as_float32_weights(checkpoints, monkeypatch, seed, name, packed, num_seqs, tiled):
+    if tiled == "1" and not cpu_ops.bf16_tiled_gemm_built():
+        pytest.skip("bf16_tiled_gemm is not built here")
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, packed)
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, tiled)
     prompts = _prompts(num_seqs, seed)
     monkeypatch.setenv(narrow_weights.ENV, "0")
     widened, w_dtype, head_dtype = _run(checkpoints[name], prompts, max_tokens=9)
     assert w_dtype == head_dtype == torch.float32
     monkeypatch.setenv(narrow_weights.ENV, "auto")
+    calls = []
+    real = cpu_ops.bf16_tiled_gemm
+    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
+                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
     kept, w_dtype, head_dtype = _run(checkpoints[name], prompts, max_tokens=9)
     assert w_dtype == head_dtype == (torch.float16 if name == "fp16" else torch.bfloat16)
+    # bf16 weights only (fp16 has no packed copy), and only where asked; 40
+    # sequences decode on it (fewer may reach 17 rows in their prefill only).
+    if tiled == "0" or name == "fp16":
+        assert not calls, f"seed={seed}"
+    elif num_seqs == 40:
+        assert sum(m == num_seqs for m in calls) > 0, (calls, f"seed={seed}")
     # Token ids, sampled logprobs (decode steps: the head's logits) and prompt
     # logprobs (the prefill's logits at every position): equal, not close.
-    if packed == "1" and onednn_linear.packing_available(torch.float32):
+    if packed == "1" and onednn_linear.packing_available(torch.float32) and tiled == "0":
         assert kept == widened, f"seed={seed}"
         return
     # Without packed copies a bf16 head past dense_gemv's rows (prompt
     # logprobs, 40 sequences) runs it on row slices where the float32 head ran
-    # one GEMM: other float32 sums. So logprobs agree to 1e-5, and a token in
+    # one GEMM, and bf16_tiled_gemm sums the linears of 12-256 rows in another
+    # order than oneDNN: other float32 sums. So logprobs agree to 1e-5, and a token in
     # one side's top TOP only is tied (to 1e-5) with that side's TOP-th (each
     # dict also holds the position's own token, ranked or not).
     assert [k[0] for k in kept] == [w[0] for w in widened], f"seed={seed}"

@@ -1,0 +1,224 @@
+// bf16 linear weights under float32 compute (a bf16 checkpoint on a CPU
+// without fast bf16 arithmetic: narrow_weights.py), decode batches of
+// BF16_TILED_GEMM_MIN_ROWS..MAX_ROWS activation rows (cpu_ops), AVX2 + FMA:
+//   out[m, n] = sum_k x[m, k] * w[n, k] + bias[n]      (float32 out)
+// read from the weight's packed copy in the pair-interleaved blocks of 16
+// output rows that dense_gemv_packed reads (gemv_packing.pack_gemv_weight):
+//   packed[b][p][j][i] = w[16 * b + j][2 * p + i]      shape [ceil(N/16), K/2, 16, 2]
+//
+// Why: between dense_gemv's rows and prefill, those batches ran oneDNN on its
+// packed float32 copy of the weight: four bytes per weight read from memory
+// each step, at 77-98 GFLOP/s for 48-64 rows on the AVX2-only Zen 2 EPYC.
+// dense_gemv (plain [N, K] rows, 8 activation rows per register tile) decodes
+// each bf16 weight once per 8 rows and is bound by its loads past 16 rows.
+// Here every weight is converted once per 6 rows, in registers, by one shift
+// or one AND per 8 weights: a 32-bit lane of a packed vector holds the pair
+// (w[n][k], w[n][k + 1]); shifted left 16 it is w[n][k] as a float32, with its
+// low 16 bits cleared it is w[n][k + 1].
+// On that machine (the default model's 120 decode linears read from memory,
+// ABBA rounds, benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md):
+// 1.09-1.29x dense_gemv at 12-32 rows, 1.12-1.57x oneDNN's packed float32
+// weight at 48-256, 1.01-1.08x at 512-2048 (prefills keep oneDNN).
+//
+// Schedule (fp8_tiled_gemm.cpp's, with the weight panels already packed):
+// the rows of x packed once as [tile][k][kMr] floats (each k's broadcasts
+// consecutive; blocks of kMcTiles tiles past 264 rows); per 16-row block of
+// the weight (a panel) every row tile runs the whole of K over it: a 6 x 16
+// register tile, 12 accumulators, per pair of k 2 loads of the panel, 2
+// shifts, 2 ANDs and 12 broadcasts for 24 FMAs. No K blocking: each output
+// is written once. A thread takes a range of panels for all rows (it
+// packs the rows itself) when there are enough panels, else a range of row
+// tiles for all panels.
+//
+// Sums run along k in order, in float32 with FMAs: results match a float64
+// reference to float32 rounding, not torch's GEMM bit for bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FP8SERVE_BF16_TILED_GEMM 1
+#endif
+
+namespace {
+
+#ifdef FP8SERVE_BF16_TILED_GEMM
+
+constexpr int kMr = 6;   // rows per register tile
+constexpr int kNr = 16;  // output columns per panel (gemv_packing.BLOCK_ROWS)
+// Row tiles per block of packed x: 44 tiles = 264 rows, so every call the
+// engine makes (at most 256 rows) packs its rows once and reads each weight
+// panel from memory once, then from L1 / L2 for every row tile. Blocks of
+// 256 KiB of x (18 tiles at K = 576, 7 at K = 1536) read the down
+// projection's weight twice at 64 rows: 129 ms a pass of the 120 decode
+// linears against 100 with one block (Zen 2, ABBA). Larger M (no engine
+// call) goes in blocks, a pass over the weight per block.
+constexpr int64_t kMcTiles = 44;
+
+// The kMr x kNr tile of out (+ bias) for rows `a` (packed [k][kMr], K even)
+// against panel `b` ([K/2][16][2] bf16 bits); nvalid < kNr: the last panel of
+// an N that is not a multiple of 16 (its padding rows are zeros).
+template <int R>
+__attribute__((always_inline)) inline void tile(const float* __restrict a, const uint16_t* __restrict b, int64_t K,
+                                                float* c, int64_t ldc, const float* bias, int nvalid) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k * kNr));
+    const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k * kNr + 16));
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));  // w[n0 + 0..7][k]
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));  // w[n0 + 8..15][k]
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(a + k * kMr + r);
+      lo[r] = _mm256_fmadd_ps(av, w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(av, w1, hi[r]);
+    }
+    const __m256 v0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high_half));  // w[n0 + 0..7][k + 1]
+    const __m256 v1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high_half));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(a + (k + 1) * kMr + r);
+      lo[r] = _mm256_fmadd_ps(av, v0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(av, v1, hi[r]);
+    }
+  }
+  // The bias is read in the stores, not added to the accumulators first: that
+  // (through a zero-padded copy of it) made GCC's code 1.28x slower (ABBA).
+  if (nvalid == kNr) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float* cr = c + r * ldc;
+      if (bias) {
+        lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(bias));
+        hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(bias + 8));
+      }
+      _mm256_storeu_ps(cr, lo[r]);
+      _mm256_storeu_ps(cr + 8, hi[r]);
+    }
+    return;
+  }
+  alignas(32) float t[R][kNr];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(t[r], lo[r]);
+    _mm256_store_ps(t[r] + 8, hi[r]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < nvalid; ++j) c[r * ldc + j] = bias ? t[r][j] + bias[j] : t[r][j];
+}
+
+void tile_rows(int rows, const float* a, const uint16_t* b, int64_t K, float* c, int64_t ldc, const float* bias,
+               int nvalid) {
+  switch (rows) {
+    case 6: return tile<6>(a, b, K, c, ldc, bias, nvalid);
+    case 5: return tile<5>(a, b, K, c, ldc, bias, nvalid);
+    case 4: return tile<4>(a, b, K, c, ldc, bias, nvalid);
+    case 3: return tile<3>(a, b, K, c, ldc, bias, nvalid);
+    case 2: return tile<2>(a, b, K, c, ldc, bias, nvalid);
+    default: return tile<1>(a, b, K, c, ldc, bias, nvalid);
+  }
+}
+
+// packed[t][k][r] = x[m0 + t * kMr + r, k] (0 past row M) for `tiles` tiles.
+void pack_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t tiles, float* packed) {
+  for (int64_t t = 0; t < tiles; ++t) {
+    float* d = packed + t * K * kMr;
+    for (int r = 0; r < kMr; ++r) {
+      const int64_t m = m0 + t * kMr + r;
+      if (m < M) {
+        const float* src = x + m * K;
+        for (int64_t k = 0; k < K; ++k) d[k * kMr + r] = src[k];
+      } else {
+        for (int64_t k = 0; k < K; ++k) d[k * kMr + r] = 0.f;
+      }
+    }
+  }
+}
+
+// One thread's share: row tiles [t0, t1) x panels [p0, p1).
+void run_share(const float* x, const uint16_t* w, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+               int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+  std::vector<float> packed(std::min(kMcTiles, t1 - t0) * kMr * K);
+  for (int64_t tb = t0; tb < t1; tb += kMcTiles) {
+    const int64_t tiles = std::min(kMcTiles, t1 - tb);
+    pack_rows(x, M, K, tb * kMr, tiles, packed.data());
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kNr;
+      const int nvalid = static_cast<int>(std::min<int64_t>(kNr, N - n0));
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m = (tb + t) * kMr;
+        tile_rows(static_cast<int>(std::min<int64_t>(kMr, M - m)), packed.data() + t * K * kMr, w + p * K * kNr, K,
+                  out + m * N + n0, N, bias ? bias + n0 : nullptr, nvalid);
+      }
+    }
+  }
+}
+
+#endif  // FP8SERVE_BF16_TILED_GEMM
+
+at::Tensor bf16_tiled_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias) {
+#ifndef FP8SERVE_BF16_TILED_GEMM
+  TORCH_CHECK(false, "bf16_tiled_gemm needs a build with AVX2 and FMA (see bf16_tiled_gemm_available)");
+#else
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kNr && packed.size(3) == 2,
+              "packed must be a contiguous bf16 [ceil(N/16), K/2, 16, 2] tensor (gemv_packing.pack_gemv_weight)");
+  const int64_t M = x.size(0), K = x.size(1), N = n;
+  TORCH_CHECK(packed.size(1) * 2 == K, "x is [", M, ", ", K, "] but packed holds K = ", packed.size(1) * 2);
+  TORCH_CHECK(N >= 1 && (N + kNr - 1) / kNr == packed.size(0), "n = ", N, " does not fit packed's ", packed.size(0),
+              " blocks of 16 rows");
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be a contiguous float32 [N] tensor, N = ", N);
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  if (K == 0) return bias ? out.copy_(bias->expand({M, N})) : out.zero_();
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t tiles = (M + kMr - 1) / kMr, panels = packed.size(0);
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(tiles, panels)));
+  // Panels split while each thread gets a few (packing x again per thread is
+  // small beside them); otherwise rows split.
+  const bool by_panels = panels >= 4 * nt || panels >= tiles;
+  at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (by_panels) {
+        run_share(xp, wp, bp, op, M, N, K, 0, tiles, panels * i / nt, panels * (i + 1) / nt);
+      } else {
+        run_share(xp, wp, bp, op, M, N, K, tiles * i / nt, tiles * (i + 1) / nt, 0, panels);
+      }
+    }
+  });
+  return out;
+#endif
+}
+
+bool bf16_tiled_gemm_available() {
+#ifdef FP8SERVE_BF16_TILED_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
+  m.def("bf16_tiled_gemm", &bf16_tiled_gemm);
+  m.def("bf16_tiled_gemm_available", &bf16_tiled_gemm_available);
+}

@@ -1,0 +1,187 @@
+"""bf16_tiled_gemm (cpu/bf16_tiled_gemm.cpp): float32 activations against a
+bf16 weight's packed copy, checked against float64; which layers get the
+copy under float32 compute (gemv_packing) and which rows the linear layers
+send to it. Data is fresh on every run; a failure prints its seed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tiny_layers import tiny_bf16_model
+
+from fp8serve.errors import ConfigError
+from fp8serve.kernels import cpu_ops, gemv_packing
+from fp8serve.utils import weight_copies
+
+ops = cpu_ops.load_cpu_ops()
+pytestmark = pytest.mark.skipif(not cpu_ops.bf16_tiled_gemm_built(),
+                                reason="bf16_tiled_gemm needs the C++ kernels built with AVX2 and FMA")
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def make_case(m: int, n: int, k: int, with_bias: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g) if with_bias else None
+    return x, w, bias
+
+
+def assert_close(out, x, w, bias, seed, what):
+    """float32 sums along k against float64 on the same bf16 weights: a few
+    ulps of sum |x| |w| per output."""
+    ref = x.double() @ w.double().t()
+    if bias is not None:
+        ref = ref + bias.double()
+    magnitude = x.double().abs() @ w.double().abs().t()
+    bound = 1e-5 * (magnitude + ref.abs()) + 1e-6
+    err = (out.double() - ref).abs()
+    assert out.dtype == torch.float32 and out.shape == ref.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
+    assert bool((err <= bound).all()), (
+        f"{what}: seed={seed} max error {err.max().item():.3g}, worst error/bound {(err / bound).max().item():.3g}")
+
+
+# (M, N, K): M short of, at and past whole 6-row tiles, and past one block
+# of packed rows (264: no engine call, but the op takes any M); N a multiple
+# of 16 and not (a partial last panel, N < 16); K = 2 (one pair) up to the
+# default model's down projection.
+CASES = [(1, 16, 2), (5, 7, 8), (6, 48, 64), (17, 37, 96), (24, 1, 576), (64, 130, 576), (43, 33, 1536),
+         (256, 19, 202), (300, 40, 100)]
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m, n, k", CASES)
+def test_matches_float64_reference(m, n, k, with_bias):
+    seed = fresh_seed()
+    x, w, bias = make_case(m, n, k, with_bias, seed)
+    out = ops.bf16_tiled_gemm(x, gemv_packing.pack_gemv_weight(w), n, bias)
+    assert_close(out, x, w, bias, seed, f"M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("m, n", [(40, 512), (200, 20), (2, 40)])  # panels split; rows split; few of both
+def test_any_thread_count_gives_the_same_bits(m, n, threads):
+    """Threads split the panels (wide N) or the row tiles (narrow N); each
+    output's sums run in the same order either way."""
+    seed = fresh_seed()
+    x, w, bias = make_case(m, n, 320, True, seed)
+    packed = gemv_packing.pack_gemv_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.bf16_tiled_gemm(x, packed, n, bias)
+        torch.set_num_threads(threads)
+        many = ops.bf16_tiled_gemm(x, packed, n, bias)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many), f"seed={seed}: {threads} threads differ from one"
+    assert_close(many, x, w, bias, seed, f"{threads} threads")
+
+
+def test_empty_batch():
+    packed = gemv_packing.pack_gemv_weight(torch.randn(24, 10).bfloat16())
+    assert ops.bf16_tiled_gemm(torch.randn(0, 10), packed, 24, None).shape == (0, 24)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("x_bf16", "x must be a contiguous float32"),
+    ("packed_float", "packed must be a contiguous bf16 \\[ceil\\(N/16\\), K/2, 16, 2\\]"),
+    ("k_mismatch", "x is \\[5, 18\\] but packed holds K = 16"),
+    ("n_too_big", "n = 33 does not fit packed's 2 blocks of 16 rows"),
+    ("n_too_small", "n = 16 does not fit packed's 2 blocks"),
+    ("bias_bf16", "bias must be a contiguous float32 \\[N\\] tensor, N = 24"),
+])
+def test_rejects_bad_inputs(case, message):
+    x, w, n, bias = torch.randn(5, 16), torch.randn(24, 16).bfloat16(), 24, None
+    packed = gemv_packing.pack_gemv_weight(w)
+    if case == "x_bf16":
+        x = x.bfloat16()
+    elif case == "packed_float":
+        packed = packed.float()
+    elif case == "k_mismatch":
+        x = torch.randn(5, 18)
+    elif case == "n_too_big":
+        n = 33
+    elif case == "n_too_small":
+        n = 16
+    elif case == "bias_bf16":
+        bias = torch.ones(24, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=message):
+        ops.bf16_tiled_gemm(x, packed, n, bias)
+
+
+def test_float32_compute_packs_the_bf16_linears_only(monkeypatch):
+    """Under float32 compute the bf16 linear layers get the packed copy; the
+    LM head (its float32 steps read the plain rows) and float32 layers do not."""
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    model = tiny_bf16_model()
+    assert gemv_packing.pack_gemv_weights(model, torch.float32) == 64 * 32 * 2
+    assert torch.equal(model.qkv.weight_gemv_packed, gemv_packing.pack_gemv_weight(model.qkv.weight))
+    assert model.head.weight_gemv_packed is None and model.f32.weight_gemv_packed is None
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_layers_send_their_rows_to_it(monkeypatch, with_bias):
+    """With the packed copy, float32 batches of BF16_TILED_GEMM_MIN_ROWS ..
+    MAX_ROWS rows run bf16_tiled_gemm (its bits); fewer rows keep dense_gemv,
+    more keep the GEMM path; both bounds are row breakpoints of the layer."""
+    from fp8serve.layers.linear import MergedLinear
+
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    layer = MergedLinear(64, [40, 24], bias=with_bias, params_dtype=torch.float32)
+    layer.quant_method.weight_dtype = torch.bfloat16
+    seed = fresh_seed()
+    _, w, bias = make_case(1, 64, 64, with_bias, seed)
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    if with_bias:
+        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    model = torch.nn.Sequential(layer)
+    assert gemv_packing.pack_gemv_weights(model, torch.float32) > 0
+    lo, hi = cpu_ops.BF16_TILED_GEMM_MIN_ROWS, cpu_ops.BF16_TILED_GEMM_MAX_ROWS
+    breakpoints = layer.quant_method.row_breakpoints(layer, torch.float32)
+    assert lo in breakpoints and hi + 1 in breakpoints
+    calls = []
+    real = cpu_ops.bf16_tiled_gemm
+    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
+                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    for m in (lo - 1, lo, hi, hi + 1):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(seed + m))
+        out = layer(x)
+        assert_close(out, x, w, bias, seed, f"M={m}")
+        if lo <= m <= hi:
+            assert torch.equal(out, real(x, layer.weight_gemv_packed, 64, bias)), f"seed={seed} M={m}"
+    assert calls == [lo, hi]
+
+
+def test_auto_is_amd_without_avx512(monkeypatch):
+    monkeypatch.delenv(gemv_packing.PACKED_WEIGHTS_ENV, raising=False)
+    for amd, flags, wanted in ((True, {"avx2"}, True), (True, {"avx2", "avx512f"}, False), (False, {"avx2"}, False)):
+        monkeypatch.setattr(gemv_packing, "is_amd_cpu", lambda amd=amd: amd)
+        monkeypatch.setattr("fp8serve.utils.platform.cpu_flags", lambda flags=flags: flags)
+        assert gemv_packing.float32_packing_applies() is wanted, (amd, flags)
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "0")
+    assert gemv_packing.float32_packing_applies() is False
+    model = tiny_bf16_model()
+    assert gemv_packing.pack_gemv_weights(model, torch.float32) == 0 and model.qkv.weight_gemv_packed is None
+
+
+def test_bad_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "sometimes")
+    with pytest.raises(ConfigError, match="FP8SERVE_GEMV_PACKED_WEIGHTS='sometimes': expected auto, 1 or 0"):
+        gemv_packing.pack_gemv_weights(tiny_bf16_model(), torch.float32)
+
+
+def test_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    model = tiny_bf16_model()
+    monkeypatch.setattr(weight_copies, "available_memory_bytes", lambda: 2 * model.qkv.weight.nbytes)
+    with caplog.at_level("INFO", logger="fp8serve.kernels.gemv_packing"):
+        assert gemv_packing.pack_gemv_weights(model, torch.float32) == 0
+    assert model.qkv.weight_gemv_packed is None
+    assert "bf16_tiled_gemm: weights not packed: the copy needs" in caplog.text
