@@ -488,11 +488,11 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
 # The rows bf16_tiled_gemm serves: float32 x against a bf16 weight's packed
 # copy (a bf16 checkpoint under float32 compute, on the AVX2 CPUs where
 # gemv_packing packs for it). The default model's 120 decode linears read
-# from memory (AVX2-only Zen 2 EPYC, 6 ABBA rounds,
-# benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md): 0.80x dense_gemv at
-# 8 rows, 1.06-1.09x at 12-16 (1.14x at 16 in another run), 1.12-1.29x at
-# 17-32; 1.12-1.57x oneDNN's packed float32 weight at 48-256, and 1.01-1.08x at
-# 512-2048 (no clear gain: prefills keep oneDNN).
+# from memory (AVX2-only Zen 2 EPYC, ABBA rounds,
+# benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md): 0.80-0.85x
+# dense_gemv at 8 rows, 1.02x at 10, 1.09x at 12 and 16 (1.14x at 16 in the
+# first run), 1.12-1.29x at 17-32; 1.12-1.57x oneDNN's packed float32 weight
+# at 48-256, and 1.01-1.08x at 512-2048 (no clear gain: prefills keep oneDNN).
 BF16_TILED_GEMM_MIN_ROWS = 12
 BF16_TILED_GEMM_MAX_ROWS = 256
 
