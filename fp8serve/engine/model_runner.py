@@ -104,10 +104,12 @@ class ModelRunner:
         self.model.eval()
         if self.device.type == "cpu":
             pack_parameters_on_huge_pages(self.model)  # decode reads every weight once per step
-            onednn_linear.pack_weights(  # where it pays and fits: see onednn_linear.py
+            # Packed copies where they pay and fit: gemv_packing.py's first, since a layer
+            # that gets one under float32 compute needs no float32 copy from oneDNN.
+            gemv_packing.pack_gemv_weights(self.model, self.dtype)
+            onednn_linear.pack_weights(
                 self.model, self.dtype,
                 widen=(quant_config.weight_dtype,) if isinstance(quant_config, narrow_weights.NarrowWeightsConfig) else ())
-            gemv_packing.pack_gemv_weights(self.model, self.dtype)  # likewise, for decode: see gemv_packing.py
             screened_argmax.attach_screens(self.model, self.dtype)  # greedy steps: see screened_argmax.py
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         logger.info(

@@ -485,16 +485,16 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
     return (ops.dense_gemv_packed_float_out if float_out else ops.dense_gemv_packed)(x, packed, n, bias)
 
 
-# The rows bf16_tiled_gemm serves: float32 x against a bf16 weight's packed
-# copy (a bf16 checkpoint under float32 compute, on the AVX2 CPUs where
-# gemv_packing packs for it). The default model's 120 decode linears read
-# from memory (AVX2-only Zen 2 EPYC, ABBA rounds,
+# The rows bf16_tiled_gemm serves: float32 x of at least this many rows
+# against a bf16 weight's packed copy (a bf16 checkpoint under float32
+# compute, on the AVX2 CPUs where gemv_packing packs for it), decode batches
+# and prefills alike. The default model's 120 decode linears read from memory
+# (AVX2-only Zen 2 EPYC, ABBA rounds,
 # benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md): 0.80-0.85x
 # dense_gemv at 8 rows, 1.02x at 10, 1.09x at 12 and 16 (1.14x at 16 in the
 # first run), 1.12-1.29x at 17-32; 1.12-1.57x oneDNN's packed float32 weight
-# at 48-256, and 1.01-1.08x at 512-2048 (no clear gain: prefills keep oneDNN).
+# at 48-256. At prefill rows see benchmarks/results/bf16_tiled_gemm_prefill_2026-12-06_zen2.md.
 BF16_TILED_GEMM_MIN_ROWS = 12
-BF16_TILED_GEMM_MAX_ROWS = 256
 
 
 @functools.cache
@@ -508,7 +508,7 @@ def bf16_tiled_gemm_applies(x: torch.Tensor, packed: torch.Tensor | None) -> boo
     """Whether `bf16_tiled_gemm` serves x against a layer's packed copy
     (`weight_gemv_packed`, None where the engine made none)."""
     return (packed is not None and x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
-            and BF16_TILED_GEMM_MIN_ROWS <= x.shape[0] <= BF16_TILED_GEMM_MAX_ROWS and bf16_tiled_gemm_built())
+            and x.shape[0] >= BF16_TILED_GEMM_MIN_ROWS and bf16_tiled_gemm_built())
 
 
 def bf16_tiled_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

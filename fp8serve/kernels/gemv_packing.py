@@ -25,9 +25,12 @@ arithmetic: narrow_weights.py) the same bf16 layout serves float32
 activations: bf16_tiled_gemm (cpu/bf16_tiled_gemm.cpp, AVX2 + FMA) turns each
 pair into two float32 weights by one shift and one AND and runs 6 x 16
 register tiles over a block. Only the plain linear layers get the copy
-there; on an AVX2-only Zen 2 EPYC their decode linears ran 1.09-1.29x as fast
-as dense_gemv at 12-32 rows and 1.12-1.57x as fast as oneDNN's packed float32
-copy at 48-256 (benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md), so
+there, and it serves all their batches of 12 or more rows, prefills too (so
+they get no float32 copy for oneDNN). On an AVX2-only Zen 2 EPYC their
+decode linears ran 1.09-1.29x as fast as dense_gemv at 12-32 rows and
+1.12-1.57x as fast as oneDNN's packed float32 copy at 48-256
+(benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md), and 1.09-1.18x at
+256-2048 (bf16_tiled_gemm_prefill_2026-12-06_zen2.md), so
 `float32_packing_applies` on AMD CPUs without AVX-512.
 
 The packed copy sits beside the plain weight (the embedding lookup of a tied
@@ -208,7 +211,9 @@ def float32_packing_applies() -> bool:
 
 def _pack_for_float32_compute(model: nn.Module) -> int:
     """The bf16 weights of plain linear layers (16-bit weights under float32
-    compute: narrow_weights.py) packed for bf16_tiled_gemm's decode batches.
+    compute: narrow_weights.py) packed for bf16_tiled_gemm: decode batches of
+    12 or more rows and prefills (these layers then get no float32 copy for
+    oneDNN: `onednn_linear.pack_weights`).
     The LM head gets none: its float32 steps read the plain rows (screened
     greedy steps, dense_gemv slices)."""
     from fp8serve.kernels import cpu_ops
@@ -226,8 +231,7 @@ def _pack_for_float32_compute(model: nn.Module) -> int:
     if not copy_fits(total, "bf16_tiled_gemm: weights", logger):
         return 0
     count = pack_each_weight_once(layers, "weight_gemv_packed", pack_gemv_weight)
-    logger.info("bf16_tiled_gemm: packed %d bf16 weights once for float32 decode batches of %d-%d rows "
-                "(%.0f MiB, another copy)", count, cpu_ops.BF16_TILED_GEMM_MIN_ROWS, cpu_ops.BF16_TILED_GEMM_MAX_ROWS,
-                total / 2**20)
+    logger.info("bf16_tiled_gemm: packed %d bf16 weights once for float32 batches of %d or more rows "
+                "(%.0f MiB, another copy)", count, cpu_ops.BF16_TILED_GEMM_MIN_ROWS, total / 2**20)
     return total
 

@@ -150,11 +150,20 @@ def _packing_wanted() -> bool:
     return is_amd_cpu() and not amx_linear_ops.is_available()
 
 
+def _served_by_bf16_tiled_gemm(layer: nn.Module, compute_dtype: torch.dtype) -> bool:
+    # Under float32 compute a bf16 layer with a packed copy for bf16_tiled_gemm
+    # (gemv_packing, which runs first) sends every GEMM-sized batch there
+    # (cpu_ops.BF16_TILED_GEMM_MIN_ROWS and up): a float32 copy, twice the
+    # bytes of the weight, would never be read.
+    return compute_dtype == torch.float32 and getattr(layer, "weight_gemv_packed", None) is not None
+
+
 def pack_weights(model: nn.Module, compute_dtype: torch.dtype, widen: tuple[torch.dtype, ...] = ()) -> int:
     """Give every linear of `model` whose weight has the compute dtype (bf16
     or float32; layers with a `weight_packed` slot: plain linear layers and
     the LM head) a packed copy of its weight, where this CPU wants it and the
-    copies fit in a quarter of the available memory. Weights of a `widen`
+    copies fit in a quarter of the available memory (none for a layer whose
+    float32 GEMMs all run bf16_tiled_gemm). Weights of a `widen`
     dtype (16-bit under float32 compute: quantization/narrow_weights.py) are
     packed in the compute dtype (exact); weights of other dtypes are left
     alone: their activations never read a packed copy (an FP8 checkpoint's
@@ -164,7 +173,8 @@ def pack_weights(model: nn.Module, compute_dtype: torch.dtype, widen: tuple[torc
         return 0
     layers = [m for m in model.modules()
               if hasattr(m, "weight_packed") and isinstance(getattr(m, "weight", None), torch.Tensor)
-              and m.weight.dtype in (compute_dtype, *widen) and m.weight.dim() == 2 and m.weight.device.type == "cpu"]
+              and m.weight.dtype in (compute_dtype, *widen) and m.weight.dim() == 2 and m.weight.device.type == "cpu"
+              and not _served_by_bf16_tiled_gemm(m, compute_dtype)]
     if not layers or not _packing_wanted() or not packing_available(compute_dtype):
         return 0
     name = str(compute_dtype).removeprefix("torch.")

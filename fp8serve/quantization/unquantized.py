@@ -28,7 +28,8 @@ class UnquantizedLinearMethod(LinearMethod):
             # bf16 decode at batch 13-256 on the packed copy, where the engine made one (gemv_packing.py).
             return cpu_ops.dense_gemv_packed(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed):
-            # float32 decode at batch 12-256 on a bf16 weight's packed copy (AVX2: gemv_packing.py).
+            # float32 x of 12 or more rows (decode batches, prefills) on a bf16 weight's packed copy
+            # (AVX2: gemv_packing.py); such a layer has no float32 copy for oneDNN.
             return cpu_ops.bf16_tiled_gemm(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.dense_gemv_applies(x, layer.weight):
             return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at small batch: memory-bound GEMV
@@ -41,4 +42,4 @@ class UnquantizedLinearMethod(LinearMethod):
         gemv_rows = cpu_ops.dense_gemv_max_rows(x_dtype, layer.weight.dtype)
         return (1, gemv_rows + 1, amx_linear_ops.MIN_ROWS, amx_linear_ops.MAX_ROWS + 1,
                 cpu_ops.GEMV_PACKED_MIN_ROWS, cpu_ops.GEMV_PACKED_MAX_ROWS + 1,
-                cpu_ops.BF16_TILED_GEMM_MIN_ROWS, cpu_ops.BF16_TILED_GEMM_MAX_ROWS + 1)
+                cpu_ops.BF16_TILED_GEMM_MIN_ROWS)

@@ -48,11 +48,12 @@ def assert_close(out, x, w, bias, seed, what):
 
 
 # (M, N, K): M short of, at and past whole 6-row tiles, and past one block
-# of packed rows (264: no engine call, but the op takes any M); N a multiple
-# of 16 and not (a partial last panel, N < 16); K = 2 (one pair) up to the
-# default model's down projection.
+# of packed rows (264: prefills); N a multiple of 16 and not (a partial last
+# panel, N < 16); K = 2 (one pair) up to the default model's down projection,
+# and past one K block (4096: a second block that adds to the first, three
+# blocks of unequal size).
 CASES = [(1, 16, 2), (5, 7, 8), (6, 48, 64), (17, 37, 96), (24, 1, 576), (64, 130, 576), (43, 33, 1536),
-         (256, 19, 202), (300, 40, 100)]
+         (256, 19, 202), (300, 40, 100), (13, 35, 4098), (280, 17, 8196), (7, 16, 12290)]
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
@@ -65,12 +66,13 @@ def test_matches_float64_reference(m, n, k, with_bias):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("m, n", [(40, 512), (200, 20), (2, 40)])  # panels split; rows split; few of both
-def test_any_thread_count_gives_the_same_bits(m, n, threads):
+# panels split; rows split; few of both; rows split past a row block with two K blocks
+@pytest.mark.parametrize("m, n, k", [(40, 512, 320), (200, 20, 320), (2, 40, 320), (290, 20, 4100)])
+def test_any_thread_count_gives_the_same_bits(m, n, k, threads):
     """Threads split the panels (wide N) or the row tiles (narrow N); each
     output's sums run in the same order either way."""
     seed = fresh_seed()
-    x, w, bias = make_case(m, n, 320, True, seed)
+    x, w, bias = make_case(m, n, k, True, seed)
     packed = gemv_packing.pack_gemv_weight(w)
     before = torch.get_num_threads()
     try:
@@ -128,9 +130,9 @@ def test_float32_compute_packs_the_bf16_linears_only(monkeypatch):
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 def test_linear_layers_send_their_rows_to_it(monkeypatch, with_bias):
-    """With the packed copy, float32 batches of BF16_TILED_GEMM_MIN_ROWS ..
-    MAX_ROWS rows run bf16_tiled_gemm (its bits); fewer rows keep dense_gemv,
-    more keep the GEMM path; both bounds are row breakpoints of the layer."""
+    """With the packed copy, float32 batches of BF16_TILED_GEMM_MIN_ROWS rows
+    or more (decode batches and prefills) run bf16_tiled_gemm (its bits);
+    fewer rows keep dense_gemv; the bound is a row breakpoint of the layer."""
     from fp8serve.layers.linear import MergedLinear
 
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
@@ -143,20 +145,38 @@ def test_linear_layers_send_their_rows_to_it(monkeypatch, with_bias):
         layer.bias = torch.nn.Parameter(bias, requires_grad=False)
     model = torch.nn.Sequential(layer)
     assert gemv_packing.pack_gemv_weights(model, torch.float32) > 0
-    lo, hi = cpu_ops.BF16_TILED_GEMM_MIN_ROWS, cpu_ops.BF16_TILED_GEMM_MAX_ROWS
-    breakpoints = layer.quant_method.row_breakpoints(layer, torch.float32)
-    assert lo in breakpoints and hi + 1 in breakpoints
+    lo = cpu_ops.BF16_TILED_GEMM_MIN_ROWS
+    assert lo in layer.quant_method.row_breakpoints(layer, torch.float32)
     calls = []
     real = cpu_ops.bf16_tiled_gemm
     monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
                         lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
-    for m in (lo - 1, lo, hi, hi + 1):
+    for m in (lo - 1, lo, 256, 257, 600):
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(seed + m))
         out = layer(x)
         assert_close(out, x, w, bias, seed, f"M={m}")
-        if lo <= m <= hi:
+        if m >= lo:
             assert torch.equal(out, real(x, layer.weight_gemv_packed, 64, bias)), f"seed={seed} M={m}"
-    assert calls == [lo, hi]
+    assert calls == [lo, 256, 257, 600]
+
+
+def test_layers_with_the_copy_get_no_float32_copy(monkeypatch):
+    """Their float32 GEMMs all run bf16_tiled_gemm: oneDNN packs only the
+    rest (the LM head, float32 layers), and every layer without the bf16
+    copy when there is none."""
+    from fp8serve.kernels import onednn_linear
+
+    if not onednn_linear.packing_available(torch.float32):
+        pytest.skip("oneDNN cannot pack float32 weights here")
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
+    for tiled in ("1", "0"):
+        monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, tiled)
+        model = tiny_bf16_model()
+        gemv_packing.pack_gemv_weights(model, torch.float32)
+        onednn_linear.pack_weights(model, torch.float32, widen=(torch.bfloat16,))
+        assert (model.qkv.weight_gemv_packed is not None) == (tiled == "1")
+        assert (model.qkv.weight_packed is None) == (tiled == "1"), f"{gemv_packing.PACKED_WEIGHTS_ENV}={tiled}"
+        assert model.head.weight_packed is not None and model.f32.weight_packed is not None
 
 
 def test_auto_is_amd_without_avx512(monkeypatch):

@@ -1,14 +1,16 @@
 // bf16 linear weights under float32 compute (a bf16 checkpoint on a CPU
-// without fast bf16 arithmetic: narrow_weights.py), decode batches of
-// BF16_TILED_GEMM_MIN_ROWS..MAX_ROWS activation rows (cpu_ops), AVX2 + FMA:
+// without fast bf16 arithmetic: narrow_weights.py), decode batches and
+// prefills of BF16_TILED_GEMM_MIN_ROWS or more activation rows (cpu_ops),
+// AVX2 + FMA:
 //   out[m, n] = sum_k x[m, k] * w[n, k] + bias[n]      (float32 out)
 // read from the weight's packed copy in the pair-interleaved blocks of 16
 // output rows that dense_gemv_packed reads (gemv_packing.pack_gemv_weight):
 //   packed[b][p][j][i] = w[16 * b + j][2 * p + i]      shape [ceil(N/16), K/2, 16, 2]
 //
-// Why: between dense_gemv's rows and prefill, those batches ran oneDNN on its
-// packed float32 copy of the weight: four bytes per weight read from memory
-// each step, at 77-98 GFLOP/s for 48-64 rows on the AVX2-only Zen 2 EPYC.
+// Why: above dense_gemv's rows, those batches ran oneDNN on its packed
+// float32 copy of the weight: four bytes per weight read from memory each
+// step, at 77-98 GFLOP/s for 48-64 rows on the AVX2-only Zen 2 EPYC, and a
+// second copy of every weight twice its size.
 // dense_gemv (plain [N, K] rows, 8 activation rows per register tile) decodes
 // each bf16 weight once per 8 rows and is bound by its loads past 16 rows.
 // Here every weight is converted once per 6 rows, in registers, by one shift
@@ -18,17 +20,20 @@
 // On that machine (the default model's 120 decode linears read from memory,
 // ABBA rounds, benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md):
 // 1.09-1.29x dense_gemv at 12-32 rows, 1.12-1.57x oneDNN's packed float32
-// weight at 48-256, 1.01-1.08x at 512-2048 (prefills keep oneDNN).
+// weight at 48-256; at 256-2048 rows 1.09-1.18x, and 1.21-1.27x on one
+// weight of each Llama-3-8B shape at 512 rows
+// (benchmarks/results/bf16_tiled_gemm_prefill_2026-12-06_zen2.md).
 //
 // Schedule (fp8_tiled_gemm.cpp's, with the weight panels already packed):
 // the rows of x packed once as [tile][k][kMr] floats (each k's broadcasts
 // consecutive; blocks of kMcTiles tiles past 264 rows); per 16-row block of
 // the weight (a panel) every row tile runs the whole of K over it: a 6 x 16
 // register tile, 12 accumulators, per pair of k 2 loads of the panel, 2
-// shifts, 2 ANDs and 12 broadcasts for 24 FMAs. No K blocking: each output
-// is written once. A thread takes a range of panels for all rows (it
-// packs the rows itself) when there are enough panels, else a range of row
-// tiles for all panels.
+// shifts, 2 ANDs and 12 broadcasts for 24 FMAs. K in blocks only past
+// kMaxKc (4096): up to there each output is written once; a later K block
+// adds its sums to what the earlier ones wrote. A thread takes a range of
+// panels for all rows (it packs the rows itself) when there are enough
+// panels, else a range of row tiles for all panels.
 //
 // Sums run along k in order, in float32 with FMAs: results match a float64
 // reference to float32 rounding, not torch's GEMM bit for bit.
@@ -53,19 +58,27 @@ namespace {
 
 constexpr int kMr = 6;   // rows per register tile
 constexpr int kNr = 16;  // output columns per panel (gemv_packing.BLOCK_ROWS)
-// Row tiles per block of packed x: 44 tiles = 264 rows, so every call the
-// engine makes (at most 256 rows) packs its rows once and reads each weight
-// panel from memory once, then from L1 / L2 for every row tile. Blocks of
+// Row tiles per block of packed x: 44 tiles = 264 rows, so every decode
+// batch (at most 256 rows) packs its rows once and reads each weight panel
+// from memory once, then from L1 / L2 for every row tile. Blocks of
 // 256 KiB of x (18 tiles at K = 576, 7 at K = 1536) read the down
 // projection's weight twice at 64 rows: 129 ms a pass of the 120 decode
-// linears against 100 with one block (Zen 2, ABBA). Larger M (no engine
-// call) goes in blocks, a pass over the weight per block.
+// linears against 100 with one block (Zen 2, ABBA). Larger M (prefills)
+// goes in blocks, a pass over the weight per block.
 constexpr int64_t kMcTiles = 44;
+// K per block at most 4096: a tile's 6 rows of packed x (96 KiB) and its
+// panel (128 KiB of bf16) then share a core's 512 KiB L2. With all of
+// K = 14336 in one block (Llama-3-8B's down projection, 512 rows) the panel
+// (448 KiB) and the rows streaming past it did not, and the kernel ran 0.81x
+// oneDNN's packed float32 copy where K = 4096 ran 1.21-1.30x (one run, Zen 2);
+// in blocks of 3584 it ran 1.21-1.25x. The default model's K (576, 1536) is
+// one block: each output is written once.
+constexpr int64_t kMaxKc = 4096;
 
 // The kMr x kNr tile of out (+ bias) for rows `a` (packed [k][kMr], K even)
 // against panel `b` ([K/2][16][2] bf16 bits); nvalid < kNr: the last panel of
 // an N that is not a multiple of 16 (its padding rows are zeros).
-template <int R>
+template <int R, bool kAccumulate>
 __attribute__((always_inline)) inline void tile(const float* __restrict a, const uint16_t* __restrict b, int64_t K,
                                                 float* c, int64_t ldc, const float* bias, int nvalid) {
   __m256 lo[R], hi[R];
@@ -98,6 +111,10 @@ __attribute__((always_inline)) inline void tile(const float* __restrict a, const
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       float* cr = c + r * ldc;
+      if (kAccumulate) {
+        lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(cr));
+        hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(cr + 8));
+      }
       if (bias) {
         lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(bias));
         hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(bias + 8));
@@ -114,51 +131,70 @@ __attribute__((always_inline)) inline void tile(const float* __restrict a, const
     _mm256_store_ps(t[r] + 8, hi[r]);
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < nvalid; ++j) c[r * ldc + j] = bias ? t[r][j] + bias[j] : t[r][j];
+    for (int j = 0; j < nvalid; ++j) {
+      float v = kAccumulate ? c[r * ldc + j] + t[r][j] : t[r][j];
+      c[r * ldc + j] = bias ? v + bias[j] : v;
+    }
 }
 
+template <bool kAccumulate>
 void tile_rows(int rows, const float* a, const uint16_t* b, int64_t K, float* c, int64_t ldc, const float* bias,
                int nvalid) {
   switch (rows) {
-    case 6: return tile<6>(a, b, K, c, ldc, bias, nvalid);
-    case 5: return tile<5>(a, b, K, c, ldc, bias, nvalid);
-    case 4: return tile<4>(a, b, K, c, ldc, bias, nvalid);
-    case 3: return tile<3>(a, b, K, c, ldc, bias, nvalid);
-    case 2: return tile<2>(a, b, K, c, ldc, bias, nvalid);
-    default: return tile<1>(a, b, K, c, ldc, bias, nvalid);
+    case 6: return tile<6, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
+    case 5: return tile<5, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
+    case 4: return tile<4, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
+    case 3: return tile<3, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
+    case 2: return tile<2, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
+    default: return tile<1, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
   }
 }
 
-// packed[t][k][r] = x[m0 + t * kMr + r, k] (0 past row M) for `tiles` tiles.
-void pack_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t tiles, float* packed) {
+// packed[t][k][r] = x[m0 + t * kMr + r, k0 + k] (0 past row M) for `tiles`
+// tiles, k < kc.
+void pack_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t tiles, int64_t k0, int64_t kc,
+               float* packed) {
   for (int64_t t = 0; t < tiles; ++t) {
-    float* d = packed + t * K * kMr;
+    float* d = packed + t * kc * kMr;
     for (int r = 0; r < kMr; ++r) {
       const int64_t m = m0 + t * kMr + r;
       if (m < M) {
-        const float* src = x + m * K;
-        for (int64_t k = 0; k < K; ++k) d[k * kMr + r] = src[k];
+        const float* src = x + m * K + k0;
+        for (int64_t k = 0; k < kc; ++k) d[k * kMr + r] = src[k];
       } else {
-        for (int64_t k = 0; k < K; ++k) d[k * kMr + r] = 0.f;
+        for (int64_t k = 0; k < kc; ++k) d[k * kMr + r] = 0.f;
       }
     }
   }
 }
 
-// One thread's share: row tiles [t0, t1) x panels [p0, p1).
+// One thread's share: row tiles [t0, t1) x panels [p0, p1), K in blocks of
+// kc_max (even): the first block stores its sums, later ones add theirs, the
+// bias comes with the last.
 void run_share(const float* x, const uint16_t* w, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
-               int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
-  std::vector<float> packed(std::min(kMcTiles, t1 - t0) * kMr * K);
-  for (int64_t tb = t0; tb < t1; tb += kMcTiles) {
-    const int64_t tiles = std::min(kMcTiles, t1 - tb);
-    pack_rows(x, M, K, tb * kMr, tiles, packed.data());
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kNr;
-      const int nvalid = static_cast<int>(std::min<int64_t>(kNr, N - n0));
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t m = (tb + t) * kMr;
-        tile_rows(static_cast<int>(std::min<int64_t>(kMr, M - m)), packed.data() + t * K * kMr, w + p * K * kNr, K,
-                  out + m * N + n0, N, bias ? bias + n0 : nullptr, nvalid);
+               int64_t kc_max, int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+  std::vector<float> packed(std::min(kMcTiles, t1 - t0) * kMr * kc_max);
+  for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+    const int64_t kc = std::min(kc_max, K - k0);
+    const bool first = k0 == 0, last = k0 + kc == K;
+    for (int64_t tb = t0; tb < t1; tb += kMcTiles) {
+      const int64_t tiles = std::min(kMcTiles, t1 - tb);
+      pack_rows(x, M, K, tb * kMr, tiles, k0, kc, packed.data());
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kNr;
+        const int nvalid = static_cast<int>(std::min<int64_t>(kNr, N - n0));
+        const uint16_t* b = w + p * K * kNr + k0 * kNr;  // the panel's pairs k0 / 2 ... (k0 + kc) / 2
+        const float* bias_n = last && bias ? bias + n0 : nullptr;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = (tb + t) * kMr;
+          const int rows = static_cast<int>(std::min<int64_t>(kMr, M - m));
+          const float* a = packed.data() + t * kc * kMr;
+          if (first) {
+            tile_rows<false>(rows, a, b, kc, out + m * N + n0, N, bias_n, nvalid);
+          } else {
+            tile_rows<true>(rows, a, b, kc, out + m * N + n0, N, bias_n, nvalid);
+          }
+        }
       }
     }
   }
@@ -195,12 +231,15 @@ at::Tensor bf16_tiled_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::opti
   // Panels split while each thread gets a few (packing x again per thread is
   // small beside them); otherwise rows split.
   const bool by_panels = panels >= 4 * nt || panels >= tiles;
+  // Equal even K blocks of at most kMaxKc (one block up to kMaxKc).
+  const int64_t nkb = (K + kMaxKc - 1) / kMaxKc;
+  const int64_t kc_max = ((K / 2 + nkb - 1) / nkb) * 2;
   at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       if (by_panels) {
-        run_share(xp, wp, bp, op, M, N, K, 0, tiles, panels * i / nt, panels * (i + 1) / nt);
+        run_share(xp, wp, bp, op, M, N, K, kc_max, 0, tiles, panels * i / nt, panels * (i + 1) / nt);
       } else {
-        run_share(xp, wp, bp, op, M, N, K, tiles * i / nt, tiles * (i + 1) / nt, 0, panels);
+        run_share(xp, wp, bp, op, M, N, K, kc_max, tiles * i / nt, tiles * (i + 1) / nt, 0, panels);
       }
     }
   });
