@@ -287,6 +287,23 @@ def parse_sizes(parser, flag: str, text: str, allow_empty: bool = False) -> list
     return sizes
 
 
+def parse_cells(parser, flag: str, text: str) -> list[tuple[int, int]]:
+    """`--flag 1x512,4x256` -> [(1, 512), (4, 256)] (sequences x tokens, each >= 1; empty: none), or
+    parser.error naming the flag."""
+    cells = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        try:
+            seqs, tokens = (int(x) for x in part.lower().split("x"))
+        except ValueError:
+            parser.error(f"{flag}: expected comma-separated SEQSxTOKENS like 1x512,4x256, got {part!r}")
+        if seqs < 1 or tokens < 1:
+            parser.error(f"{flag}: sequences and tokens must be >= 1, got {part!r}")
+        cells.append((seqs, tokens))
+    return cells
+
+
 def greedy_head_rows(engine, draw, rng: random.Random, prompt_len: int, steps: int):
     """The LM head's input rows ([n, hidden] float32) of a greedy generation
     from `draw(prompt_len, rng)`: one per sampling step (the prefill's last

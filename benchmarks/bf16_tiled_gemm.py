@@ -16,15 +16,23 @@ the engine can take, side by side.
    A round runs each variant's pass once, in ABBA order; medians of --rounds.
    Also bf16_tiled_gemm's largest error against float64 on the same weights,
    relative to sum |x| |w|.
-2. Engine (--engine-batches): two engines on the model, one loaded with
-   FP8SERVE_GEMV_PACKED_WEIGHTS=0 (no packed bf16 copies: dense_gemv and
-   oneDNN as before), one with the setting as given (auto: bf16_tiled_gemm
-   where gemv_packing.float32_packing_applies), greedy decode steps of each
-   batch over ~--decode-context tokens alternating (ABBA), with their tokens
-   compared.
+2. Large K (--llama-rows): the same three paths (no dense_gemv) on one
+   weight of each Llama-3-8B linear shape (qkv 4096 -> 6144, o 4096 -> 4096,
+   gate_up 4096 -> 28672, down 14336 -> 4096), where bf16_tiled_gemm splits K
+   into blocks of at most 4096.
+3. Engine (--engine-batches, --engine-prefills): two engines on the model, one
+   loaded with FP8SERVE_GEMV_PACKED_WEIGHTS=0 (no packed bf16 copies:
+   dense_gemv, and oneDNN on a packed float32 copy above its rows), one with
+   the setting as given (auto: bf16_tiled_gemm from 12 rows, decode batches
+   and prefills, where gemv_packing.float32_packing_applies), alternating
+   (ABBA): greedy decode steps of each batch over ~--decode-context tokens,
+   and prefill steps of each cell (sequences x prompt tokens in one step,
+   max_tokens=1), with their tokens compared.
 
     .venv/bin/python benchmarks/bf16_tiled_gemm.py
-    .venv/bin/python benchmarks/bf16_tiled_gemm.py --rows 16,24,32 --rounds 10 --engine-batches ""
+    .venv/bin/python benchmarks/bf16_tiled_gemm.py --rows 16,24,32 --rounds 10 --engine-batches "" --engine-prefills ""
+    .venv/bin/python benchmarks/bf16_tiled_gemm.py --rows 512,2048 --llama-rows 512 --engine-batches "" \
+        --engine-prefills 1x512,4x512
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, command_line, describe_machine, emit_table, machine_info, parse_sizes, record_as_a_warm_engine,
+    alternate, command_line, describe_machine, emit_table, machine_info, parse_cells, parse_sizes,
+    record_as_a_warm_engine,
     require_positive, time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops, gemv_packing, onednn_linear  # noqa: E402
@@ -107,6 +116,41 @@ def ops_table(args, lines: list[str]) -> None:
         print(lines[-1], file=sys.stderr, flush=True)
 
 
+LLAMA_SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
+
+
+def llama_table(args, lines: list[str]) -> None:
+    ops = cpu_ops.load_cpu_ops()
+    g = torch.Generator().manual_seed(args.seed + 2)
+    lines += ["", "Large K: one weight of each Llama-3-8B linear shape (bf16, float32 x); ms per call (GFLOP/s)", "",
+              "| shape (K -> N) | rows | oneDNN (packed float32) | bf16_tiled_gemm | tiled vs oneDNN |",
+              "|---|---|---|---|---|"]
+    for name, k, n in LLAMA_SHAPES:
+        w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+        packed_f32, packed_bf16 = onednn_linear.pack_weight(w.float()), gemv_packing.pack_gemv_weight(w)
+        for m in args.llama_rows:
+            x = torch.randn(m, k, generator=g)
+
+            def call(kind: str):
+                def run() -> float:
+                    t = time.perf_counter()
+                    if kind == "onednn":
+                        torch.ops.mkldnn._linear_pointwise(x, packed_f32, None, "none", [], "")
+                    else:
+                        ops.bf16_tiled_gemm(x, packed_bf16, n, None)
+                    return time.perf_counter() - t
+                return run
+
+            for kind in ("onednn", "tiled"):
+                call(kind)()
+            med = alternate({kind: call(kind) for kind in ("onednn", "tiled")}, args.rounds)
+            gf = {kind: 2 * m * k * n / med[kind] / 1e9 for kind in med}
+            lines.append(f"| {name} ({k} -> {n}) | {m} | {1e3 * med['onednn']:.1f} ({gf['onednn']:.0f}) | "
+                         f"{1e3 * med['tiled']:.1f} ({gf['tiled']:.0f}) | {med['onednn'] / med['tiled']:.2f}x |")
+            print(lines[-1], file=sys.stderr, flush=True)
+        del w, packed_f32, packed_bf16
+
+
 def build_engine(model: str | None, packed: str, max_len: int, max_seqs: int, args):
     from fp8serve import LLM
 
@@ -125,20 +169,59 @@ def build_engine(model: str | None, packed: str, max_len: int, max_seqs: int, ar
     return engine
 
 
+def time_prefill(engine, prompts: list[list[int]]) -> tuple[float, list[int]]:
+    """Seconds of one engine step that prefills every prompt (max_tokens=1), and the first tokens."""
+    from fp8serve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, sp).request_id for p in prompts]
+    t = time.perf_counter()
+    outs = {o.request_id: o for o in engine.step()}
+    dt = time.perf_counter() - t
+    if set(outs) != set(ids) or engine.has_unfinished_requests():
+        raise RuntimeError("a prefill step did not finish its requests in one step: raise --kv-cache-memory")
+    return dt, [outs[i].outputs[0].token_ids[0] for i in ids]
+
+
 def engine_table(args, lines: list[str]) -> None:
     setting = os.environ.get(gemv_packing.PACKED_WEIGHTS_ENV, "auto")
     sides = {"without packed bf16 copies": "0", f"{gemv_packing.PACKED_WEIGHTS_ENV}={setting}": setting}
-    max_len = args.decode_context + args.decode_steps + 16
-    engines = {name: build_engine(args.model, value, max_len, max(args.engine_batches), args)
-               for name, value in sides.items()}
+    longest = max([n for _, n in args.engine_prefills], default=0)
+    max_len = max(args.decode_context + args.decode_steps + 16, longest + 1)
+    max_seqs = max([*args.engine_batches, *(s for s, _ in args.engine_prefills)])
+    engines = {name: build_engine(args.model, value, max_len, max_seqs, args) for name, value in sides.items()}
     names = list(engines)
-    tiled = engines[names[1]].model_runner.model.model.layers[0].mlp.gate_up_proj.weight_gemv_packed is not None
-    lines += ["", f"Engine: decode steps, greedy, ~{args.decode_context} tokens of context, KV "
-              f"{args.kv_cache_dtype}; medians of {args.rounds} ABBA rounds of the median of {args.decode_steps} "
-              f"steps. Second engine's linears have packed bf16 copies: {'yes' if tiled else 'NO'}", "",
-              f"| batch | {names[0]} ms | {names[1]} ms | speedup | same tokens |", "|---|---|---|---|---|"]
+    gate_up = engines[names[1]].model_runner.model.model.layers[0].mlp.gate_up_proj
+    tiled = gate_up.weight_gemv_packed is not None
+    f32_copy = engines[names[1]].model_runner.model.model.layers[0].mlp.gate_up_proj.weight_packed is not None
+    lines += ["", f"Engine: second engine's linears have packed bf16 copies: {'yes' if tiled else 'NO'}; "
+              f"float32 copies for oneDNN: {'yes' if f32_copy else 'no'}"]
     rng = random.Random(args.seed)
     draw = token_source(engines[names[0]], "text")
+    if args.engine_prefills:
+        lines += ["", f"Prefill steps (sequences x prompt tokens in one step, max_tokens=1); medians of "
+                  f"{args.rounds} ABBA rounds", "",
+                  f"| cell | {names[0]} ms | {names[1]} ms | speedup | same first tokens |", "|---|---|---|---|---|"]
+    for seqs, length in args.engine_prefills:
+        prompts = [draw(length, rng) for _ in range(seqs)]
+        firsts: dict[str, list] = {}
+
+        def prefill(name: str) -> float:
+            t, firsts[name] = time_prefill(engines[name], prompts)
+            return t
+
+        for name in names:
+            prefill(name)  # warm-up: the recorded forward of this size, page faults
+        med = alternate({name: (lambda s=name: prefill(s)) for name in names}, args.rounds)
+        a, b = med[names[0]], med[names[1]]
+        lines.append(f"| {seqs}x{length} | {1e3 * a:.1f} | {1e3 * b:.1f} | {a / b:.2f}x | "
+                     f"{'yes' if firsts[names[0]] == firsts[names[1]] else 'no'} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    if args.engine_batches:
+        lines += ["", f"Decode steps, greedy, ~{args.decode_context} tokens of context, KV "
+                  f"{args.kv_cache_dtype}; medians of {args.rounds} ABBA rounds of the median of {args.decode_steps} "
+                  "steps", "", f"| batch | {names[0]} ms | {names[1]} ms | speedup | same tokens |",
+                  "|---|---|---|---|---|"]
     for batch in args.engine_batches:
         prompts = [draw(args.decode_context, rng) for _ in range(batch)]
         toks: dict[str, list] = {}
@@ -159,7 +242,10 @@ def main() -> None:
     p.add_argument("--rows", default="8,16,17,20,24,32,48,64,96,128,192,256,512",
                    help="activation rows of the ops table (empty: none)")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--llama-rows", default="", help="activation rows of the Llama-3-8B shapes table (empty: none)")
     p.add_argument("--engine-batches", default="24,64,128", help="decode batches of the engine table (empty: none)")
+    p.add_argument("--engine-prefills", default="1x512",
+                   help="prefill cells of the engine table, sequences x prompt tokens (empty: none)")
     p.add_argument("--model", default=None, help="a bf16 checkpoint (default: the built-in default model)")
     p.add_argument("--kv-cache-dtype", default="fp8")
     p.add_argument("--kv-cache-memory", default="2GiB", help="each engine's")
@@ -171,13 +257,17 @@ def main() -> None:
     require_positive(p, args, "rounds", "decode_context", "decode_steps")
     args.rows = parse_sizes(p, "--rows", args.rows, allow_empty=True)
     args.engine_batches = parse_sizes(p, "--engine-batches", args.engine_batches, allow_empty=True)
+    args.llama_rows = parse_sizes(p, "--llama-rows", args.llama_rows, allow_empty=True)
+    args.engine_prefills = parse_cells(p, "--engine-prefills", args.engine_prefills)
     if not cpu_ops.bf16_tiled_gemm_built():
         sys.exit("bf16_tiled_gemm is not built here (the C++ kernels need AVX2 and FMA): nothing to compare")
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info()))]
     with torch.inference_mode():
         if args.rows:
             ops_table(args, lines)
-        if args.engine_batches:
+        if args.llama_rows:
+            llama_table(args, lines)
+        if args.engine_batches or args.engine_prefills:
             engine_table(args, lines)
     emit_table(lines, args.output)
 
