@@ -134,7 +134,11 @@ def run_fp8serve(args, prompts: list[list[int]], dtype: str, kv_dtype: str, keep
     resolved_kv = runner.kv_cache_spec.kv_cache_dtype
     # FP8 where the projections kept their one-byte codes (not widened at load).
     backends = {getattr(m, "fp8_backend", None) for m in runner.model.modules()} - {None, "dequantized"}
-    weights = "fp8" if backends else resolved_dtype
+    # Otherwise the dtype the plain linear weights are held in: 16-bit under float32 compute where
+    # narrow_weights.py keeps a 16-bit checkpoint's weights at 16 bits.
+    held = {str(m.weight.dtype).removeprefix("torch.") for m in runner.model.modules()
+            if hasattr(m, "quant_method") and isinstance(getattr(m, "weight", None), torch.Tensor)}
+    weights = "fp8" if backends else "/".join(sorted(held)) or resolved_dtype
     timer = _StepTimer(runner)
 
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
