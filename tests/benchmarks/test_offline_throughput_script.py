@@ -54,3 +54,22 @@ def test_quantization_field_runs_fp8_weights(tmp_path, capsys):
 def test_a_config_with_too_many_fields_is_refused():
     with loaded_script("offline_throughput.py") as script, pytest.raises(SystemExit, match="expected DTYPE:KV_DTYPE"):
         script.main(["--configs", "float32:fp8:fp8:x", "--skip-hf"])
+
+
+def test_weights_column_says_how_the_weights_are_held(tmp_path, capsys, monkeypatch):
+    """A bf16 checkpoint under float32 compute keeps its linear weights at 16 bits
+    (narrow_weights.py): the weights column says bfloat16, not the compute dtype."""
+    import torch
+
+    from fp8serve.quantization import narrow_weights
+
+    monkeypatch.setenv(narrow_weights.ENV, "1")
+    model = write_tiny_llama(tmp_path / "tiny", dtype=torch.bfloat16)
+    out = tmp_path / "r.json"
+    with loaded_script("offline_throughput.py") as script:
+        assert script.main(["--model", str(model), "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+                            "--configs", "float32:auto", "--warmup-prompts", "1", "--skip-hf",
+                            "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| fp8serve | float32 | bfloat16 | float32 | cpu_paged | 2 | 8 | 4 |" in table, table
+    assert [r["weights"] for r in json.loads(out.read_text())["results"]] == ["bfloat16"]
