@@ -24,9 +24,11 @@ Under float32 compute (a bf16 checkpoint on a CPU without fast bf16
 arithmetic: narrow_weights.py) the same bf16 layout serves float32
 activations: bf16_tiled_gemm (cpu/bf16_tiled_gemm.cpp, AVX2 + FMA) turns each
 pair into two float32 weights by one shift and one AND and runs 6 x 16
-register tiles over a block. Only the plain linear layers get the copy
-there, and it serves all their batches of 12 or more rows, prefills too (so
-they get no float32 copy for oneDNN). On an AVX2-only Zen 2 EPYC their
+register tiles over a block. The plain linear layers and a bf16 LM head get
+the copy there, and it serves all their batches of 12 or more rows, prefills
+too (so they get no float32 copy for oneDNN); the head ran 1.35-1.41x
+dense_gemv at 12-32 rows and 1.01-1.29x oneDNN's float32 copy at 64-256
+(bf16_tiled_gemm_head_2026-12-06_zen2.md). On an AVX2-only Zen 2 EPYC their
 decode linears ran 1.09-1.29x as fast as dense_gemv at 12-32 rows and
 1.12-1.57x as fast as oneDNN's packed float32 copy at 48-256
 (benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md), and 1.09-1.18x at
@@ -210,18 +212,20 @@ def float32_packing_applies() -> bool:
 
 
 def _pack_for_float32_compute(model: nn.Module) -> int:
-    """The bf16 weights of plain linear layers (16-bit weights under float32
-    compute: narrow_weights.py) packed for bf16_tiled_gemm: decode batches of
-    12 or more rows and prefills (these layers then get no float32 copy for
-    oneDNN: `onednn_linear.pack_weights`).
-    The LM head gets none: its float32 steps read the plain rows (screened
-    greedy steps, dense_gemv slices)."""
+    """The bf16 weights of plain linear layers and of the LM head (16-bit
+    weights under float32 compute: narrow_weights.py; an FP8 checkpoint's
+    bf16 head) packed for bf16_tiled_gemm: batches of 12 or more rows, decode
+    and prefill (these layers then get no float32 copy for oneDNN:
+    `onednn_linear.pack_weights`). Greedy steps of a few rows still read the
+    head's plain rows (its int8 screen, dense_gemv)."""
     from fp8serve.kernels import cpu_ops
     from fp8serve.layers.linear import MergedLinear
+    from fp8serve.layers.vocab_embedding import LMHead
     from fp8serve.quantization.unquantized import UnquantizedLinearMethod
 
     layers = [m for m in model.modules()
-              if isinstance(m, MergedLinear) and isinstance(m.quant_method, UnquantizedLinearMethod)
+              if (isinstance(m, LMHead) or isinstance(m, MergedLinear)
+                  and isinstance(m.quant_method, UnquantizedLinearMethod))
               and m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2 and m.weight.shape[1] % 2 == 0
               and m.weight.device.type == "cpu"]
     if not layers or not float32_packing_applies():

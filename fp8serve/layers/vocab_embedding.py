@@ -63,12 +63,16 @@ class LMHead(nn.Module):
         if cpu_ops.dense_gemv_packed_applies(hidden_states, self.weight_gemv_packed, cpu_ops.LM_HEAD_PACKED_MIN_ROWS):
             return cpu_ops.dense_gemv_packed(hidden_states, self.weight_gemv_packed, self.weight.shape[0],
                                              float_out=True)
+        if cpu_ops.bf16_tiled_gemm_applies(hidden_states, self.weight_gemv_packed):
+            # A bf16 head under float32 compute, 12 rows or more (gemv_packing.py).
+            return cpu_ops.bf16_tiled_gemm(hidden_states, self.weight_gemv_packed, self.weight.shape[0])
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
         if self.weight.dtype == hidden_states.dtype or (self.weight_packed is not None
                                                         and self.weight_packed.dtype == hidden_states.dtype):
             # (A 16-bit head has a float32 packed copy where the engine keeps a
-            # 16-bit checkpoint's weights at 16 bits: quantization/narrow_weights.py.)
+            # 16-bit checkpoint's weights at 16 bits, quantization/narrow_weights.py,
+            # and gave it no bf16 copy for bf16_tiled_gemm.)
             return onednn_linear.linear(hidden_states, self.weight, packed=self.weight_packed).float()
         # A narrower stored weight (a bf16 head, float32 activations), more
         # rows than one dense_gemv call takes: slices of the rows through it,
@@ -94,6 +98,11 @@ class LMHead(nn.Module):
             return lambda rows: cpu_ops.dense_gemv_packed(
                 hidden_states, gemv_packing.pack_gemv_weight(self.weight.index_select(0, rows), huge_pages=False),
                 rows.numel(), float_out=True)
+        if cpu_ops.bf16_tiled_gemm_applies(hidden_states, self.weight_gemv_packed):
+            # Likewise: each output sums its own weight row along k in one order.
+            return lambda rows: cpu_ops.bf16_tiled_gemm(
+                hidden_states, gemv_packing.pack_gemv_weight(self.weight.index_select(0, rows), huge_pages=False),
+                rows.numel())
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return lambda rows: cpu_ops.dense_gemv(hidden_states, self.weight.index_select(0, rows)).float()
         return None

@@ -118,14 +118,15 @@ def test_rejects_bad_inputs(case, message):
         ops.bf16_tiled_gemm(x, packed, n, bias)
 
 
-def test_float32_compute_packs_the_bf16_linears_only(monkeypatch):
-    """Under float32 compute the bf16 linear layers get the packed copy; the
-    LM head (its float32 steps read the plain rows) and float32 layers do not."""
+def test_float32_compute_packs_the_bf16_linears_and_head(monkeypatch):
+    """Under float32 compute the bf16 linear layers and the bf16 LM head (50
+    rows: 4 blocks of 16) get the packed copy; float32 layers do not."""
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
     model = tiny_bf16_model()
-    assert gemv_packing.pack_gemv_weights(model, torch.float32) == 64 * 32 * 2
+    assert gemv_packing.pack_gemv_weights(model, torch.float32) == 64 * 32 * 2 + 64 * 32 * 2
     assert torch.equal(model.qkv.weight_gemv_packed, gemv_packing.pack_gemv_weight(model.qkv.weight))
-    assert model.head.weight_gemv_packed is None and model.f32.weight_gemv_packed is None
+    assert torch.equal(model.head.weight_gemv_packed, gemv_packing.pack_gemv_weight(model.head.weight))
+    assert model.f32.weight_gemv_packed is None
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
@@ -162,8 +163,8 @@ def test_linear_layers_send_their_rows_to_it(monkeypatch, with_bias):
 
 def test_layers_with_the_copy_get_no_float32_copy(monkeypatch):
     """Their float32 GEMMs all run bf16_tiled_gemm: oneDNN packs only the
-    rest (the LM head, float32 layers), and every layer without the bf16
-    copy when there is none."""
+    rest (float32 layers), and every layer without the bf16 copy when there
+    is none."""
     from fp8serve.kernels import onednn_linear
 
     if not onednn_linear.packing_available(torch.float32):
@@ -175,8 +176,9 @@ def test_layers_with_the_copy_get_no_float32_copy(monkeypatch):
         gemv_packing.pack_gemv_weights(model, torch.float32)
         onednn_linear.pack_weights(model, torch.float32, widen=(torch.bfloat16,))
         assert (model.qkv.weight_gemv_packed is not None) == (tiled == "1")
-        assert (model.qkv.weight_packed is None) == (tiled == "1"), f"{gemv_packing.PACKED_WEIGHTS_ENV}={tiled}"
-        assert model.head.weight_packed is not None and model.f32.weight_packed is not None
+        for layer in (model.qkv, model.head):
+            assert (layer.weight_packed is None) == (tiled == "1"), f"{gemv_packing.PACKED_WEIGHTS_ENV}={tiled}"
+        assert model.f32.weight_packed is not None
 
 
 def test_auto_is_amd_without_avx512(monkeypatch):
@@ -205,3 +207,28 @@ def test_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
         assert gemv_packing.pack_gemv_weights(model, torch.float32) == 0
     assert model.qkv.weight_gemv_packed is None
     assert "bf16_tiled_gemm: weights not packed: the copy needs" in caplog.text
+
+
+def test_lm_head_runs_it_and_its_greedy_screen_agrees(monkeypatch):
+    """A bf16 head under float32 compute: 12 or more rows run bf16_tiled_gemm
+    on its packed copy (its bits), fewer keep dense_gemv; the screen's
+    logits of a few vocabulary rows (`logits_of_rows`) equal the full
+    logits' bit for bit on either path."""
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    model = tiny_bf16_model()
+    assert gemv_packing.pack_gemv_weights(model, torch.float32) > 0
+    head = model.head
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    calls = []
+    real = cpu_ops.bf16_tiled_gemm
+    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
+                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    vocab_rows = torch.tensor([3, 0, 49, 17])
+    for m in (cpu_ops.BF16_TILED_GEMM_MIN_ROWS - 1, cpu_ops.BF16_TILED_GEMM_MIN_ROWS, 40):
+        x = torch.randn(m, 32, generator=g)
+        logits = head(x)
+        assert_close(logits, x, head.weight, None, seed, f"head M={m}")
+        few = head.logits_of_rows(x)
+        assert few is not None and torch.equal(few(vocab_rows), logits[:, vocab_rows]), f"seed={seed} M={m}"
+    assert calls == [12, 12, 40, 40], calls
