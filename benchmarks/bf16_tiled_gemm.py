@@ -16,18 +16,27 @@ the engine can take, side by side.
    A round runs each variant's pass once, in ABBA order; medians of --rounds.
    Also bf16_tiled_gemm's largest error against float64 on the same weights,
    relative to sum |x| |w|.
-2. Large K (--llama-rows): the same three paths (no dense_gemv) on one
+2. LM head (--head-rows): the default model's tied 49152 x 576 bf16 head,
+   read from memory (a fresh copy per call, as a decode step's head comes cold),
+   on oneDNN's packed float32 copy (the bf16 checkpoint's path before
+   bf16_tiled_gemm took its head), dense_gemv over slices of 32 rows (an FP8
+   checkpoint's bf16 head before) and bf16_tiled_gemm.
+3. Large K (--llama-rows): the same three paths (no dense_gemv) on one
    weight of each Llama-3-8B linear shape (qkv 4096 -> 6144, o 4096 -> 4096,
    gate_up 4096 -> 28672, down 14336 -> 4096), where bf16_tiled_gemm splits K
    into blocks of at most 4096.
-3. Engine (--engine-batches, --engine-prefills): two engines on the model, one
+4. Engine (--engine-batches, --engine-prefills): two engines on the model, one
    loaded with FP8SERVE_GEMV_PACKED_WEIGHTS=0 (no packed bf16 copies:
    dense_gemv, and oneDNN on a packed float32 copy above its rows), one with
    the setting as given (auto: bf16_tiled_gemm from 12 rows, decode batches
    and prefills, where gemv_packing.float32_packing_applies), alternating
-   (ABBA): greedy decode steps of each batch over ~--decode-context tokens,
+   (ABBA): decode steps of each batch over ~--decode-context tokens (greedy,
+   or sampled at --engine-temperature, which reads the whole LM head),
    and prefill steps of each cell (sequences x prompt tokens in one step,
-   max_tokens=1), with their tokens compared.
+   max_tokens=1), with their tokens compared. With --engine-head-only both
+   engines have the packed copies and differ in the LM head alone: the first
+   engine's head has oneDNN's packed float32 copy instead of its bf16 one (the
+   head's paths before bf16_tiled_gemm took it).
 
     .venv/bin/python benchmarks/bf16_tiled_gemm.py
     .venv/bin/python benchmarks/bf16_tiled_gemm.py --rows 16,24,32 --rounds 10 --engine-batches "" --engine-prefills ""
@@ -116,6 +125,53 @@ def ops_table(args, lines: list[str]) -> None:
         print(lines[-1], file=sys.stderr, flush=True)
 
 
+HEAD_SHAPE = (49152, 576)
+HEAD_COPIES = 6  # > L3: every call reads its head from memory
+
+
+def head_table(args, lines: list[str]) -> None:
+    ops = cpu_ops.load_cpu_ops()
+    g = torch.Generator().manual_seed(args.seed + 3)
+    n, k = HEAD_SHAPE
+    heads = []
+    for _ in range(HEAD_COPIES):
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        heads.append((w, onednn_linear.pack_weight(w.float()), gemv_packing.pack_gemv_weight(w)))
+    lines += ["", f"LM head {n} x {k} (bf16 weights, float32 x), read from memory; ms per call (GFLOP/s)", "",
+              "| rows | oneDNN (packed float32) | dense_gemv, slices of 32 rows | bf16_tiled_gemm | tiled vs oneDNN | "
+              "tiled vs slices |", "|---|---|---|---|---|---|"]
+    for m in args.head_rows:
+        x = torch.randn(m, k, generator=g)
+        turn = [0]
+
+        def call(kind: str):
+            def run() -> float:
+                w, packed_f32, packed_bf16 = heads[turn[0] % HEAD_COPIES]
+                turn[0] += 1
+                t = time.perf_counter()
+                if kind == "onednn":
+                    torch.ops.mkldnn._linear_pointwise(x, packed_f32, None, "none", [], "")
+                elif kind == "slices":
+                    torch.cat([ops.dense_gemv(x[i:i + DENSE_GEMV_MAX_ROWS], w, None)
+                               for i in range(0, m, DENSE_GEMV_MAX_ROWS)])
+                else:
+                    ops.bf16_tiled_gemm(x, packed_bf16, n, None)
+                return time.perf_counter() - t
+            return run
+
+        kinds = ("onednn", "slices", "tiled")
+        for kind in kinds:
+            call(kind)()
+        med = alternate({kind: call(kind) for kind in kinds}, args.rounds * 2)
+
+        def cell(kind: str) -> str:
+            return f"{1e3 * med[kind]:.2f} ({2 * m * n * k / med[kind] / 1e9:.0f})"
+
+        lines.append(f"| {m} | {cell('onednn')} | {cell('slices')} | {cell('tiled')} | "
+                     f"{med['onednn'] / med['tiled']:.2f}x | {med['slices'] / med['tiled']:.2f}x |")
+        print(lines[-1], file=sys.stderr, flush=True)
+
+
 LLAMA_SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 
 
@@ -185,12 +241,22 @@ def time_prefill(engine, prompts: list[list[int]]) -> tuple[float, list[int]]:
 
 def engine_table(args, lines: list[str]) -> None:
     setting = os.environ.get(gemv_packing.PACKED_WEIGHTS_ENV, "auto")
-    sides = {"without packed bf16 copies": "0", f"{gemv_packing.PACKED_WEIGHTS_ENV}={setting}": setting}
+    if args.engine_head_only:
+        sides = {"head on a float32 copy": setting, "head on its bf16 copy": setting}
+    else:
+        sides = {"without packed bf16 copies": "0", f"{gemv_packing.PACKED_WEIGHTS_ENV}={setting}": setting}
     longest = max([n for _, n in args.engine_prefills], default=0)
     max_len = max(args.decode_context + args.decode_steps + 16, longest + 1)
     max_seqs = max([*args.engine_batches, *(s for s, _ in args.engine_prefills)])
     engines = {name: build_engine(args.model, value, max_len, max_seqs, args) for name, value in sides.items()}
     names = list(engines)
+    if args.engine_head_only:
+        head = engines[names[0]].model_runner.model.lm_head
+        if head.weight_gemv_packed is None:
+            sys.exit("--engine-head-only: the LM head has no packed bf16 copy here (gemv_packing.float32_packing_applies)")
+        # Before the first step, so the recorded decode forwards record this head's paths.
+        head.weight_gemv_packed = None
+        head.weight_packed = onednn_linear.pack_weight(head.weight.float())
     gate_up = engines[names[1]].model_runner.model.model.layers[0].mlp.gate_up_proj
     tiled = gate_up.weight_gemv_packed is not None
     f32_copy = engines[names[1]].model_runner.model.model.layers[0].mlp.gate_up_proj.weight_packed is not None
@@ -217,8 +283,11 @@ def engine_table(args, lines: list[str]) -> None:
         lines.append(f"| {seqs}x{length} | {1e3 * a:.1f} | {1e3 * b:.1f} | {a / b:.2f}x | "
                      f"{'yes' if firsts[names[0]] == firsts[names[1]] else 'no'} |")
         print(lines[-1], file=sys.stderr, flush=True)
+    # Sampled steps draw from a seeded generator per request, so both engines draw alike.
+    sampling = {"temperature": args.engine_temperature, "seed": args.seed} if args.engine_temperature else None
+    kind = f"sampled at temperature {args.engine_temperature}" if sampling else "greedy"
     if args.engine_batches:
-        lines += ["", f"Decode steps, greedy, ~{args.decode_context} tokens of context, KV "
+        lines += ["", f"Decode steps, {kind}, ~{args.decode_context} tokens of context, KV "
                   f"{args.kv_cache_dtype}; medians of {args.rounds} ABBA rounds of the median of {args.decode_steps} "
                   "steps", "", f"| batch | {names[0]} ms | {names[1]} ms | speedup | same tokens |",
                   "|---|---|---|---|---|"]
@@ -227,7 +296,7 @@ def engine_table(args, lines: list[str]) -> None:
         toks: dict[str, list] = {}
 
         def decode(name: str) -> float:
-            t, toks[name] = time_greedy_decode(engines[name], prompts, args.decode_steps)
+            t, toks[name] = time_greedy_decode(engines[name], prompts, args.decode_steps, sampling)
             return t
 
         med = alternate({name: (lambda s=name: decode(s)) for name in names}, args.rounds)
@@ -242,7 +311,12 @@ def main() -> None:
     p.add_argument("--rows", default="8,16,17,20,24,32,48,64,96,128,192,256,512",
                    help="activation rows of the ops table (empty: none)")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--head-rows", default="", help="activation rows of the LM head table (empty: none)")
     p.add_argument("--llama-rows", default="", help="activation rows of the Llama-3-8B shapes table (empty: none)")
+    p.add_argument("--engine-head-only", action="store_true",
+                   help="the engine table's two engines differ in the LM head alone (see 4. above)")
+    p.add_argument("--engine-temperature", type=float, default=0.0,
+                   help="sample the engine table's decode steps at this temperature (0: greedy)")
     p.add_argument("--engine-batches", default="24,64,128", help="decode batches of the engine table (empty: none)")
     p.add_argument("--engine-prefills", default="1x512",
                    help="prefill cells of the engine table, sequences x prompt tokens (empty: none)")
@@ -258,6 +332,9 @@ def main() -> None:
     args.rows = parse_sizes(p, "--rows", args.rows, allow_empty=True)
     args.engine_batches = parse_sizes(p, "--engine-batches", args.engine_batches, allow_empty=True)
     args.llama_rows = parse_sizes(p, "--llama-rows", args.llama_rows, allow_empty=True)
+    args.head_rows = parse_sizes(p, "--head-rows", args.head_rows, allow_empty=True)
+    if args.engine_temperature < 0:
+        p.error(f"--engine-temperature must be >= 0, got {args.engine_temperature}")
     args.engine_prefills = parse_cells(p, "--engine-prefills", args.engine_prefills)
     if not cpu_ops.bf16_tiled_gemm_built():
         sys.exit("bf16_tiled_gemm is not built here (the C++ kernels need AVX2 and FMA): nothing to compare")
@@ -265,6 +342,8 @@ def main() -> None:
     with torch.inference_mode():
         if args.rows:
             ops_table(args, lines)
+        if args.head_rows:
+            head_table(args, lines)
         if args.llama_rows:
             llama_table(args, lines)
         if args.engine_batches or args.engine_prefills:
