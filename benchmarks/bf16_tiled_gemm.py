@@ -13,6 +13,9 @@ the engine can take, side by side.
      engine's path above those rows, and for prefills);
    - bf16_tiled_gemm on the pair-interleaved bf16 copy
      (gemv_packing.pack_gemv_weight, cpu/bf16_tiled_gemm.cpp).
+   - with --baseline-rev REV, also bf16_tiled_gemm.cpp as of git revision
+     REV (built beside this tree's, bench_common.build_kernel_at_rev), and
+     whether the two give the same bits.
    A round runs each variant's pass once, in ABBA order; medians of --rounds.
    Also bf16_tiled_gemm's largest error against float64 on the same weights,
    relative to sum |x| |w|.
@@ -40,6 +43,8 @@ the engine can take, side by side.
 
     .venv/bin/python benchmarks/bf16_tiled_gemm.py
     .venv/bin/python benchmarks/bf16_tiled_gemm.py --rows 16,24,32 --rounds 10 --engine-batches "" --engine-prefills ""
+    .venv/bin/python benchmarks/bf16_tiled_gemm.py --rows 16,64,512 --baseline-rev HEAD~1 --engine-batches "" \
+        --engine-prefills ""
     .venv/bin/python benchmarks/bf16_tiled_gemm.py --rows 512,2048 --llama-rows 512 --engine-batches "" \
         --engine-prefills 1x512,4x512
 """
@@ -57,7 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, command_line, describe_machine, emit_table, machine_info, parse_cells, parse_sizes,
+    alternate, build_kernel_at_rev, command_line, describe_machine, emit_table, machine_info, parse_cells, parse_sizes,
     record_as_a_warm_engine,
     require_positive, time_greedy_decode, token_source)
 
@@ -83,11 +88,14 @@ def ops_table(args, lines: list[str]) -> None:
     ops = cpu_ops.load_cpu_ops()
     weights = make_weights(args.seed)
     g = torch.Generator().manual_seed(args.seed + 1)
+    base = build_kernel_at_rev(args.baseline_rev, "bf16_tiled_gemm.cpp", "fp8serve_base") if args.baseline_rev else None
     flop_per_row = 2 * LAYERS * sum(k * n for _, k, n in SHAPES)
+    rev = f"bf16_tiled_gemm at {args.baseline_rev}"
     lines += ["", "Ops: 120 decode linears read from memory (bf16 weights, float32 x); ms per pass (GFLOP/s)", "",
               "| rows | dense_gemv (plain bf16) | oneDNN (packed float32) | bf16_tiled_gemm | tiled vs dense_gemv | "
-              "tiled vs oneDNN | tiled max error / sum abs(x) abs(w) |",
-              "|---|---|---|---|---|---|---|"]
+              "tiled vs oneDNN | tiled max error / sum abs(x) abs(w) |"
+              + (f" {rev} | tiled vs {args.baseline_rev} | same bits as {args.baseline_rev} |" if base else ""),
+              "|---|---|---|---|---|---|---|" + ("---|---|---|" if base else "")]
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for _, k, _ in SHAPES}
 
@@ -100,12 +108,14 @@ def ops_table(args, lines: list[str]) -> None:
                         ops.dense_gemv(x, w, None)
                     elif kind == "onednn":
                         torch.ops.mkldnn._linear_pointwise(x, packed_f32, None, "none", [], "")
+                    elif kind == "base":
+                        base.bf16_tiled_gemm(x, packed_bf16, n, None)
                     else:
                         ops.bf16_tiled_gemm(x, packed_bf16, n, None)
                 return time.perf_counter() - t
             return run
 
-        kinds = (["gemv"] if m <= DENSE_GEMV_MAX_ROWS else []) + ["onednn", "tiled"]
+        kinds = (["gemv"] if m <= DENSE_GEMV_MAX_ROWS else []) + ["onednn", "tiled"] + (["base"] if base else [])
         for k in kinds:
             pass_of(k)()  # warm-up: page faults, oneDNN's primitive cache
         med = alternate({k: pass_of(k) for k in kinds}, args.rounds)
@@ -120,8 +130,14 @@ def ops_table(args, lines: list[str]) -> None:
             return f"{1e3 * med[k]:.1f} ({m * flop_per_row / med[k] / 1e9:.0f})" if k in med else "-"
 
         vs_gemv = f"{med['gemv'] / med['tiled']:.2f}x" if "gemv" in med else "-"
-        lines.append(f"| {m} | {cell('gemv')} | {cell('onednn')} | {cell('tiled')} | {vs_gemv} | "
-                     f"{med['onednn'] / med['tiled']:.2f}x | {worst:.1e} |")
+        row = (f"| {m} | {cell('gemv')} | {cell('onednn')} | {cell('tiled')} | {vs_gemv} | "
+               f"{med['onednn'] / med['tiled']:.2f}x | {worst:.1e} |")
+        if base:
+            same = all(torch.equal(ops.bf16_tiled_gemm(xs[w.shape[1]], pk, n, None),
+                                   base.bf16_tiled_gemm(xs[w.shape[1]], pk, n, None))
+                       for n, w, _, pk in weights[:len(SHAPES)])
+            row += f" {cell('base')} | {med['base'] / med['tiled']:.3f}x | {'yes' if same else 'no'} |"
+        lines.append(row)
         print(lines[-1], file=sys.stderr, flush=True)
 
 
@@ -311,6 +327,7 @@ def main() -> None:
     p.add_argument("--rows", default="8,16,17,20,24,32,48,64,96,128,192,256,512",
                    help="activation rows of the ops table (empty: none)")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--baseline-rev", help="the ops table also times bf16_tiled_gemm.cpp as of this git revision")
     p.add_argument("--head-rows", default="", help="activation rows of the LM head table (empty: none)")
     p.add_argument("--llama-rows", default="", help="activation rows of the Llama-3-8B shapes table (empty: none)")
     p.add_argument("--engine-head-only", action="store_true",
@@ -336,6 +353,8 @@ def main() -> None:
     if args.engine_temperature < 0:
         p.error(f"--engine-temperature must be >= 0, got {args.engine_temperature}")
     args.engine_prefills = parse_cells(p, "--engine-prefills", args.engine_prefills)
+    if args.baseline_rev and not args.rows:
+        p.error("--baseline-rev adds columns to the ops table: give it --rows")
     if not cpu_ops.bf16_tiled_gemm_built():
         sys.exit("bf16_tiled_gemm is not built here (the C++ kernels need AVX2 and FMA): nothing to compare")
     lines = [f"Command: `{command_line()}`", "", *(f"- {x}" for x in describe_machine(machine_info()))]

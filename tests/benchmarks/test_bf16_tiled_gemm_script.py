@@ -18,6 +18,7 @@ from benchmark_scripts import loaded_script
     (["--engine-temperature", "-0.5"], "--engine-temperature must be >= 0, got -0.5"),
     (["--head-rows", "12,x"], "--head-rows: expected comma-separated integers, got '12,x'"),
     (["--llama-rows", "0"], "--llama-rows: expected sizes >= 1, got '0'"),
+    (["--baseline-rev", "HEAD", "--rows", ""], "--baseline-rev adds columns to the ops table: give it --rows"),
 ])
 def test_bad_values_are_refused(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["bf16_tiled_gemm.py", *argv])
