@@ -76,27 +76,30 @@ constexpr int64_t kMcTiles = 44;
 constexpr int64_t kMaxKc = 4096;
 // The weight streams from memory, a panel after another: without help the
 // first row tile over each panel waits on its lines (the hardware prefetcher
-// does not run far enough ahead), so before each of a panel's row tiles the
-// kernel prefetches a share of the next panel's lines, at most this many
-// (issued in one burst, more stall the tile: all 288 lines of a K = 576 panel
-// in 3 bursts, at 16 rows, ran 0.90-0.95x). Zen 2, the default model's 120
-// decode linears read from memory against the kernel without prefetching
-// (benchmarks/bf16_tiled_gemm.py --baseline-rev, ABBA, same bits): 1.02-1.05x
-// at 48-256 rows, 1.01x at 512, 0.98-1.00x at 12-32 (noise: one layer's
-// four shapes timed apart had 1.03-1.07x there).
-constexpr int64_t kPrefetchLinesPerTile = 16;
+// does not run far enough ahead). So the first row tile over a panel also
+// prefetches the next panel (kPrefetch), one line per pair of k at the same
+// offset, a panel ahead of the loads. Zen 2, the default model's 120 decode
+// linears read from memory, against no prefetch (ABBA, same bits,
+// benchmarks/results/bf16_tiled_gemm_prefetch_inloop_2026-12-06_zen2.md):
+// 1.25x at 12 rows, 1.15x at 16, 1.09-1.11x at 24-32, 1.03-1.06x at 48-128,
+// 1.00x at 256-512; engine decode steps at batch 16 1.11x. A share of the
+// next panel before each row tile instead (at most 16 lines; more in one
+// burst stalled the tile) gave 0.98-1.05x, and nothing on top of this.
 
 // The kMr x kNr tile of out (+ bias) for rows `a` (packed [k][kMr], K even)
 // against panel `b` ([K/2][16][2] bf16 bits); nvalid < kNr: the last panel of
-// an N that is not a multiple of 16 (its padding rows are zeros).
-template <int R, bool kAccumulate>
+// an N that is not a multiple of 16 (its padding rows are zeros). kPrefetch:
+// also prefetch the K / 2 lines of `next` (the next panel's same K block).
+template <int R, bool kAccumulate, bool kPrefetch>
 __attribute__((always_inline)) inline void tile(const float* __restrict a, const uint16_t* __restrict b, int64_t K,
-                                                float* c, int64_t ldc, const float* bias, int nvalid) {
+                                                float* c, int64_t ldc, const float* bias, int nvalid,
+                                                const char* next) {
   __m256 lo[R], hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < K; k += 2) {
+    if (kPrefetch) _mm_prefetch(next + k * kNr * 2, _MM_HINT_T0);  // the 64 bytes this pair of k reads, a panel on
     const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k * kNr));
     const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k * kNr + 16));
     const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));  // w[n0 + 0..7][k]
@@ -148,17 +151,24 @@ __attribute__((always_inline)) inline void tile(const float* __restrict a, const
     }
 }
 
+template <bool kAccumulate, bool kPrefetch>
+void tile_rows(int rows, const float* a, const uint16_t* b, int64_t K, float* c, int64_t ldc, const float* bias,
+               int nvalid, const char* next) {
+  switch (rows) {
+    case 6: return tile<6, kAccumulate, kPrefetch>(a, b, K, c, ldc, bias, nvalid, next);
+    case 5: return tile<5, kAccumulate, kPrefetch>(a, b, K, c, ldc, bias, nvalid, next);
+    case 4: return tile<4, kAccumulate, kPrefetch>(a, b, K, c, ldc, bias, nvalid, next);
+    case 3: return tile<3, kAccumulate, kPrefetch>(a, b, K, c, ldc, bias, nvalid, next);
+    case 2: return tile<2, kAccumulate, kPrefetch>(a, b, K, c, ldc, bias, nvalid, next);
+    default: return tile<1, kAccumulate, kPrefetch>(a, b, K, c, ldc, bias, nvalid, next);
+  }
+}
+
 template <bool kAccumulate>
 void tile_rows(int rows, const float* a, const uint16_t* b, int64_t K, float* c, int64_t ldc, const float* bias,
-               int nvalid) {
-  switch (rows) {
-    case 6: return tile<6, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
-    case 5: return tile<5, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
-    case 4: return tile<4, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
-    case 3: return tile<3, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
-    case 2: return tile<2, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
-    default: return tile<1, kAccumulate>(a, b, K, c, ldc, bias, nvalid);
-  }
+               int nvalid, const char* next) {
+  if (next) return tile_rows<kAccumulate, true>(rows, a, b, K, c, ldc, bias, nvalid, next);
+  tile_rows<kAccumulate, false>(rows, a, b, K, c, ldc, bias, nvalid, nullptr);
 }
 
 // packed[t][k][r] = x[m0 + t * kMr + r, k0 + k] (0 past row M) for `tiles`
@@ -196,22 +206,16 @@ void run_share(const float* x, const uint16_t* w, const float* bias, float* out,
         const int nvalid = static_cast<int>(std::min<int64_t>(kNr, N - n0));
         const uint16_t* b = w + p * K * kNr + k0 * kNr;  // the panel's pairs k0 / 2 ... (k0 + kc) / 2
         const float* bias_n = last && bias ? bias + n0 : nullptr;
-        // The next panel's cache lines (the same K block), a share before each of this panel's tiles.
+        // The next panel (its same K block), prefetched by this panel's first row tile.
         const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(b + K * kNr) : nullptr;
-        const int64_t lines = kc * kNr * 2 / 64;
-        const int64_t per_tile = std::min(kPrefetchLinesPerTile, (lines + tiles - 1) / tiles);
         for (int64_t t = 0; t < tiles; ++t) {
-          if (next) {
-            for (int64_t l = t * per_tile, l1 = std::min(lines, l + per_tile); l < l1; ++l)
-              _mm_prefetch(next + l * 64, _MM_HINT_T0);
-          }
           const int64_t m = (tb + t) * kMr;
           const int rows = static_cast<int>(std::min<int64_t>(kMr, M - m));
           const float* a = packed.data() + t * kc * kMr;
           if (first) {
-            tile_rows<false>(rows, a, b, kc, out + m * N + n0, N, bias_n, nvalid);
+            tile_rows<false>(rows, a, b, kc, out + m * N + n0, N, bias_n, nvalid, t == 0 ? next : nullptr);
           } else {
-            tile_rows<true>(rows, a, b, kc, out + m * N + n0, N, bias_n, nvalid);
+            tile_rows<true>(rows, a, b, kc, out + m * N + n0, N, bias_n, nvalid, t == 0 ? next : nullptr);
           }
         }
       }
