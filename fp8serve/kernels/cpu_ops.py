@@ -494,6 +494,9 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
 # dense_gemv at 8 rows, 1.02x at 10, 1.09x at 12 and 16 (1.14x at 16 in the
 # first run), 1.12-1.29x at 17-32; 1.12-1.57x oneDNN's packed float32 weight
 # at 48-256. At prefill rows see benchmarks/results/bf16_tiled_gemm_prefill_2026-12-06_zen2.md.
+# Since the kernel prefetches the next weight panel it runs 1.05-1.46x
+# dense_gemv at 3-11 rows too, but whole decode steps did not follow (1.02x at
+# batch 4, 0.95x at 8: bf16_tiled_gemm_min_rows_2026-12-06_zen2.md).
 BF16_TILED_GEMM_MIN_ROWS = 12
 
 
