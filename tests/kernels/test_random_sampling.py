@@ -34,33 +34,76 @@ def _draw(logits, md, u):
 # Relative width of a near-tie at a filter's cutoff: float32 probabilities (and their float32
 # prefix sums in top-p) cannot order tokens closer than this, so either side may be kept.
 _TIE_REL = 1e-5
+# Absolute probability mass within which the top-p cutoff is a near-tie: the torch path compares
+# a float32 softmax's tail sum with 1 - p (seed 288570289: the exact mass of the 45154 top tokens
+# of 49152 was 2.9e-8 short of p, and the torch path kept 45154 where exact maths keeps 45155).
+_TOP_P_MASS_TOL = 1e-6
 
 
 def _kept_set_alternatives(logits_row, param, ref_row):
-    """The reference distribution and, where the torch path's kept set ends in a near-tie
-    (kept and dropped tokens whose probabilities are within _TIE_REL of each other at the
-    cutoff), the distributions with the tied tokens chosen the other ways: the kernel and
-    the torch path round differently, so any of them is a correct draw there."""
+    """The reference distribution and, where the torch path's kept set ends in a near-tie,
+    the distributions with the cutoff on the tie's other sides: the kernel and the torch
+    path round differently, so any of them is a correct draw there. Two kinds of tie:
+    kept and dropped tokens whose probabilities are within _TIE_REL of each other at the
+    cutoff, and a top-p cutoff whose kept mass is within _TOP_P_MASS_TOL of p."""
     kept = ref_row > 0
     if bool(kept.all()):
         return [ref_row]
     full = torch.softmax(logits_row.double() / max(param.temperature, 1e-5), dim=-1)
+    out = [ref_row]
+    for mask in _probability_tie_masks(full, kept) + _top_p_mass_tie_masks(logits_row, param, kept):
+        alt = torch.where(mask, full, torch.zeros_like(full))
+        out.append(alt / alt.sum())
+    return out
+
+
+def _probability_tie_masks(full, kept):
     boundary = float(full[kept].min())
     tied = torch.nonzero((full - boundary).abs() <= _TIE_REL * boundary).flatten()
     if tied.numel() < 2 or tied.numel() > 6:
-        return [ref_row]
+        return []
     n_kept = int(kept[tied].sum())
-    out = [ref_row]
+    masks = []
     for size in {max(n_kept - 1, 0), n_kept, n_kept + 1}:
         for chosen in itertools.combinations(tied.tolist(), size):
             mask = kept.clone()
             mask[tied] = False
             mask[list(chosen)] = True
-            if bool(torch.equal(mask, kept)) or not bool(mask.any()):
-                continue
-            alt = torch.where(mask, full, torch.zeros_like(full))
-            out.append(alt / alt.sum())
-    return out
+            if not bool(torch.equal(mask, kept)) and bool(mask.any()):
+                masks.append(mask)
+    return masks
+
+
+def _top_p_mass_tie_masks(logits_row, param, kept, most=9):
+    """Kept sets for top-p at every p' within _TOP_P_MASS_TOL of p (exact float64 maths over
+    the top-k survivors, then min-p), at most `most` of them nearest the exact cutoff."""
+    if param.top_p >= 1.0:
+        return []
+    x = logits_row.double() / max(param.temperature, 1e-5)
+    vocab = x.numel()
+    if 0 < param.top_k < vocab:
+        x = x.masked_fill(logits_row < torch.topk(logits_row, param.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    ordered, order = probs.sort(descending=True, stable=True)
+    cum = ordered.cumsum(0)
+    p = float(torch.tensor(param.top_p, dtype=torch.float32))  # the kernel's and torch's p
+
+    def size(mass):  # the smallest kept set that reaches `mass`
+        return min(int((cum < mass).sum()) + 1, vocab)
+
+    exact = size(p)
+    lo = max(size(p - _TOP_P_MASS_TOL), exact - most // 2)
+    hi = min(size(p + _TOP_P_MASS_TOL), exact + most // 2)
+    masks = []
+    for s in range(lo, hi + 1):
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[order[:s]] = True
+        if param.min_p > 0:
+            top = float(probs[mask].max())
+            mask &= probs >= param.min_p * top
+        if not bool(torch.equal(mask, kept)) and bool(mask.any()):
+            masks.append(mask)
+    return masks
 
 
 def _check_inverse_cdf(ops, logits, params, seed, points=64):
