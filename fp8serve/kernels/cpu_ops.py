@@ -523,6 +523,16 @@ def bf16_tiled_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.T
     return load_cpu_ops().bf16_tiled_gemm(x.contiguous(), packed, n, bias)
 
 
+def bf16_tiled_gemm_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, n: int,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(g) * u for [g, u] = x @ weight.T (+ bias), weight [n, K] the bf16 [gate; up] rows of a
+    gate_up projection and `packed` its packed copy: [M, n / 2] float32, what `bf16_tiled_gemm` then
+    `silu_and_mul` give, in one kernel (cpu/bf16_tiled_gemm.cpp)."""
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    return load_cpu_ops().bf16_tiled_gemm_silu_and_mul(x.contiguous(), packed, n, bias)
+
+
 # The rows fp8_gemv_packed serves (FP8 layers with a packed copy, bf16 x).
 # Measured like the above (120 decode linears from memory, e4m3 codes,
 # benchmarks/results/dense_gemv_packed_2026-12-01_zen4.md): 1.13-1.46x the

@@ -24,7 +24,7 @@ class Expert(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.act.of_projection(self.gate_up_proj, x))
 
 
 class SparseMoE(nn.Module):

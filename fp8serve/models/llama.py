@@ -65,7 +65,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.act.of_projection(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -36,6 +36,12 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ...
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """silu(gate) * up of a [gate, up] layer's output for x (layers.activation.SiluAndMul of
+        `apply`'s result) in one kernel, where this method has one for x; None: the caller runs
+        `apply` and then the activation."""
+        return None
+
     def row_breakpoints(self, layer: nn.Module, x_dtype: torch.dtype) -> tuple[int, ...] | None:
         """Row counts r where `apply`'s ops for an [r, K] input of `x_dtype`
         may differ from its ops at r - 1 rows (a kernel taking over at a row

@@ -37,6 +37,16 @@ class UnquantizedLinearMethod(LinearMethod):
         # a narrower weight without one is upcast a slice at a time).
         return onednn_linear.linear(x, layer.weight, bias, packed=layer.weight_packed)
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        # Where `apply` would run bf16_tiled_gemm: its gated form, which applies SiLU-and-mul to each
+        # tile as it leaves the registers instead of writing the [rows, 2d] projection for the
+        # activation to read back (the same bits on AVX2 builds).
+        if amx_linear_ops.applies(x, layer.weight) or cpu_ops.dense_gemv_packed_applies(x, layer.weight_gemv_packed):
+            return None
+        if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed):
+            return cpu_ops.bf16_tiled_gemm_silu_and_mul(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
+        return None
+
     def row_breakpoints(self, layer: nn.Module, x_dtype: torch.dtype) -> tuple[int, ...]:
         # Every row bound `apply` consults, whether or not its kernel serves this layer.
         gemv_rows = cpu_ops.dense_gemv_max_rows(x_dtype, layer.weight.dtype)

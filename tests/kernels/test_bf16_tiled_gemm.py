@@ -15,6 +15,7 @@ from tiny_layers import tiny_bf16_model
 from fp8serve.errors import ConfigError
 from fp8serve.kernels import cpu_ops, gemv_packing
 from fp8serve.utils import weight_copies
+from fp8serve.utils.platform import cpu_flags
 
 ops = cpu_ops.load_cpu_ops()
 pytestmark = pytest.mark.skipif(not cpu_ops.bf16_tiled_gemm_built(),
@@ -118,6 +119,99 @@ def test_rejects_bad_inputs(case, message):
         ops.bf16_tiled_gemm(x, packed, n, bias)
 
 
+# The gated form (bf16_tiled_gemm_silu_and_mul): silu_and_mul runs the same 8-lane loop on builds
+# without AVX-512, so there the fused result has the two steps' bits; with AVX-512 its 16-lane loop
+# rounds its reciprocal differently.
+_SAME_BITS_AS_TWO_STEPS = "avx512f" not in cpu_flags()
+
+
+def two_steps(x, packed, n, bias):
+    return cpu_ops.silu_and_mul(ops.bf16_tiled_gemm(x, packed, n, bias))
+
+
+def assert_gated_close(out, x, w, bias, seed, what):
+    """Against float64 silu(g) * u, with g and u's float32 error bounds (assert_close's)
+    carried through: |silu'| <= 1.1."""
+    d = w.shape[0] // 2
+    ref = x.double() @ w.double().t()
+    if bias is not None:
+        ref = ref + bias.double()
+    bound_gu = 1e-5 * (x.double().abs() @ w.double().abs().t() + ref.abs()) + 1e-6
+    g, u = ref[:, :d], ref[:, d:]
+    silu = g * torch.sigmoid(g)
+    want = silu * u
+    bound = 1.1 * u.abs() * bound_gu[:, :d] + silu.abs() * bound_gu[:, d:] + 1e-5 * want.abs() + 1e-6
+    err = (out.double() - want).abs()
+    assert out.dtype == torch.float32 and out.shape == want.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
+    assert bool((err <= bound).all()), (
+        f"{what}: seed={seed} max error {err.max().item():.3g}, worst error/bound {(err / bound).max().item():.3g}")
+
+
+# (M, d, K): d = n / 2 whole panels (the fused loop) up to the default model's 1536, past one block
+# of packed rows (300); d not a multiple of 16 and K past one K block (the two steps in the op).
+GATED_CASES = [(1, 16, 2), (12, 32, 64), (17, 48, 576), (64, 1536, 576), (300, 64, 100), (13, 24, 96),
+               (5, 3, 8), (7, 16, 4098)]
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m, d, k", GATED_CASES)
+def test_gated_form_is_the_gemm_then_silu_and_mul(m, d, k, with_bias):
+    seed = fresh_seed()
+    x, w, bias = make_case(m, 2 * d, k, with_bias, seed)
+    x *= 0.3
+    if bias is not None:
+        bias[: d : 5] -= 100.0  # gates below -80: silu_and_mul's exact branch for their 8-lane groups
+    packed = gemv_packing.pack_gemv_weight(w)
+    out = ops.bf16_tiled_gemm_silu_and_mul(x, packed, 2 * d, bias)
+    assert_gated_close(out, x, w, bias, seed, f"M={m} d={d} K={k}")
+    ref = two_steps(x, packed, 2 * d, bias)
+    if _SAME_BITS_AS_TWO_STEPS:
+        assert torch.equal(out, ref), f"seed={seed} M={m} d={d} K={k}: max diff {(out - ref).abs().max().item():.3g}"
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6, msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("m, d", [(40, 256), (200, 16), (2, 48)])  # pairs split; rows split; few of both
+def test_gated_form_any_thread_count_gives_the_same_bits(m, d, threads):
+    seed = fresh_seed()
+    x, w, bias = make_case(m, 2 * d, 320, True, seed)
+    packed = gemv_packing.pack_gemv_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.bf16_tiled_gemm_silu_and_mul(x, packed, 2 * d, bias)
+        torch.set_num_threads(threads)
+        many = ops.bf16_tiled_gemm_silu_and_mul(x, packed, 2 * d, bias)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many), f"seed={seed}: {threads} threads differ from one"
+
+
+def test_gated_form_rejects_bad_inputs():
+    x, w = torch.randn(5, 16), torch.randn(34, 16).bfloat16()
+    packed = gemv_packing.pack_gemv_weight(w)
+    with pytest.raises(RuntimeError, match="n = 33: a gate_up projection has an even number of rows"):
+        ops.bf16_tiled_gemm_silu_and_mul(x, gemv_packing.pack_gemv_weight(w[:33]), 33, None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
+        ops.bf16_tiled_gemm_silu_and_mul(x.double(), packed, 34, None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 \\[N\\] tensor, N = 34"):
+        ops.bf16_tiled_gemm_silu_and_mul(x, packed, 34, torch.ones(32))
+    assert ops.bf16_tiled_gemm_silu_and_mul(torch.randn(0, 16), packed, 34, None).shape == (0, 17)
+
+
+def merged_linear(output_sizes, w, bias):
+    """A MergedLinear (float32 compute) holding weight w (bf16: kept at 16 bits) and bias."""
+    from fp8serve.layers.linear import MergedLinear
+
+    layer = MergedLinear(w.shape[1], output_sizes, bias=bias is not None, params_dtype=torch.float32)
+    layer.quant_method.weight_dtype = w.dtype if w.dtype != torch.float32 else None
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
 def test_float32_compute_packs_the_bf16_linears_and_head(monkeypatch):
     """Under float32 compute the bf16 linear layers and the bf16 LM head (50
     rows: 4 blocks of 16) get the packed copy; float32 layers do not."""
@@ -134,16 +228,10 @@ def test_linear_layers_send_their_rows_to_it(monkeypatch, with_bias):
     """With the packed copy, float32 batches of BF16_TILED_GEMM_MIN_ROWS rows
     or more (decode batches and prefills) run bf16_tiled_gemm (its bits);
     fewer rows keep dense_gemv; the bound is a row breakpoint of the layer."""
-    from fp8serve.layers.linear import MergedLinear
-
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
-    layer = MergedLinear(64, [40, 24], bias=with_bias, params_dtype=torch.float32)
-    layer.quant_method.weight_dtype = torch.bfloat16
     seed = fresh_seed()
     _, w, bias = make_case(1, 64, 64, with_bias, seed)
-    layer.weight = torch.nn.Parameter(w, requires_grad=False)
-    if with_bias:
-        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    layer = merged_linear([40, 24], w, bias)
     model = torch.nn.Sequential(layer)
     assert gemv_packing.pack_gemv_weights(model, torch.float32) > 0
     lo = cpu_ops.BF16_TILED_GEMM_MIN_ROWS
@@ -232,3 +320,33 @@ def test_lm_head_runs_it_and_its_greedy_screen_agrees(monkeypatch):
         few = head.logits_of_rows(x)
         assert few is not None and torch.equal(few(vocab_rows), logits[:, vocab_rows]), f"seed={seed} M={m}"
     assert calls == [12, 12, 40, 40], calls
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_an_mlp_gate_up_takes_the_gated_form_where_the_gemm_would_run(monkeypatch, with_bias):
+    """SiluAndMul.of_projection on a bf16 [gate, up] layer with the packed copy: rows that
+    bf16_tiled_gemm would serve run its gated form (the two steps' bits on AVX2 builds), fewer
+    rows the layer and then the activation; a layer without the copy always the latter."""
+    from fp8serve.layers.activation import SiluAndMul
+
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    act = SiluAndMul()
+    seed = fresh_seed()
+    _, w, bias = make_case(1, 64, 64, with_bias, seed)
+    layer = merged_linear([32, 32], w, bias)
+    plain = merged_linear([32, 32], w.float(), bias)  # float32 weights: no packed copy
+    assert gemv_packing.pack_gemv_weights(torch.nn.Sequential(layer, plain), torch.float32) > 0
+    assert plain.weight_gemv_packed is None
+    calls = []
+    real = cpu_ops.bf16_tiled_gemm_silu_and_mul
+    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm_silu_and_mul",
+                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    lo = cpu_ops.BF16_TILED_GEMM_MIN_ROWS
+    for m in (lo - 1, lo, 300):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(seed + m)) * 0.3
+        out = act.of_projection(layer, x)
+        assert_gated_close(out, x, w, bias, seed, f"M={m}")
+        if _SAME_BITS_AS_TWO_STEPS:
+            assert torch.equal(out, act(layer(x))), f"seed={seed} M={m}"
+        assert torch.equal(act.of_projection(plain, x), act(plain(x))), f"seed={seed} M={m}"
+    assert calls == [lo, 300]
