@@ -1,0 +1,40 @@
+"""benchmarks/gate_up_silu.py: bad values refused with a message that names the flag, the ops
+table (the fused kernel against the two steps, with whether the bits agree) and a small engine
+table (prefill and decode steps of the two engines, with whether their tokens agree)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmark_scripts import assert_rejected, run_table
+from fp8serve.kernels import cpu_ops, gemv_packing
+from fp8serve.utils.platform import cpu_flags
+
+# Where silu_and_mul runs its 8-lane loop (no AVX-512) the fused kernel gives its bits.
+SAME_BITS = "avx512f" not in cpu_flags()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--prefill-len", "-1"], "--prefill-len must be >= 0, got -1"),
+    (["--rows", "12,0"], "--rows: expected sizes >= 1, got '12,0'"),
+    (["--batch-sizes", "x"], "--batch-sizes: expected comma-separated integers, got 'x'"),
+])
+def test_bad_values_are_refused(monkeypatch, tmp_path, capsys, argv, message):
+    assert_rejected(monkeypatch, tmp_path, capsys, "gate_up_silu.py", argv, message)
+
+
+@pytest.mark.skipif(not cpu_ops.bf16_tiled_gemm_built(), reason="needs bf16_tiled_gemm (AVX2 + FMA)")
+def test_ops_and_engine_tables(monkeypatch, tmp_path):
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")  # the packed copies on any AVX2 CPU
+    text, rows = run_table(monkeypatch, tmp_path, "gate_up_silu.py", "--rows", "12", "--batch-sizes", "12",
+                           "--prefill-len", "24", "--prompt-len", "8", "--steps", "2", "--prefills", "1",
+                           "--rounds", "1", header="| rows")
+    assert "## Ops" in text and "## Engine steps" in text
+    ops_rows = [r for r in rows if r[0] == "12"]
+    engine_rows = [r for r in rows if r[0] in ("prefill 1 x 24", "decode batch 12")]
+    assert len(ops_rows) == 1 and [r[0] for r in engine_rows] == ["prefill 1 x 24", "decode batch 12"]
+    for r in ops_rows + engine_rows:
+        assert float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x"), r
+        if SAME_BITS:
+            assert r[4] == "yes", r
