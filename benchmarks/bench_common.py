@@ -134,6 +134,34 @@ def machine_info() -> dict:
     }
 
 
+def cpu_busy_by_others(seconds: float = 1.0, stat_path: str = "/proc/stat") -> float | None:
+    """How many CPUs other processes kept busy over the next `seconds` (the machine's busy time from
+    /proc/stat less this process's own CPU time, in CPUs), or None where /proc/stat cannot be read.
+    Why: the load average trails by minutes, so it still counts a job that has just ended."""
+    def snapshot():
+        with open(stat_path) as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields) - idle, time.process_time()
+
+    try:
+        busy0, own0 = snapshot()
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        busy1, own1 = snapshot()
+        elapsed = time.monotonic() - t0
+    except (OSError, ValueError, IndexError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return busy_cpus(busy1 - busy0, hz, own1 - own0, elapsed)
+
+
+def busy_cpus(busy_ticks: int, hz: int, own_seconds: float, elapsed: float) -> float:
+    """CPUs busy with other work: busy clock ticks of the whole machine less this process's CPU seconds,
+    over `elapsed` seconds (never below 0)."""
+    return max(0.0, (busy_ticks / hz - own_seconds) / elapsed) if elapsed > 0 else 0.0
+
+
 def describe_machine(info: dict) -> list[str]:
     """The results files' machine and software lines."""
     flags = " ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["flags"].items())

@@ -88,8 +88,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import (best_time, command_line, describe_machine, machine_info, narrow_weights,
-                          record_as_a_warm_engine)
+from bench_common import (best_time, command_line, cpu_busy_by_others, describe_machine, machine_info,
+                          narrow_weights, record_as_a_warm_engine)
 
 PREFILL_TARGET_PCT = 80.0
 DECODE_BOUND_TARGET_PCT = 80.0
@@ -827,6 +827,25 @@ def format_rounds(rows: list[dict], results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def load_warning(loadavg_1min: float, busy_by_others: float | None) -> list[str]:
+    """The lines that say whether other work shared the CPUs as the run started: measured over the
+    second before it (`cpu_busy_by_others`) where it could be, else judged from the load average."""
+    if busy_by_others is None:
+        if loadavg_1min <= 0.5:
+            return []
+        return [f"- WARNING: the 1-minute load average was {loadavg_1min:.2f} before this run started: another job "
+                "may have been using the CPUs, and these numbers (and verdicts) would reflect that; re-run on an "
+                "idle machine (or with --threads below the number of free cores)"]
+    if busy_by_others > 0.25:
+        return [f"- WARNING: other processes kept {busy_by_others:.2f} CPUs busy in the second before this run "
+                "started: these numbers (and verdicts) reflect that; re-run on an idle machine (or with --threads "
+                "below the number of free cores)"]
+    if loadavg_1min > 0.5:
+        return [f"- the 1-minute load average was {loadavg_1min:.2f} at the start, but other processes kept only "
+                f"{busy_by_others:.2f} CPUs busy in the second before it (the average trails work that had ended)"]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="16-bit checkpoint directory (default: fp8serve's default model)")
@@ -887,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cmd = command_line(None if argv is None else list(argv))
     info = machine_info()
+    busy_at_start = cpu_busy_by_others()
     started = _dt.datetime.now().astimezone()
     print(f"# fp8serve single stream — {started.isoformat(timespec='seconds')}")
     print(f"command: {cmd}")
@@ -1045,10 +1065,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {r.system} {r.config}: " + "; ".join(parts + r.notes))
     load_end = os.getloadavg()
     print(f"- loadavg at end: {load_end}")
-    if info["loadavg_at_start"][0] > 0.5:
-        print(f"- WARNING: the 1-minute load average was {info['loadavg_at_start'][0]:.2f} before this run started: "
-              "another job was using the CPUs, and these numbers (and verdicts) reflect that; re-run on an idle "
-              "machine (or with --threads below the number of free cores)")
+    for line in load_warning(info["loadavg_at_start"][0], busy_at_start):
+        print(line)
 
     if args.json_out:
         payload = {

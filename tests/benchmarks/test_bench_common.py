@@ -1,4 +1,4 @@
-"""benchmarks/bench_common.py: the ABBA alternation helper."""
+"""benchmarks/bench_common.py: the ABBA alternation helper and the probe of CPUs busy with other work."""
 
 from __future__ import annotations
 
@@ -36,3 +36,29 @@ def test_a_baseline_build_is_made_once_per_namespace(ops):
         assert common.build_kernel_at_rev("HEAD", "sampling_ops.cpp", "fp8serve_test_once") is first
         with pytest.raises(SystemExit, match="already holds sampling_ops.cpp"):
             common.build_kernel_at_rev("HEAD~1", "sampling_ops.cpp", "fp8serve_test_once")
+
+
+def test_busy_cpus_counts_other_processes_only(tmp_path):
+    """Busy clock ticks of the machine less this process's CPU time, per second of wall time."""
+    with loaded_script("bench_common.py"):
+        from bench_common import busy_cpus, cpu_busy_by_others
+
+        assert busy_cpus(busy_ticks=150, hz=100, own_seconds=0.5, elapsed=1.0) == 1.0
+        assert busy_cpus(busy_ticks=40, hz=100, own_seconds=0.5, elapsed=1.0) == 0.0  # never below 0
+        assert busy_cpus(busy_ticks=100, hz=100, own_seconds=0.0, elapsed=0.0) == 0.0
+        measured = cpu_busy_by_others(0.05)
+        assert measured is None or measured >= 0.0
+        assert cpu_busy_by_others(0.01, stat_path=str(tmp_path / "missing")) is None
+        bad = tmp_path / "stat"
+        bad.write_text("cpu  12 x\n")
+        assert cpu_busy_by_others(0.01, stat_path=str(bad)) is None
+
+
+def test_single_stream_load_warning_trusts_the_measured_cpus_over_the_load_average():
+    with loaded_script("single_stream.py") as script:
+        assert script.load_warning(0.2, None) == []
+        assert "WARNING: the 1-minute load average was 0.80" in script.load_warning(0.8, None)[0]
+        assert "WARNING: other processes kept 1.50 CPUs busy" in script.load_warning(0.1, 1.5)[0]
+        (note,) = script.load_warning(0.73, 0.02)
+        assert "WARNING" not in note and "kept only 0.02 CPUs busy" in note
+        assert script.load_warning(0.3, 0.1) == []
