@@ -166,6 +166,23 @@ def fp8_linear_loaded(
     return fp8_linear(x, weight, weight_scale, bias)
 
 
+def fp8_linear_silu_and_mul_loaded(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [2d, K] uint8 e4m3 codes of a [gate; up] projection, checked when loaded
+    weight_scale: torch.Tensor,  # [2d] float32, checked when loaded
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # [M, d] float32, or None
+    """silu(g) * u for [g, u] = `fp8_linear_loaded(x, ...)`, in one kernel where that would run
+    `fp8_tiled_gemm` (float32 x past the fused kernel's rows): `fp8_tiled_gemm_silu_and_mul`,
+    the two steps' bits on builds without AVX-512, with no [M, 2d] projection written and read
+    back. None elsewhere: the caller runs the linear and then the activation."""
+    if (x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] <= _fused_rows_by_dtype()[torch.float32]
+            or not tiled_gemm_enabled()):
+        return None
+    return load_cpu_ops().fp8_tiled_gemm_silu_and_mul(
+        x.contiguous(), weight, weight_scale, None if bias is None else bias.float().contiguous())
+
+
 def _dequantize_and_matmul(ops, x, weight, weight_scale, bias) -> torch.Tensor:
     n, k = weight.shape
     rows = _dequant_rows(k, x.dtype)

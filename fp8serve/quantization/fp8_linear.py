@@ -321,6 +321,14 @@ class Fp8LinearMethod(LinearMethod):
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
 
+    def apply_silu_and_mul(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        # Where `apply` would run fp8_tiled_gemm (float32 rows past the fused kernel's): its gated
+        # form, which applies SiLU-and-mul to each tile as it leaves the registers.
+        if layer.fp8_backend != "cpu_kernel" or cpu_ops.fp8_gemv_packed_applies(
+                x, getattr(layer, "weight_gemv_packed", None)):
+            return None
+        return fp8_linear_ops.fp8_linear_silu_and_mul_loaded(x, layer.weight, layer.weight_scale, bias)
+
     def row_breakpoints(self, layer, x_dtype: torch.dtype) -> tuple[int, ...]:
         # Every row bound `apply` and fp8_linear_ops consult: the packed codes (1-512
         # rows), the fused kernel's rows, AMX's rows in the dequantize + GEMM path.

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8_weight_cases import assert_close, fresh_seed, make_case
+from fp8_weight_cases import assert_close, fresh_seed, make_case, reference
 from fp8serve.errors import ConfigError
-from fp8serve.kernels import fp8_linear_ops
+from fp8serve.kernels import cpu_ops, fp8_linear_ops
 from fp8serve.kernels.cpu_ops import load_cpu_ops
+from fp8serve.quantization.fp8 import FP8_E4M3
+from fp8serve.utils.platform import cpu_flags
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -140,3 +142,142 @@ def test_bad_switch_value_is_a_clear_error(tiled_switch):
     tiled_switch("sometimes")
     with pytest.raises(ConfigError, match="FP8SERVE_FP8_TILED_GEMM='sometimes': expected auto, 1 or 0"):
         fp8_linear_ops.tiled_gemm_enabled()
+
+
+# The gated form (fp8_tiled_gemm_silu_and_mul): silu_and_mul runs the same 8-lane loop on builds
+# without AVX-512, so there the fused result has the two steps' bits; with AVX-512 its 16-lane loop
+# rounds its reciprocal differently.
+_SAME_BITS_AS_TWO_STEPS = "avx512f" not in cpu_flags()
+
+
+def two_steps(x, w, scale, bias):
+    return cpu_ops.silu_and_mul(ops.fp8_tiled_gemm(x, w, scale, bias))
+
+
+def assert_gated_close(out, x, w, scale, bias, seed, what):
+    """Against float64 silu(g) * u, with g and u's float32 error bounds (assert_close's) carried
+    through: |silu'| <= 1.1."""
+    ref, magnitude = reference(x, w, scale, bias)
+    d = w.shape[0] // 2
+    bound_gu = 1e-5 * (magnitude + ref.abs()) + 1e-6
+    g, u = ref[:, :d], ref[:, d:]
+    silu = g * torch.sigmoid(g)
+    want = silu * u
+    bound = 1.1 * u.abs() * bound_gu[:, :d] + silu.abs() * bound_gu[:, d:] + 1e-5 * want.abs() + 1e-6
+    err = (out.double() - want).abs()
+    assert out.dtype == torch.float32 and out.shape == want.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
+    assert bool((err <= bound).all()), (
+        f"{what}: seed={seed} max error {err.max().item():.3g}, worst error/bound {(err / bound).max().item():.3g}")
+
+
+# (M, d, K): d = n / 2 whole panels (the fused loop) up to the default model's 1536 (K = 576), past
+# one block of packed rows (144 rows), K not a multiple of 8; d not a multiple of 16 and K past one
+# K block (640: the two steps in the op).
+GATED_CASES = [(1, 16, 8), (25, 32, 64), (7, 48, 203), (64, 1536, 576), (300, 64, 100), (13, 24, 96),
+               (5, 3, 8), (30, 16, 700)]
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m, d, k", GATED_CASES)
+def test_gated_form_is_the_gemm_then_silu_and_mul(m, d, k, with_bias):
+    seed = fresh_seed()
+    x, w, scale, bias = make_case(m, 2 * d, k, torch.float32, with_bias, seed)
+    if bias is not None:
+        bias[: d : 5] -= 100.0  # gates below -80: silu_and_mul's exact branch for their 8-lane groups
+    out = ops.fp8_tiled_gemm_silu_and_mul(x, w, scale, bias)
+    assert_gated_close(out, x, w, scale, bias, seed, f"M={m} d={d} K={k}")
+    ref = two_steps(x, w, scale, bias)
+    if _SAME_BITS_AS_TWO_STEPS:
+        assert torch.equal(out, ref), f"seed={seed} M={m} d={d} K={k}: max diff {(out - ref).abs().max().item():.3g}"
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6, msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("m, d", [(40, 256), (200, 16), (2, 48)])  # pairs split; rows split; few of both
+def test_gated_form_any_thread_count_gives_the_same_bits(m, d, threads):
+    seed = fresh_seed()
+    x, w, scale, bias = make_case(m, 2 * d, 320, torch.float32, True, seed)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.fp8_tiled_gemm_silu_and_mul(x, w, scale, bias)
+        torch.set_num_threads(threads)
+        many = ops.fp8_tiled_gemm_silu_and_mul(x, w, scale, bias)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many), f"seed={seed}: {threads} threads differ from one"
+
+
+def test_gated_form_rejects_bad_inputs():
+    x, w, scale = torch.randn(5, 16), torch.zeros(34, 16, dtype=torch.uint8), torch.ones(34)
+    with pytest.raises(RuntimeError, match="w has 33 rows: a gate_up projection has an even number of rows"):
+        ops.fp8_tiled_gemm_silu_and_mul(x, w[:33].contiguous(), scale[:33].contiguous(), None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
+        ops.fp8_tiled_gemm_silu_and_mul(x.double(), w, scale, None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 \\[N\\] tensor, N = 34"):
+        ops.fp8_tiled_gemm_silu_and_mul(x, w, scale, torch.ones(32))
+    assert ops.fp8_tiled_gemm_silu_and_mul(torch.randn(0, 16), w, scale, None).shape == (0, 17)
+
+
+def fp8_gate_up_layer(d: int, k: int, with_bias: bool, seed: int):
+    """A CPU MergedLinear [gate, up] loaded with e4m3 shards as an FP8 checkpoint's loader does,
+    and its dequantized weight and bias."""
+    from fp8serve.layers.linear import MergedLinear
+    from fp8serve.quantization.fp8 import quantize_fp8
+    from fp8serve.quantization.fp8_linear import Fp8Config
+
+    gen = torch.Generator().manual_seed(seed)
+    layer = MergedLinear(k, [d, d], bias=with_bias, quant_config=Fp8Config("dynamic", []),
+                         prefix="model.layers.0.mlp.gate_up_proj", params_dtype=torch.float32,
+                         shard_names=("gate", "up"))
+    for shard in (0, 1):
+        w = torch.randn(d, k, generator=gen) * 0.2
+        scale = float(torch.tensor(float(w.abs().max()) / FP8_E4M3.max_finite, dtype=torch.float32))
+        codes = quantize_fp8(w, scale, FP8_E4M3)
+        layer.weight.weight_loader(layer.weight, codes.view(torch.float8_e4m3fn), shard)
+        layer.weight_scale.weight_loader(layer.weight_scale, torch.tensor(scale), shard)
+        if with_bias:
+            layer.bias.weight_loader(layer.bias, torch.randn(d, generator=gen), shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.fp8_backend == "cpu_kernel"
+    return layer
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_an_fp8_mlp_gate_up_takes_the_gated_form_where_the_gemm_would_run(tiled_switch, monkeypatch, with_bias):
+    """SiluAndMul.of_projection on an FP8 [gate, up] layer: float32 rows that fp8_linear sends to
+    fp8_tiled_gemm (25 or more) run its gated form (the two steps' bits on AVX2 builds); 24 rows
+    and bf16 rows run the layer and then the activation; with the tiled GEMM switched off, always
+    the latter."""
+    from fp8serve.layers.activation import SiluAndMul
+
+    act = SiluAndMul()
+    seed = fresh_seed()
+    layer = fp8_gate_up_layer(32, 64, with_bias, seed)
+    calls = []
+
+    class CountingOps:
+        """The real ops, with the gated form's calls counted."""
+
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def fp8_tiled_gemm_silu_and_mul(self, x, w, s, b):
+            calls.append(x.shape[0])
+            return ops.fp8_tiled_gemm_silu_and_mul(x, w, s, b)
+
+    monkeypatch.setattr(fp8_linear_ops, "load_cpu_ops", CountingOps)
+    tiled_switch("1")
+    for m in (24, 25, 300):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(seed + m))
+        out = act.of_projection(layer, x)
+        assert_gated_close(out, x, layer.weight, layer.weight_scale, layer.bias, seed, f"M={m}")
+        if _SAME_BITS_AS_TWO_STEPS:
+            assert torch.equal(out, act(layer(x))), f"seed={seed} M={m}"
+    assert calls == [25, 300]
+    xb = torch.randn(40, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    assert layer.quant_method.apply_silu_and_mul(layer, xb, layer.bias) is None
+    tiled_switch("0")
+    assert layer.quant_method.apply_silu_and_mul(layer, torch.randn(40, 64), layer.bias) is None
+    assert calls == [25, 300]

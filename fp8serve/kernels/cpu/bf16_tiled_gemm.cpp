@@ -55,8 +55,7 @@
 #include <optional>
 #include <vector>
 
-#include "scalar_convert.h"
-#include "vec8.h"
+#include "silu_mul_row.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -234,27 +233,6 @@ void run_share(const float* x, const uint16_t* w, const float* bias, float* out,
   }
 }
 
-// silu(g) * u for n floats, the float32 arithmetic of silu_and_mul
-// (layer_ops.cpp) vector for vector: its 8-lane groups start at multiples of 8
-// there and here, so the fused result has the unfused one's bits.
-inline void silu_mul_row(const float* g, const float* u, float* out, int n) {
-  int i = 0;
-#ifdef FP8SERVE_VEC8
-  namespace v8 = fp8serve_vec8;
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
-    if (!_mm256_movemask_ps(_mm256_cmp_ps(gv, _mm256_set1_ps(-80.f), _CMP_LT_OQ))) {
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(v8::silu_f32_fast(gv), uv));
-      continue;
-    }
-    const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gv);
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, v8::exp(neg))), uv));
-  }
-#endif
-  for (; i < n; ++i) out[i] = g[i] / (1.0f + fp8serve_cvt::exp_f32(-g[i])) * u[i];
-}
-
 // run_share for the gated form (one K block): gate panels [p0, p1) of the
 // first d = N / 2 outputs, each with its up panel p + d / 16. Per row tile the
 // gate and up tiles go to two small buffers through `tile`, as the plain GEMM
@@ -282,7 +260,7 @@ void run_gated_share(const float* x, const uint16_t* w, const float* bias, float
         tile_rows<false>(rows, a, bg, K, &g[0][0], kNr, bias_g, kNr,
                          t == 0 ? reinterpret_cast<const char*>(bu) : nullptr);
         tile_rows<false>(rows, a, bu, K, &u[0][0], kNr, bias_u, kNr, t == 0 ? next_gate : nullptr);
-        for (int r = 0; r < rows; ++r) silu_mul_row(g[r], u[r], out + (m + r) * d + p * kNr, kNr);
+        for (int r = 0; r < rows; ++r) fp8serve_act::silu_mul_row(g[r], u[r], out + (m + r) * d + p * kNr, kNr);
       }
     }
   }
@@ -387,7 +365,8 @@ at::Tensor bf16_tiled_gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t
     const float* gu = gate_up.data_ptr<float>();
     float* o = out.data_ptr<float>();
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) silu_mul_row(gu + m * n, gu + m * n + d, o + m * d, static_cast<int>(d));
+      for (int64_t m = m0; m < m1; ++m)
+        fp8serve_act::silu_mul_row(gu + m * n, gu + m * n + d, o + m * d, static_cast<int>(d));
     });
     return out;
   }
