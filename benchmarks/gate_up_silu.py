@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""The MLP's gate_up projection and SiLU-and-mul as one kernel (bf16_tiled_gemm's gated form,
-`bf16_tiled_gemm_silu_and_mul`) against the two steps (`bf16_tiled_gemm`, then `silu_and_mul`),
-where the engine runs bf16_tiled_gemm: a bf16 checkpoint under float32 compute, 12 or more rows.
+"""The MLP's gate_up projection and SiLU-and-mul as one kernel against the two steps, where the
+engine runs a tiled GEMM under float32 compute:
+  --weights bf16 (default): a bf16 checkpoint, 12 or more rows: `bf16_tiled_gemm_silu_and_mul`
+    against `bf16_tiled_gemm`, then `silu_and_mul`;
+  --weights fp8: an FP8 checkpoint (e4m3 weights, one scale per output row), 25 or more rows:
+    `fp8_tiled_gemm_silu_and_mul` against `fp8_tiled_gemm`, then `silu_and_mul`.
 
-1. Ops: the default model's 30 gate_up weights (576 -> 2 x 1536, bf16, packed as the engine packs
-   them, each distinct, so every call reads its weight from memory as a step does) at each --rows,
-   the fused kernel and the two steps alternating (ABBA), medians of --rounds; and whether both
-   give the same bits.
-2. Engine steps: two engines on the default model, one with the gated form, one with every MLP
+1. Ops: the default model's 30 gate_up weights (576 -> 2 x 1536, bf16 packed as the engine packs
+   them, or e4m3 codes; each distinct, so every call reads its weight from memory as a step does)
+   at each --rows, the fused kernel and the two steps alternating (ABBA), medians of --rounds; and
+   whether both give the same bits.
+2. Engine steps: two engines on the default model (--weights fp8: its FP8 checkpoint, written once
+   as single_stream.py writes it), one with the gated form, one with every MLP
    sent through the two steps (its gate_up layers' `apply_silu_and_mul` answering None), in
    alternating rounds: prefill steps of one --prefill-len prompt (the module tree: recorded
    prefill forwards off in both), and greedy decode steps at each --batch-sizes (recorded decode
@@ -15,6 +19,7 @@ where the engine runs bf16_tiled_gemm: a bf16 checkpoint under float32 compute, 
 
     .venv/bin/python benchmarks/gate_up_silu.py
     .venv/bin/python benchmarks/gate_up_silu.py --rows 16,512 --batch-sizes 16 --rounds 4
+    .venv/bin/python benchmarks/gate_up_silu.py --weights fp8 --rows 32,64,512 --batch-sizes 32,64
 """
 
 from __future__ import annotations
@@ -38,34 +43,51 @@ from bench_common import (  # noqa: E402
 HIDDEN, INTERMEDIATE, LAYERS = 576, 1536, 30  # SmolLM2-135M
 
 
-def ops_table(rows: list[int], rounds: int, seed: int) -> list[str]:
+def gate_up_calls(weights: str, seed: int):
+    """(fused(x, i), unfused(x, i)) of the i-th of LAYERS distinct gate_up weights of `weights`."""
     from fp8serve.kernels import cpu_ops, gemv_packing
+    from fp8serve.quantization.fp8 import FP8_E4M3, quantize_fp8
 
     ops = cpu_ops.load_cpu_ops()
     g = torch.Generator().manual_seed(seed)
     n = 2 * INTERMEDIATE
-    packed = [gemv_packing.pack_gemv_weight((torch.randn(n, HIDDEN, generator=g) * 0.05).bfloat16())
-              for _ in range(LAYERS)]
+    if weights == "bf16":
+        packed = [gemv_packing.pack_gemv_weight((torch.randn(n, HIDDEN, generator=g) * 0.05).bfloat16())
+                  for _ in range(LAYERS)]
+        return (lambda x, i: ops.bf16_tiled_gemm_silu_and_mul(x, packed[i], n, None),
+                lambda x, i: cpu_ops.silu_and_mul(ops.bf16_tiled_gemm(x, packed[i], n, None)))
+    codes, scales = [], []
+    for _ in range(LAYERS):
+        w = torch.randn(n, HIDDEN, generator=g) * 0.05
+        scale = (w.abs().amax(dim=1) / FP8_E4M3.max_finite).float()
+        codes.append(quantize_fp8(w / scale[:, None], 1.0, FP8_E4M3))
+        scales.append(scale)
+    return (lambda x, i: ops.fp8_tiled_gemm_silu_and_mul(x, codes[i], scales[i], None),
+            lambda x, i: cpu_ops.silu_and_mul(ops.fp8_tiled_gemm(x, codes[i], scales[i], None)))
+
+
+def ops_table(weights: str, rows: list[int], rounds: int, seed: int) -> list[str]:
+    fused_op, two_step_op = gate_up_calls(weights, seed)
+    g = torch.Generator().manual_seed(seed + 1)
     lines = ["| rows | two steps ms | fused ms | speedup | same bits |", "|---|---|---|---|---|"]
     for m in rows:
         x = torch.randn(m, HIDDEN, generator=g)
 
         def two_steps():
             t = time.perf_counter()
-            for p in packed:
-                cpu_ops.silu_and_mul(ops.bf16_tiled_gemm(x, p, n, None))
+            for i in range(LAYERS):
+                two_step_op(x, i)
             return time.perf_counter() - t
 
         def fused():
             t = time.perf_counter()
-            for p in packed:
-                ops.bf16_tiled_gemm_silu_and_mul(x, p, n, None)
+            for i in range(LAYERS):
+                fused_op(x, i)
             return time.perf_counter() - t
 
         two_steps(), fused()  # warm-up
         res = alternate({"two": two_steps, "fused": fused}, rounds)
-        same = all(torch.equal(ops.bf16_tiled_gemm_silu_and_mul(x, p, n, None),
-                               cpu_ops.silu_and_mul(ops.bf16_tiled_gemm(x, p, n, None))) for p in packed[:3])
+        same = all(torch.equal(fused_op(x, i), two_step_op(x, i)) for i in range(3))
         lines.append(f"| {m} | {1e3 * res['two']:.2f} | {1e3 * res['fused']:.2f} | {res['two'] / res['fused']:.3f}x "
                      f"| {'yes' if same else 'NO'} |")
     return lines
@@ -137,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefills", type=int, default=3, help="timed prefill steps per round")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None, help="a bf16 checkpoint directory (default: the built-in model)")
+    p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                   help="the weights of the tiled GEMM: a bf16 checkpoint's, or an FP8 checkpoint's e4m3 codes")
+    p.add_argument("--model", default=None,
+                   help="a bf16 checkpoint directory (default: the built-in model; --weights fp8: its FP8 "
+                        "checkpoint is written once and run)")
     p.add_argument("--output", type=Path, help="also write the report (markdown) here")
     args = p.parse_args(argv)
     rows = parse_sizes(p, "--rows", args.rows, allow_empty=True)
@@ -150,22 +176,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is not None and not args.output.parent.is_dir():
         p.error(f"--output: directory {args.output.parent} does not exist")
 
-    from fp8serve.kernels import cpu_ops
+    from fp8serve.kernels import cpu_ops, fp8_linear_ops
 
-    if not cpu_ops.bf16_tiled_gemm_built():
+    if args.weights == "bf16" and not cpu_ops.bf16_tiled_gemm_built():
         p.error("bf16_tiled_gemm is not built here (it needs the C++ kernels with AVX2 and FMA)")
+    if args.weights == "fp8" and not fp8_linear_ops.tiled_gemm_enabled():
+        p.error(f"fp8_tiled_gemm does not run here (it needs the C++ kernels with AVX2, FMA and F16C and no "
+                f"AVX-512, or {fp8_linear_ops.TILED_GEMM_ENV}=1): nothing takes its gated form")
     lines = [f"# fp8serve gate_up + SiLU fused — {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",
              f"command: {command_line(argv)}"]
     lines += describe_machine(machine_info())
     if rows:
-        lines += ["", f"## Ops: {LAYERS} gate_up weights {HIDDEN} -> 2 x {INTERMEDIATE} from memory, medians of "
-                  f"{args.rounds} ABBA rounds (ms per pass of all {LAYERS})", ""]
-        lines += ops_table(rows, args.rounds, args.seed)
+        lines += ["", f"## Ops: {LAYERS} {args.weights} gate_up weights {HIDDEN} -> 2 x {INTERMEDIATE} from memory, "
+                  f"medians of {args.rounds} ABBA rounds (ms per pass of all {LAYERS})", ""]
+        lines += ops_table(args.weights, rows, args.rounds, args.seed)
     if batches or args.prefill_len:
         from fp8serve import LLM
         from fp8serve.kernels import gemv_packing
 
         model, _ = model_and_vocab(args.model)
+        if args.weights == "fp8":
+            from single_stream import fp8_checkpoint
+
+            model = fp8_checkpoint(args.model, None)  # the one single_stream.py writes for the same --model
         longest = max([args.prefill_len, args.prompt_len + args.steps + 2])
         engines = {}
         for name in ("two steps", "fused"):
@@ -174,14 +207,16 @@ def main(argv: list[str] | None = None) -> int:
             engine = llm.llm_engine
             record_as_a_warm_engine(engine)
             gate_up = [m for n, m in engine.model_runner.model.named_modules() if n.endswith("gate_up_proj")]
-            if not gate_up or getattr(gate_up[0], "weight_gemv_packed", None) is None:
+            if args.weights == "bf16" and (not gate_up or getattr(gate_up[0], "weight_gemv_packed", None) is None):
                 p.error(f"the engine made no packed bf16 copies here ({gemv_packing.PACKED_WEIGHTS_ENV}=1 forces "
                         "them): nothing takes the gated form")
+            if args.weights == "fp8" and (not gate_up or getattr(gate_up[0], "fp8_backend", None) != "cpu_kernel"):
+                p.error(f"{model}'s gate_up layers do not run the FP8 CPU kernels: nothing takes the gated form")
             if name == "two steps":
                 unfuse(engine)
             engines[name] = engine
-        lines += ["", f"## Engine steps ({model}, float32 compute on the bf16 weights), medians of {args.rounds} "
-                  "alternating rounds", "", "| step | two steps ms | fused ms | speedup | same tokens |",
+        lines += ["", f"## Engine steps ({model}, float32 compute on the {args.weights} weights), medians of "
+                  f"{args.rounds} alternating rounds", "", "| step | two steps ms | fused ms | speedup | same tokens |",
                   "|---|---|---|---|---|"]
         if args.prefill_len:
             prompt = token_source(engines["fused"], "text")(args.prefill_len, random.Random(args.seed))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from benchmark_scripts import assert_rejected, run_table
-from fp8serve.kernels import cpu_ops, gemv_packing
+from fp8serve.kernels import cpu_ops, fp8_linear_ops, gemv_packing
 from fp8serve.utils.platform import cpu_flags
 
 # Where silu_and_mul runs its 8-lane loop (no AVX-512) the fused kernel gives its bits.
@@ -19,6 +19,7 @@ SAME_BITS = "avx512f" not in cpu_flags()
     (["--prefill-len", "-1"], "--prefill-len must be >= 0, got -1"),
     (["--rows", "12,0"], "--rows: expected sizes >= 1, got '12,0'"),
     (["--batch-sizes", "x"], "--batch-sizes: expected comma-separated integers, got 'x'"),
+    (["--weights", "int8"], "argument --weights: invalid choice: 'int8'"),
 ])
 def test_bad_values_are_refused(monkeypatch, tmp_path, capsys, argv, message):
     assert_rejected(monkeypatch, tmp_path, capsys, "gate_up_silu.py", argv, message)
@@ -34,6 +35,24 @@ def test_ops_and_engine_tables(monkeypatch, tmp_path):
     ops_rows = [r for r in rows if r[0] == "12"]
     engine_rows = [r for r in rows if r[0] in ("prefill 1 x 24", "decode batch 12")]
     assert len(ops_rows) == 1 and [r[0] for r in engine_rows] == ["prefill 1 x 24", "decode batch 12"]
+    for r in ops_rows + engine_rows:
+        assert float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x"), r
+        if SAME_BITS:
+            assert r[4] == "yes", r
+
+
+@pytest.mark.skipif(not fp8_linear_ops.tiled_gemm_enabled(),
+                    reason="needs fp8_tiled_gemm (AVX2 + FMA + F16C, no AVX-512)")
+def test_fp8_weights_ops_and_engine_tables(monkeypatch, tmp_path):
+    """--weights fp8: e4m3 gate_up weights in the ops table, the default model's FP8 checkpoint
+    (written once into the cache) in the engine table; 25 rows and more take the gated form."""
+    text, rows = run_table(monkeypatch, tmp_path, "gate_up_silu.py", "--weights", "fp8", "--rows", "25",
+                           "--batch-sizes", "25", "--prefill-len", "30", "--prompt-len", "8", "--steps", "2",
+                           "--prefills", "1", "--rounds", "1", header="| rows")
+    assert "## Ops: 30 fp8 gate_up weights" in text and "on the fp8 weights" in text and "-FP8" in text
+    ops_rows = [r for r in rows if r[0] == "25"]
+    engine_rows = [r for r in rows if r[0] in ("prefill 1 x 30", "decode batch 25")]
+    assert len(ops_rows) == 1 and [r[0] for r in engine_rows] == ["prefill 1 x 30", "decode batch 25"]
     for r in ops_rows + engine_rows:
         assert float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x"), r
         if SAME_BITS:
