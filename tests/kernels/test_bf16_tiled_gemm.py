@@ -10,12 +10,13 @@ import os
 import pytest
 import torch
 
+import gated_reference
+from gated_reference import SAME_BITS_AS_TWO_STEPS
 from tiny_layers import tiny_bf16_model
 
 from fp8serve.errors import ConfigError
 from fp8serve.kernels import cpu_ops, gemv_packing
 from fp8serve.utils import weight_copies
-from fp8serve.utils.platform import cpu_flags
 
 ops = cpu_ops.load_cpu_ops()
 pytestmark = pytest.mark.skipif(not cpu_ops.bf16_tiled_gemm_built(),
@@ -119,10 +120,8 @@ def test_rejects_bad_inputs(case, message):
         ops.bf16_tiled_gemm(x, packed, n, bias)
 
 
-# The gated form (bf16_tiled_gemm_silu_and_mul): silu_and_mul runs the same 8-lane loop on builds
-# without AVX-512, so there the fused result has the two steps' bits; with AVX-512 its 16-lane loop
-# rounds its reciprocal differently.
-_SAME_BITS_AS_TWO_STEPS = "avx512f" not in cpu_flags()
+# The gated form (bf16_tiled_gemm_silu_and_mul): the two steps' bits where silu_and_mul runs its 8-lane loop
+# (gated_reference.SAME_BITS_AS_TWO_STEPS), float64's answer everywhere.
 
 
 def two_steps(x, packed, n, bias):
@@ -131,20 +130,11 @@ def two_steps(x, packed, n, bias):
 
 def assert_gated_close(out, x, w, bias, seed, what):
     """Against float64 silu(g) * u, with g and u's float32 error bounds (assert_close's)
-    carried through: |silu'| <= 1.1."""
-    d = w.shape[0] // 2
+    carried through."""
     ref = x.double() @ w.double().t()
     if bias is not None:
         ref = ref + bias.double()
-    bound_gu = 1e-5 * (x.double().abs() @ w.double().abs().t() + ref.abs()) + 1e-6
-    g, u = ref[:, :d], ref[:, d:]
-    silu = g * torch.sigmoid(g)
-    want = silu * u
-    bound = 1.1 * u.abs() * bound_gu[:, :d] + silu.abs() * bound_gu[:, d:] + 1e-5 * want.abs() + 1e-6
-    err = (out.double() - want).abs()
-    assert out.dtype == torch.float32 and out.shape == want.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
-    assert bool((err <= bound).all()), (
-        f"{what}: seed={seed} max error {err.max().item():.3g}, worst error/bound {(err / bound).max().item():.3g}")
+    gated_reference.assert_gated_close(out, ref, x.double().abs() @ w.double().abs().t(), seed, what)
 
 
 # (M, d, K): d = n / 2 whole panels (the fused loop) up to the default model's 1536, past one block
@@ -164,11 +154,7 @@ def test_gated_form_is_the_gemm_then_silu_and_mul(m, d, k, with_bias):
     packed = gemv_packing.pack_gemv_weight(w)
     out = ops.bf16_tiled_gemm_silu_and_mul(x, packed, 2 * d, bias)
     assert_gated_close(out, x, w, bias, seed, f"M={m} d={d} K={k}")
-    ref = two_steps(x, packed, 2 * d, bias)
-    if _SAME_BITS_AS_TWO_STEPS:
-        assert torch.equal(out, ref), f"seed={seed} M={m} d={d} K={k}: max diff {(out - ref).abs().max().item():.3g}"
-    else:
-        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6, msg=f"seed={seed}")
+    gated_reference.assert_two_steps_result(out, two_steps(x, packed, 2 * d, bias), seed, f"M={m} d={d} K={k}")
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -346,7 +332,7 @@ def test_an_mlp_gate_up_takes_the_gated_form_where_the_gemm_would_run(monkeypatc
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(seed + m)) * 0.3
         out = act.of_projection(layer, x)
         assert_gated_close(out, x, w, bias, seed, f"M={m}")
-        if _SAME_BITS_AS_TWO_STEPS:
+        if SAME_BITS_AS_TWO_STEPS:
             assert torch.equal(out, act(layer(x))), f"seed={seed} M={m}"
         assert torch.equal(act.of_projection(plain, x), act(plain(x))), f"seed={seed} M={m}"
     assert calls == [lo, 300]

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import gated_reference
 from fp8_weight_cases import assert_close, fresh_seed, make_case, reference
+from gated_reference import SAME_BITS_AS_TWO_STEPS
 from fp8serve.errors import ConfigError
 from fp8serve.kernels import cpu_ops, fp8_linear_ops
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 from fp8serve.quantization.fp8 import FP8_E4M3
-from fp8serve.utils.platform import cpu_flags
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -144,10 +145,8 @@ def test_bad_switch_value_is_a_clear_error(tiled_switch):
         fp8_linear_ops.tiled_gemm_enabled()
 
 
-# The gated form (fp8_tiled_gemm_silu_and_mul): silu_and_mul runs the same 8-lane loop on builds
-# without AVX-512, so there the fused result has the two steps' bits; with AVX-512 its 16-lane loop
-# rounds its reciprocal differently.
-_SAME_BITS_AS_TWO_STEPS = "avx512f" not in cpu_flags()
+# The gated form (fp8_tiled_gemm_silu_and_mul): the two steps' bits where silu_and_mul runs its 8-lane loop
+# (gated_reference.SAME_BITS_AS_TWO_STEPS), float64's answer everywhere.
 
 
 def two_steps(x, w, scale, bias):
@@ -156,18 +155,8 @@ def two_steps(x, w, scale, bias):
 
 def assert_gated_close(out, x, w, scale, bias, seed, what):
     """Against float64 silu(g) * u, with g and u's float32 error bounds (assert_close's) carried
-    through: |silu'| <= 1.1."""
-    ref, magnitude = reference(x, w, scale, bias)
-    d = w.shape[0] // 2
-    bound_gu = 1e-5 * (magnitude + ref.abs()) + 1e-6
-    g, u = ref[:, :d], ref[:, d:]
-    silu = g * torch.sigmoid(g)
-    want = silu * u
-    bound = 1.1 * u.abs() * bound_gu[:, :d] + silu.abs() * bound_gu[:, d:] + 1e-5 * want.abs() + 1e-6
-    err = (out.double() - want).abs()
-    assert out.dtype == torch.float32 and out.shape == want.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
-    assert bool((err <= bound).all()), (
-        f"{what}: seed={seed} max error {err.max().item():.3g}, worst error/bound {(err / bound).max().item():.3g}")
+    through."""
+    gated_reference.assert_gated_close(out, *reference(x, w, scale, bias), seed, what)
 
 
 # (M, d, K): d = n / 2 whole panels (the fused loop) up to the default model's 1536 (K = 576), past
@@ -186,11 +175,7 @@ def test_gated_form_is_the_gemm_then_silu_and_mul(m, d, k, with_bias):
         bias[: d : 5] -= 100.0  # gates below -80: silu_and_mul's exact branch for their 8-lane groups
     out = ops.fp8_tiled_gemm_silu_and_mul(x, w, scale, bias)
     assert_gated_close(out, x, w, scale, bias, seed, f"M={m} d={d} K={k}")
-    ref = two_steps(x, w, scale, bias)
-    if _SAME_BITS_AS_TWO_STEPS:
-        assert torch.equal(out, ref), f"seed={seed} M={m} d={d} K={k}: max diff {(out - ref).abs().max().item():.3g}"
-    else:
-        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6, msg=f"seed={seed}")
+    gated_reference.assert_two_steps_result(out, two_steps(x, w, scale, bias), seed, f"M={m} d={d} K={k}")
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -273,7 +258,7 @@ def test_an_fp8_mlp_gate_up_takes_the_gated_form_where_the_gemm_would_run(tiled_
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(seed + m))
         out = act.of_projection(layer, x)
         assert_gated_close(out, x, layer.weight, layer.weight_scale, layer.bias, seed, f"M={m}")
-        if _SAME_BITS_AS_TWO_STEPS:
+        if SAME_BITS_AS_TWO_STEPS:
             assert torch.equal(out, act(layer(x))), f"seed={seed} M={m}"
     assert calls == [25, 300]
     xb = torch.randn(40, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()

@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "silu_mul_row.h"
+#include "tile_shares.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -288,18 +289,6 @@ std::pair<int64_t, int64_t> check_args(const at::Tensor& x, const at::Tensor& pa
   return {M, K};
 }
 
-// The threads' split: panels while each thread gets a few (packing x again
-// per thread is small beside them), otherwise rows.
-struct Split {
-  int64_t nt;
-  bool by_panels;
-};
-
-Split split_for(int64_t tiles, int64_t panels) {
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(tiles, panels)));
-  return {nt, panels >= 4 * nt || panels >= tiles};
-}
-
 void gemm_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t N,
                const std::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -314,19 +303,11 @@ void gemm_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, i
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t tiles = (M + kMr - 1) / kMr, panels = packed.size(0);
-  const Split sp = split_for(tiles, panels);
   // Equal even K blocks of at most kMaxKc (one block up to kMaxKc).
   const int64_t nkb = (K + kMaxKc - 1) / kMaxKc;
   const int64_t kc_max = ((K / 2 + nkb - 1) / nkb) * 2;
-  const int64_t nt = sp.nt;
-  at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      if (sp.by_panels) {
-        run_share(xp, wp, bp, op, M, N, K, kc_max, 0, tiles, panels * i / nt, panels * (i + 1) / nt);
-      } else {
-        run_share(xp, wp, bp, op, M, N, K, kc_max, tiles * i / nt, tiles * (i + 1) / nt, 0, panels);
-      }
-    }
+  fp8serve_tiles::for_each_share(tiles, panels, [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+    run_share(xp, wp, bp, op, M, N, K, kc_max, t0, t1, p0, p1);
   });
 }
 #endif  // FP8SERVE_BF16_TILED_GEMM
@@ -362,12 +343,7 @@ at::Tensor bf16_tiled_gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t
   if (d % kNr != 0 || K > kMaxKc || K == 0) {
     at::Tensor gate_up = at::empty({M, n}, x.options());
     gemm_into(gate_up, x, packed, n, bias);
-    const float* gu = gate_up.data_ptr<float>();
-    float* o = out.data_ptr<float>();
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        fp8serve_act::silu_mul_row(gu + m * n, gu + m * n + d, o + m * d, static_cast<int>(d));
-    });
+    fp8serve_tiles::silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), M, d);
     return out;
   }
   const float* xp = x.data_ptr<float>();
@@ -375,16 +351,8 @@ at::Tensor bf16_tiled_gemm_silu_and_mul(at::Tensor x, at::Tensor packed, int64_t
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t tiles = (M + kMr - 1) / kMr, pairs = d / kNr;
-  const Split sp = split_for(tiles, pairs);
-  const int64_t nt = sp.nt;
-  at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      if (sp.by_panels) {
-        run_gated_share(xp, wp, bp, op, M, d, K, 0, tiles, pairs * i / nt, pairs * (i + 1) / nt);
-      } else {
-        run_gated_share(xp, wp, bp, op, M, d, K, tiles * i / nt, tiles * (i + 1) / nt, 0, pairs);
-      }
-    }
+  fp8serve_tiles::for_each_share(tiles, pairs, [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+    run_gated_share(xp, wp, bp, op, M, d, K, t0, t1, p0, p1);
   });
   return out;
 #endif

@@ -53,7 +53,7 @@
 #include <vector>
 
 #include "e4m3_half.h"
-#include "silu_mul_row.h"
+#include "tile_shares.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -257,18 +257,6 @@ void run_gated_share(const float* x, const uint8_t* w, const float* scale, const
   }
 }
 
-// The threads' split: panels while each thread gets a few of them (they share
-// the packed rows' work, which is small); otherwise rows.
-struct Split {
-  int64_t nt;
-  bool by_panels;
-};
-
-Split split_for(int64_t tiles, int64_t panels) {
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(tiles, panels)));
-  return {nt, panels >= 4 * nt || panels >= tiles};
-}
-
 // Shapes and dtypes of x, w, scale and bias checked; returns (M, K, N).
 std::tuple<int64_t, int64_t, int64_t> check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                                                  const std::optional<at::Tensor>& bias) {
@@ -303,15 +291,8 @@ at::Tensor fp8_tiled_gemm(at::Tensor x, at::Tensor w, at::Tensor scale, std::opt
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t tiles = (M + kMr - 1) / kMr, panels = (N + kNr - 1) / kNr;
-  const auto [nt, by_panels] = split_for(tiles, panels);
-  at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      if (by_panels) {
-        run_share(xp, wp, sp, bp, op, M, N, K, 0, tiles, panels * i / nt, panels * (i + 1) / nt);
-      } else {
-        run_share(xp, wp, sp, bp, op, M, N, K, tiles * i / nt, tiles * (i + 1) / nt, 0, panels);
-      }
-    }
+  fp8serve_tiles::for_each_share(tiles, panels, [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+    run_share(xp, wp, sp, bp, op, M, N, K, t0, t1, p0, p1);
   });
   return out;
 #endif
@@ -337,12 +318,7 @@ at::Tensor fp8_tiled_gemm_silu_and_mul(at::Tensor x, at::Tensor w, at::Tensor sc
   if (M == 0) return out;
   if (d % kNr != 0 || K > kMaxKc || K == 0) {
     const at::Tensor gate_up = fp8_tiled_gemm(x, w, scale, bias);
-    const float* gu = gate_up.data_ptr<float>();
-    float* o = out.data_ptr<float>();
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        fp8serve_act::silu_mul_row(gu + m * N, gu + m * N + d, o + m * d, static_cast<int>(d));
-    });
+    fp8serve_tiles::silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), M, d);
     return out;
   }
   const float* xp = x.data_ptr<float>();
@@ -351,15 +327,8 @@ at::Tensor fp8_tiled_gemm_silu_and_mul(at::Tensor x, at::Tensor w, at::Tensor sc
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t tiles = (M + kMr - 1) / kMr, pairs = d / kNr;
-  const auto [nt, by_panels] = split_for(tiles, pairs);
-  at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      if (by_panels) {
-        run_gated_share(xp, wp, sp, bp, op, M, d, K, 0, tiles, pairs * i / nt, pairs * (i + 1) / nt);
-      } else {
-        run_gated_share(xp, wp, sp, bp, op, M, d, K, tiles * i / nt, tiles * (i + 1) / nt, 0, pairs);
-      }
-    }
+  fp8serve_tiles::for_each_share(tiles, pairs, [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+    run_gated_share(xp, wp, sp, bp, op, M, d, K, t0, t1, p0, p1);
   });
   return out;
 #endif
