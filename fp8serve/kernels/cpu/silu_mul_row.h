@@ -1,9 +1,9 @@
-// silu(g) * u for one row, shared by the tiled GEMMs' gated forms
-// (bf16_tiled_gemm.cpp, fp8_tiled_gemm.cpp): the float32 arithmetic of
-// silu_and_mul (layer_ops.cpp) vector for vector. Its 8-lane groups start at
-// multiples of 8 there and here (the gated forms call it on whole 16-column
-// panels of a row), so a fused result has the unfused one's bits on builds
-// whose silu_and_mul runs this 8-lane loop (no AVX-512).
+// silu(g) * u for one float32 row: what silu_and_mul (layer_ops.cpp) runs on
+// float32 rows (after its 16-lane loop on AVX-512 builds), and what the tiled
+// GEMMs' gated forms (bf16_tiled_gemm.cpp, fp8_tiled_gemm.cpp) run on whole
+// 16-column panels of a row. The 8-lane groups start at multiples of 8 in
+// both, so a fused result has the unfused one's bits on builds without
+// AVX-512.
 #pragma once
 
 #include "scalar_convert.h"
