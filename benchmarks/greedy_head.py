@@ -18,8 +18,15 @@ Per config (`base`: the model as it is; `fp8`: its FP8 checkpoint, whose
      on and off, switched between rounds in the same engine (ABBA), and
      checks that both produce the same tokens.
 
+--baseline-rev REV also builds the screen's kernel (cpu/screened_argmax.cpp)
+as of git revision REV under another op namespace and times it in step 2 as
+a third side of the same rounds, on the same rows and screen, with the same
+exact logits of its candidates (columns "baseline screened ms", "baseline /
+screened" and whether its tokens are the full head's).
+
     python benchmarks/greedy_head.py                           # default model and its FP8 checkpoint
     python benchmarks/greedy_head.py --configs base --rounds 8 --output benchmarks/results/x.md
+    python benchmarks/greedy_head.py --configs fp8 --baseline-rev HEAD~1   # the kernel before a change
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    alternate, command_line, describe_machine, greedy_head_rows, machine_info, narrow_weights,
+    alternate, build_kernel_at_rev, command_line, describe_machine, greedy_head_rows, machine_info, narrow_weights,
     record_as_a_warm_engine, require_positive, time_greedy_decode, token_source)
 
 from fp8serve.kernels import cpu_ops, screened_argmax  # noqa: E402
@@ -44,12 +51,28 @@ from fp8serve.kernels import cpu_ops, screened_argmax  # noqa: E402
 ROWS = (1, 2, 4, 8)
 
 
-def time_head(head, screen, x: torch.Tensor, flush: torch.Tensor, calls: int, rounds: int):
+def baseline_tokens(op, x: torch.Tensor, screen, logits_of_rows) -> torch.Tensor | None:
+    """greedy_tokens with the candidates of a baseline build of the kernel
+    (`op`: its screened_candidates, with or without the x_levels argument of
+    the integer screen)."""
+    gap, flushed = screened_argmax._full_head_terms(x, screen)
+    args = [x.float(), screen.codes, screen.scale, screen.slack, gap, flushed]
+    if len(op.default._schema.arguments) == 7:
+        args.append(screen.x_levels)
+    candidates = op(*args)
+    if candidates.numel() == 0:
+        return None
+    return candidates[cpu_ops.greedy_argmax(logits_of_rows(candidates))]
+
+
+def time_head(head, screen, x: torch.Tensor, flush: torch.Tensor, calls: int, rounds: int, baseline=None):
     """Median seconds of the full head (logits, then the sampler's argmax)
     and of the screen's tokens on x, cold, at any row count (the engine
     screens only `engine_rows`); and whether their tokens agree. None where
     the head's path for these rows has no form for a few rows alone (AMX
-    tiles at 8-64 bf16 rows: LMHead.logits_of_rows), so no screen serves them."""
+    tiles at 8-64 bf16 rows: LMHead.logits_of_rows), so no screen serves them.
+    With `baseline` (a baseline build's screened_candidates) also its median
+    seconds and whether its tokens are the full head's (else both None)."""
     def timed(fn) -> float:
         times = []
         for _ in range(calls):
@@ -64,12 +87,20 @@ def time_head(head, screen, x: torch.Tensor, flush: torch.Tensor, calls: int, ro
         return None
     full = lambda: cpu_ops.greedy_argmax(head(x))
     screened = lambda: screened_argmax.greedy_tokens(x, head.weight, screen, logits_of_rows)
-    med = alternate({"full": lambda: timed(full), "screened": lambda: timed(screened)}, rounds)
+    sides = {"full": lambda: timed(full), "screened": lambda: timed(screened)}
+    if baseline is not None:
+        sides["baseline"] = lambda: timed(lambda: baseline_tokens(baseline, x, screen, logits_of_rows))
+    med = alternate(sides, rounds)
+    want = full()
     tokens = screened()
-    return med["full"], med["screened"], tokens is not None and torch.equal(tokens, full())
+    base_ms = base_same = None
+    if baseline is not None:
+        base_tokens = baseline_tokens(baseline, x, screen, logits_of_rows)
+        base_ms, base_same = med["baseline"], base_tokens is not None and torch.equal(base_tokens, want)
+    return med["full"], med["screened"], tokens is not None and torch.equal(tokens, want), base_ms, base_same
 
 
-def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
+def run_config(name: str, model_dir: Path, args, lines: list[str], baseline=None) -> None:
     from fp8serve import LLM
 
     with narrow_weights(keep=False):  # "base" under float32: the 16-bit checkpoint's head upcast to float32
@@ -95,15 +126,19 @@ def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
     flush = torch.ones((64 << 20) // 4)
     for m in ROWS:
         x = rows[torch.arange(m) % len(rows)].contiguous()
-        timed = time_head(head, screen, x, flush, args.calls, args.rounds)
+        timed = time_head(head, screen, x, flush, args.calls, args.rounds, baseline)
+        extra = " - | - | - |" if baseline is not None else ""
         if timed is None:
-            lines.append(f"| {name} | head alone, cold | {m} | no | - | - | - | - (no per-row path at {m} rows) |")
+            lines.append(f"| {name} | head alone, cold | {m} | no | - | - | - | - (no per-row path at {m} rows) |"
+                         f"{extra}")
             print(lines[-1], file=sys.stderr, flush=True)
             continue
-        full, screened, same = timed
+        full, screened, same, base_ms, base_same = timed
+        if baseline is not None:
+            extra = f" {1e3 * base_ms:.2f} | {base_ms / screened:.2f}x | {'yes' if base_same else 'NO'} |"
         screens = "yes" if m <= screened_argmax.engine_rows(w.dtype, compute_dtype) else "no"
         lines.append(f"| {name} | head alone, cold | {m} | {screens} | {1e3 * full:.2f} | {1e3 * screened:.2f} | "
-                     f"{full / screened:.2f}x | {'yes' if same else 'NO'} |")
+                     f"{full / screened:.2f}x | {'yes' if same else 'NO'} |{extra}")
         print(lines[-1], file=sys.stderr, flush=True)
     for batch in args.decode_batch:
         prompts = [draw(args.decode_context, rng) for _ in range(batch)]
@@ -119,7 +154,8 @@ def run_config(name: str, model_dir: Path, args, lines: list[str]) -> None:
         screens = "yes" if batch <= screened_argmax.engine_rows(w.dtype, compute_dtype) else "no"
         lines.append(f"| {name} | engine decode step, batch {batch} x ~{args.decode_context} | {batch} | {screens} | "
                      f"{1e3 * full:.2f} | {1e3 * screened:.2f} | {full / screened:.2f}x | "
-                     f"{'yes' if toks['full'] == toks['screened'] else 'NO'} |")
+                     f"{'yes' if toks['full'] == toks['screened'] else 'NO'} |"
+                     f"{' - | - | - |' if baseline is not None else ''}")
         print(lines[-1], file=sys.stderr, flush=True)
 
 
@@ -141,6 +177,8 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, help="also write the table (markdown) here")
+    p.add_argument("--baseline-rev", default=None,
+                   help="also time cpu/screened_argmax.cpp as of this git revision (see above)")
     args = p.parse_args()
     require_positive(p, args, "decode_context", "decode_steps", "sample_steps", "calls", "rounds")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -165,6 +203,14 @@ def main() -> None:
              f"generation ({args.prompts} prompts)"]
     table = ["", "| config | cell | rows | engine screens | full ms | screened ms | full / screened | same tokens |",
              "|---|---|---|---|---|---|---|---|"]
+    baseline = None
+    if args.baseline_rev is not None:
+        baseline = build_kernel_at_rev(args.baseline_rev, "screened_argmax.cpp",
+                                       "fp8serve_baseline_screen").screened_candidates
+        lines.append(f"- baseline: cpu/screened_argmax.cpp as of {args.baseline_rev}, timed on the same rows and "
+                     f"screen in the same rounds")
+        table[1] += " baseline screened ms | baseline / screened | baseline same tokens |"
+        table[2] += "---|---|---|"
     for name in configs:
         if name == "base":
             model_dir = src
@@ -172,7 +218,7 @@ def main() -> None:
             model_dir = Path(args.fp8_model) if args.fp8_model else ensure_fp8_checkpoint(
                 src, fp8_checkpoint_dir(src, args.model is None))
         config_lines: list[str] = []
-        run_config(name, model_dir, args, config_lines)
+        run_config(name, model_dir, args, config_lines, baseline)
         lines += [x for x in config_lines if x.startswith("- ")]
         table += [x for x in config_lines if x.startswith("| ")]
         gc.collect()

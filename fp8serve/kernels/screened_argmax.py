@@ -48,6 +48,10 @@ MAX_ROWS = 8
 # screen's conversions and FMAs, not its bytes, set its time. An fp16 head
 # (a 16-bit checkpoint kept at 16 bits: quantization/narrow_weights.py) reads
 # the same bytes as a bf16 one and takes its rows (not measured apart).
+# Those runs timed the float32-FMA screen; the integer one (stop 65, AVX2-only
+# Zen 2 EPYC: benchmarks/results/greedy_head_int_screen_2026-12-06_zen2.md)
+# ran 1.07-1.10x as fast at 1 row, 1.36-1.43x at 2, 1.68-1.71x at 4 and
+# 1.62-1.64x at 8.
 _ENGINE_ROWS = {torch.float32: MAX_ROWS, torch.bfloat16: 4, torch.float16: 4}
 # bf16 compute (a bf16 head, bf16 activations; on AMD CPUs with AVX512-BF16
 # its full path is dense_gemv_packed, 28-30 GB/s from memory): measured on a
@@ -84,6 +88,7 @@ class GreedyScreen:
     scale: torch.Tensor  # [V] float32: row v ~ scale[v] * codes[v]
     slack: torch.Tensor  # [V] float32: |screened - full logit| <= |x|_2 * slack[v]
     weight_abs_max: float  # max |w| of the head (the flush term of a bf16 head's test)
+    x_levels: int  # activations are screened as integers in [-x_levels, x_levels] (x_levels_for)
 
     @property
     def nbytes(self) -> int:
@@ -99,29 +104,50 @@ def enabled() -> bool:
     return env_switch(SCREENED_ARGMAX_ENV) is not False
 
 
+def x_levels_for(k: int) -> int:
+    """The integer range [-L, L] an activation row of K values is screened in:
+    as fine as int16 allows, and coarse enough that the int8 x int16 dot
+    product of K terms cannot leave int32 in any order (127 K L < 2^31);
+    0 where K is too large for that."""
+    return min(32767, (2**31 - 1) // (127 * k))
+
+
 def build_screen(weight: torch.Tensor) -> GreedyScreen | None:
     """The screen of a [V, K] float32, bf16 or fp16 head, or None where its values
     are not all finite.
 
     Why the candidates hold the argmax. For an activation row x (float32) and
     vocabulary row v, let l_v be the full head's float32 logit and a_v the
-    screen's, a_v = fl(scale_v * fl(x . codes_v)). Both are float32 dot
-    products of K terms: each is within gamma_K |x|_2 |w|_2 of its exact value
-    (gamma_K = K u / (1 - K u), u = 2^-24; |sum x_k w_k| <= |x|_2 |w|_2), the
-    screen's within gamma_(K+1) with its final multiply. With c_v = |w_v -
-    w~_v|_2 + gamma_K |w_v|_2 + gamma_(K+1) |w~_v|_2 (w~_v = scale_v codes_v):
-    |a_v - l_v| <= |x|_2 c_v. Take slack_v >= c_v (computed here in float64,
-    widened by 2^-10 and rounded up). If l_* is the largest logit, then for
-    every row u: a_* + |x| slack_* >= l_* >= l_u >= a_u - |x| slack_u, so the
-    argmax, and every row tied with it, passes the screen's test (the C++
-    comparisons carry a margin for their own float32 rounding)."""
+    screen's. The screen takes x as integers: xq = round(x / sx) with the
+    float32 step sx = max|x| / L (L = x_levels_for(K)), every operation in
+    float32, so |x - sx xq| <= (1/2 + 2^-8) sx per element (x / sx is off by
+    at most 2^-8 after its two roundings, as |x / sx| <= ~L < 2^15) and
+    sx <= (1 + u) max|x| / L (u = 2^-24). Then a_v = fl(fl(scale_v * sx) *
+    fl(D)) with D = xq . codes_v exact in int32. With w~_v = scale_v codes_v:
+      - |l_v - x . w_v| <= gamma_K |x|_2 |w_v|_2 (the full head's float32 dot
+        product; gamma_K = K u / (1 - K u), |sum x_k w_k| <= |x|_2 |w|_2);
+      - |x . (w_v - w~_v)| <= |x|_2 |w_v - w~_v|_2 (the copy's error);
+      - |w~_v . (x - sx xq)| <= (1/2 + 2^-7) / L * scale_v |codes_v|_1 |x|_2
+        (max|x| <= |x|_2);
+      - |a_v - w~_v . sx xq| <= 4u |w~_v|_2 |sx xq|_2 (three roundings), and
+        |sx xq|_2 <= |x|_2 (1 + sqrt(K) / L).
+    So |a_v - l_v| <= |x|_2 c_v with c_v the sum of those four factors of
+    |x|_2. Take slack_v >= c_v (computed here in float64, widened by 2^-10 and
+    rounded up). If l_* is the largest logit, then for every row u:
+    a_* + |x| slack_* >= l_* >= l_u >= a_u - |x| slack_u, so the argmax, and
+    every row tied with it, passes the screen's test (the C++ comparisons
+    carry a margin for their own float32 rounding)."""
     if weight.dim() != 2 or weight.dtype not in _SCREENED_DTYPES:
         raise ValueError(f"build_screen takes a [V, K] float32, bf16 or fp16 head, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     num_rows, k = weight.shape
+    levels = x_levels_for(k)
+    if levels < 1:
+        raise ValueError(f"build_screen: a hidden size of {k} is too large for the screen's int32 sums")
     u = 2.0 ** -24
     gamma_k = k * u / (1 - k * u)
-    gamma_k1 = (k + 1) * u / (1 - (k + 1) * u)
+    rounding = 4 * u * (1 + k ** 0.5 / levels)
+    quantized_x = (0.5 + 2.0 ** -7) / levels
     codes = torch.empty(num_rows, k, dtype=torch.int8)
     scale = torch.empty(num_rows, dtype=torch.float32)
     slack = torch.empty(num_rows, dtype=torch.float32)
@@ -136,7 +162,8 @@ def build_screen(weight: torch.Tensor) -> GreedyScreen | None:
         s = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).float()
         q = torch.round(w / s.double().unsqueeze(1)).clamp_(-127, 127)
         approx = q * s.double().unsqueeze(1)
-        c = ((w - approx).norm(dim=1) + gamma_k * w.norm(dim=1) + gamma_k1 * approx.norm(dim=1)) * (1 + 2.0 ** -10)
+        c = ((w - approx).norm(dim=1) + gamma_k * w.norm(dim=1) + rounding * approx.norm(dim=1)
+             + quantized_x * s.double() * q.abs().sum(dim=1)) * (1 + 2.0 ** -10)
         c32 = c.float()
         c32 = torch.where(c32.double() < c, torch.nextafter(c32, torch.full_like(c32, float("inf"))), c32)
         codes[start:start + _BUILD_ROWS] = q.to(torch.int8)
@@ -144,7 +171,7 @@ def build_screen(weight: torch.Tensor) -> GreedyScreen | None:
         slack[start:start + _BUILD_ROWS] = c32
     if not torch.isfinite(slack).all():
         return None
-    return GreedyScreen(codes, scale, slack, weight_abs_max)
+    return GreedyScreen(codes, scale, slack, weight_abs_max, levels)
 
 
 def _full_head_terms(x: torch.Tensor, screen: GreedyScreen) -> tuple[float, float]:
@@ -170,7 +197,27 @@ def screened_candidates(x: torch.Tensor, screen: GreedyScreen) -> torch.Tensor:
     if ops is None:
         return screened_candidates_ref(x, screen)
     gap, flushed = _full_head_terms(x, screen)
-    return ops.screened_candidates(x.float(), screen.codes, screen.scale, screen.slack, gap, flushed)
+    return ops.screened_candidates(x.float(), screen.codes, screen.scale, screen.slack, gap, flushed,
+                                   screen.x_levels)
+
+
+def screened_logits_ref(x: torch.Tensor, screen: GreedyScreen) -> torch.Tensor | None:
+    """The screen's logits [M, V] in float64 as the kernel forms them: x's rows
+    quantized with the kernel's float32 operations (same integers), the dot
+    products exact, (scale * sx) rounded to float32 and the final product
+    exact (the kernel rounds it: within its margin). None where the kernel
+    leaves the rows to the full head (x not finite, or a subnormal step)."""
+    xf = x.float()
+    if not torch.isfinite(xf).all():
+        return None
+    levels = float(screen.x_levels)
+    xmax = xf.abs().amax(dim=1, keepdim=True)
+    # Tensor by tensor: a division by a Python scalar may run as a multiply by its reciprocal.
+    sx = torch.where(xmax > 0, xmax / torch.full_like(xmax, levels), torch.ones_like(xmax))
+    if (sx < torch.finfo(torch.float32).tiny).any():
+        return None
+    xq = torch.round(xf * (torch.ones_like(sx) / sx)).clamp_(-levels, levels)
+    return (xq.double() @ screen.codes.double().T) * (screen.scale.unsqueeze(0) * sx).double()
 
 
 def screened_candidates_ref(x: torch.Tensor, screen: GreedyScreen) -> torch.Tensor:
@@ -179,9 +226,9 @@ def screened_candidates_ref(x: torch.Tensor, screen: GreedyScreen) -> torch.Tens
     gap, flushed = _full_head_terms(x, screen)
     x64 = x.double()
     norm = x64.norm(dim=1, keepdim=True)
-    if not torch.isfinite(norm).all():
+    a = screened_logits_ref(x, screen)
+    if a is None or not torch.isfinite(norm).all():
         return torch.empty(0, dtype=torch.int64)
-    a = (x64 @ screen.codes.double().T) * screen.scale.double()
     bound = norm * screen.slack.double()
     best = (a - bound).max(dim=1, keepdim=True).values
     extra = torch.zeros_like(best)

@@ -56,6 +56,30 @@ def test_bf16_compute_screens_the_bf16_head(ops, monkeypatch, tmp_path):
     assert "bfloat16 activations" in text and "torch.bfloat16" in text
 
 
+def test_baseline_rev_times_the_kernel_of_another_commit(ops, monkeypatch, tmp_path):
+    """--baseline-rev HEAD: the committed screen kernel built under another
+    namespace, timed beside this tree's in every head-alone cell, and its
+    tokens the full head's (the engine rows have no baseline side)."""
+    src = tmp_path / "llama"
+    write_tiny_llama(src, vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
+    monkeypatch.delenv("FP8SERVE_SCREENED_ARGMAX", raising=False)
+    text, rows = _run(monkeypatch, tmp_path, "--model", str(src), "--configs", "base", "--decode-batch", "1",
+                      "--decode-context", "20", "--decode-steps", "3", "--sample-steps", "4", "--calls", "1",
+                      "--rounds", "2", "--prompts", "random", "--baseline-rev", "HEAD")
+    assert [r[1] for r in rows] == ["head alone, cold"] * 4 + ["engine decode step, batch 1 x ~20"]
+    for r in rows[:4]:
+        assert float(r[8]) > 0 and r[9].endswith("x") and r[10] == "yes", r
+    assert rows[4][8:] == ["-", "-", "-"], rows[4]
+    assert "baseline: cpu/screened_argmax.cpp as of HEAD" in text
+
+
+def test_a_baseline_rev_git_cannot_find_is_an_error(ops, monkeypatch, tmp_path):
+    src = tmp_path / "llama"
+    write_tiny_llama(src, vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
+    with pytest.raises(SystemExit, match="--baseline-rev no-such-revision-xyz: git cannot list"):
+        _run(monkeypatch, tmp_path, "--model", str(src), "--configs", "base", "--baseline-rev", "no-such-revision-xyz")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "float16"], "--dtype"),
     (["--configs", "base,int4"], "--configs"),

@@ -10,7 +10,14 @@ import torch
 
 from fp8serve.errors import ConfigError
 from fp8serve.kernels import cpu_ops, screened_argmax
-from fp8serve.kernels.screened_argmax import build_screen, greedy_tokens, screened_candidates, screened_candidates_ref
+from fp8serve.kernels.screened_argmax import (
+    build_screen,
+    greedy_tokens,
+    screened_candidates,
+    screened_candidates_ref,
+    screened_logits_ref,
+    x_levels_for,
+)
 
 
 def full_tokens(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -24,19 +31,31 @@ def head(g: torch.Generator, vocab: int, hidden: int, dtype: torch.dtype) -> tor
     return w.to(dtype).contiguous()
 
 
+def outlier_rows(g: torch.Generator, m: int, hidden: int) -> torch.Tensor:
+    """Rows with a few channels 100-1000x the rest (as Llama's residual stream
+    has): the integer step of x is set by those, the other channels keep a
+    few bits, and the bound must still hold."""
+    x = torch.randn(m, hidden, generator=g)
+    for r in range(m):
+        cols = torch.randperm(hidden, generator=g)[:3]
+        x[r, cols] *= float(torch.randint(100, 1000, (1,), generator=g))
+    return x
+
+
 def test_slack_bounds_the_screened_logits_error(seed):
-    """|a - l| <= |x| slack for every row, a computed in float64 from the
-    copy (the kernel's own rounding is inside slack's gamma terms) and l the
-    full head's float32 logits."""
+    """|a - l| <= |x| slack for every row, a the screen's logits as the
+    kernel forms them (x quantized to its integers; the kernel's own rounding
+    is inside slack's rounding term) and l the full head's float32 logits;
+    plain rows and rows with outlier channels."""
     g = torch.Generator().manual_seed(seed)
     w = head(g, 777, 96, torch.float32)
     screen = build_screen(w)
     assert screen.codes.dtype == torch.int8 and screen.codes.abs().max() <= 127, seed
-    x = torch.randn(4, 96, generator=g) * 4
-    full = cpu_ops.dense_gemv(x, w).double()
-    approx = (x.double() @ screen.codes.double().T) * screen.scale.double()
-    bound = x.double().norm(dim=1, keepdim=True) * screen.slack.double()
-    assert ((approx - full).abs() <= bound).all(), seed
+    for x in (torch.randn(4, 96, generator=g) * 4, outlier_rows(g, 4, 96)):
+        full = cpu_ops.dense_gemv(x, w).double()
+        approx = screened_logits_ref(x, screen)
+        bound = x.double().norm(dim=1, keepdim=True) * screen.slack.double()
+        assert ((approx - full).abs() <= bound).all(), seed
     # ...and is not vacuous: the copy's own error dominates it, ~1% of |x| |w|.
     ratio = screen.slack.double() / w.double().norm(dim=1)
     assert ratio.max() < 0.05, (ratio.max().item(), seed)
@@ -193,7 +212,7 @@ def test_candidates_are_a_screen_and_match_the_float64_test(ops, seed):
     got = set(screened_candidates(x, screen).tolist())
     ref = set(screened_candidates_ref(x, screen).tolist())
     x64 = x.double()
-    a = (x64 @ screen.codes.double().T) * screen.scale.double()
+    a = screened_logits_ref(x, screen)
     bound = x64.norm(dim=1, keepdim=True) * screen.slack.double()
     best = (a - bound).max(dim=1, keepdim=True).values
     gap = ((a + bound) - best).max(dim=0).values  # >= 0 exactly for the reference's rows
@@ -201,6 +220,42 @@ def test_candidates_are_a_screen_and_match_the_float64_test(ops, seed):
     for v in got ^ ref:
         assert abs(float(gap[v])) <= 1e-5 * scale, (v, float(gap[v]), seed)
     assert len(got) < 8192 // 20, (len(got), seed)
+
+
+def test_x_levels_keep_every_int32_sum_exact():
+    """As fine as int16 allows where K is small, and never a range whose
+    127 K L could reach 2^31 (Llama-3-8B's 4096, 70B's 8192 included)."""
+    for k in (1, 64, 576, 2048, 4096, 8192, 16384, 65536):
+        levels = x_levels_for(k)
+        assert 1 <= levels <= 32767 and 127 * k * levels < 2**31, k
+        assert levels == 32767 or 127 * k * (levels + 1) >= 2**31, k
+    assert x_levels_for(576) == 29356 and x_levels_for(64) == 32767
+
+
+@pytest.mark.parametrize("shape", [(1, 4096, 576), (4, 2048, 100), (8, 1001, 72)])
+def test_outlier_activations_get_the_full_heads_tokens(ops, seed, shape):
+    """Rows whose few huge channels set the integer step (outlier_rows): the
+    quantization error is in slack, so the tokens stay the full head's."""
+    m, vocab, hidden = shape
+    g = torch.Generator().manual_seed(seed)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = head(g, vocab, hidden, dtype)
+        screen = build_screen(w)
+        for trial in range(3):
+            x = outlier_rows(g, m, hidden)
+            got = greedy_tokens(x, w, screen)
+            assert got is not None and torch.equal(got, full_tokens(x, w)), (dtype, trial, seed)
+
+
+def test_tiny_rows_go_to_the_full_head(ops):
+    """A row so small that its integer step would be subnormal: no screen
+    (the full head decides), in the kernel and its reference alike."""
+    w = torch.randn(300, 64)
+    screen = build_screen(w)
+    x = torch.full((1, 64), 1e-40)
+    assert screened_candidates(x, screen).numel() == 0
+    assert screened_candidates_ref(x, screen).numel() == 0
+    assert greedy_tokens(x, w, screen) is None
 
 
 def test_non_finite_rows_fall_back_to_the_full_head(ops, seed):
@@ -226,13 +281,23 @@ def test_bad_arguments_are_errors(ops):
         screened_candidates(torch.randn(1, 32), screen)
     with pytest.raises(ValueError, match="float32, bf16 or fp16 head"):
         build_screen(torch.randn(100, 64).double())
+    levels = screen.x_levels
     with pytest.raises(RuntimeError, match="int8"):
         ops.screened_candidates(torch.randn(1, 64), screen.codes.to(torch.uint8), screen.scale, screen.slack,
-                                0.0, -1.0)
+                                0.0, -1.0, levels)
     with pytest.raises(RuntimeError, match=r"\[V\] float32"):
-        ops.screened_candidates(torch.randn(1, 64), screen.codes, screen.scale[:5], screen.slack, 0.0, -1.0)
+        ops.screened_candidates(torch.randn(1, 64), screen.codes, screen.scale[:5], screen.slack, 0.0, -1.0, levels)
     with pytest.raises(RuntimeError, match="logit_rel_gap"):
-        ops.screened_candidates(torch.randn(1, 64), screen.codes, screen.scale, screen.slack, -0.5, -1.0)
+        ops.screened_candidates(torch.randn(1, 64), screen.codes, screen.scale, screen.slack, -0.5, -1.0, levels)
+    for bad_levels in (0, 32768):
+        with pytest.raises(RuntimeError, match="x_levels"):
+            ops.screened_candidates(torch.randn(1, 64), screen.codes, screen.scale, screen.slack, 0.0, -1.0,
+                                    bad_levels)
+    wide = build_screen(torch.randn(10, 1024))
+    assert wide.x_levels == x_levels_for(1024) < 32767
+    with pytest.raises(RuntimeError, match="2\\^31"):  # sums that could leave int32
+        ops.screened_candidates(torch.randn(1, 1024), wide.codes, wide.scale, wide.slack, 0.0, -1.0,
+                                wide.x_levels + 1)
     with pytest.raises(ValueError, match="float32 or bf16 rows"):
         screened_candidates(torch.randn(1, 64).half(), screen)
 

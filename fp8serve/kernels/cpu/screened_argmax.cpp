@@ -14,12 +14,14 @@
 //
 // The bound, per row v and activation row m:
 //   |a[m][v] - logit[m][v]| <= |x_m|_2 * slack[v]
-// where a = scale[v] * (x_m . codes[v]) in float32 and logit is the full
-// head's float32 result; slack[v] (the caller's, in float64, rounded up)
-// covers the copy's error |w_v - scale_v codes_v|_2 and the float32 rounding
-// of both dot products (gamma_K |x| |w| each). The comparisons below are in
-// float32 with an absolute margin that covers their own rounding (see
-// `margin`).
+// where a = (scale[v] * sx_m) * (xq_m . codes[v]), xq_m = x_m quantized to
+// integers in [-x_levels, x_levels] with step sx_m (the dot product exact in
+// int32, the two multiplies in float32), and logit is the full head's float32
+// result; slack[v] (the caller's, in float64, rounded up: build_screen)
+// covers the copy's error |w_v - scale_v codes_v|_2, the full head's float32
+// rounding, x's quantization and the screen's three roundings. The
+// comparisons below are in float32 with an absolute margin that covers their
+// own rounding (see `margin`).
 //
 // Two more terms serve a full head that is not a plain float32 dot product
 // (a bf16 head under bf16 compute: vdpbf16ps sums, logits rounded to bf16):
@@ -63,52 +65,44 @@ constexpr int64_t kMinRowsPerTask = 512;  // vocabulary rows per thread task, at
 // 12-16 1.16-1.23x, a prefetch 1-4 KiB ahead every 64 bytes 1.05-1.21x.
 constexpr int64_t kPrefetchRows = 8;
 
-// a[m] = scale * sum_k x[m][k] * codes[k] for MT activation rows, float32
-// FMAs with KS independent accumulator sets along k (one row of the copy is
-// a short dot product: a single FMA chain would wait on its own latency).
+// dots[m] = sum_k codes[k] * xq[m][k] for MT activation rows, in int32: exact
+// in any order, as every partial sum is within 127 K x_levels < 2^31 (the
+// caller's check). Integer multiply-adds (vpmaddwd: 16 codes in 3
+// instructions) instead of float32 FMAs (8 codes in 3: widen, convert, FMA):
+// the float32 form ran below the memory's read rate on an AVX2-only EPYC.
+// KS independent accumulator sets along k, so one row's short dot product
+// does not wait on a single chain's latency.
 template <int MT>
-inline void screen_row(const float* x, int64_t K, const int8_t* codes, float scale, float* a) {
-  constexpr int KS = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+inline void screen_row(const int16_t* xq, int64_t K, const int8_t* codes, int32_t* dots) {
   int64_t k = 0;
-  float dots[MT];
-#ifdef FP8SERVE_VEC16
-  // 16 codes per step: half the converts and FMAs of the 8-lane loop (the
-  // order of the sums differs; slack's gamma terms bound any order).
-  __m512 acc[KS][MT];
+#ifdef __AVX2__
+  constexpr int KS = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+  __m256i acc[KS][MT];
   for (int s = 0; s < KS; ++s)
-    for (int m = 0; m < MT; ++m) acc[s][m] = _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) acc[s][m] = _mm256_setzero_si256();
   const auto step = [&](int s, int64_t kk) {
-    const __m128i c16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk));
-    const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c16));
-    for (int m = 0; m < MT; ++m) acc[s][m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + kk), acc[s][m]);
+    const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kk)));
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + kk));
+      acc[s][m] = _mm256_add_epi32(acc[s][m], _mm256_madd_epi16(c, xv));
+    }
   };
   for (; k + 16 * KS <= K; k += 16 * KS)
     for (int s = 0; s < KS; ++s) step(s, k + 16 * s);
   for (; k + 16 <= K; k += 16) step(0, k);
   for (int s = 1; s < KS; ++s)
-    for (int m = 0; m < MT; ++m) acc[0][m] = _mm512_add_ps(acc[0][m], acc[s][m]);
-  for (int m = 0; m < MT; ++m) dots[m] = _mm512_reduce_add_ps(acc[0][m]);
-#elif defined(FP8SERVE_VEC8)
-  __m256 acc[KS][MT];
-  for (int s = 0; s < KS; ++s)
-    for (int m = 0; m < MT; ++m) acc[s][m] = _mm256_setzero_ps();
-  const auto step = [&](int s, int64_t kk) {
-    const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + kk));
-    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
-    for (int m = 0; m < MT; ++m) acc[s][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + kk), acc[s][m]);
-  };
-  for (; k + 8 * KS <= K; k += 8 * KS)
-    for (int s = 0; s < KS; ++s) step(s, k + 8 * s);
-  for (; k + 8 <= K; k += 8) step(0, k);
-  for (int s = 1; s < KS; ++s)
-    for (int m = 0; m < MT; ++m) acc[0][m] = _mm256_add_ps(acc[0][m], acc[s][m]);
-  for (int m = 0; m < MT; ++m) dots[m] = fp8serve_vec8::hsum(acc[0][m]);
+    for (int m = 0; m < MT; ++m) acc[0][m] = _mm256_add_epi32(acc[0][m], acc[s][m]);
+  for (int m = 0; m < MT; ++m) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[0][m]), _mm256_extracti128_si256(acc[0][m], 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    dots[m] = _mm_cvtsi128_si32(h);
+  }
 #else
-  for (int m = 0; m < MT; ++m) dots[m] = 0.f;
+  for (int m = 0; m < MT; ++m) dots[m] = 0;
 #endif
   for (; k < K; ++k)
-    for (int m = 0; m < MT; ++m) dots[m] = std::fma(static_cast<float>(codes[k]), x[m * K + k], dots[m]);
-  for (int m = 0; m < MT; ++m) a[m] = scale * dots[m];
+    for (int m = 0; m < MT; ++m) dots[m] += static_cast<int32_t>(codes[k]) * xq[m * K + k];
 }
 
 // Each row's lower and upper bound terms as a row of the copy is screened:
@@ -117,31 +111,35 @@ struct Extremes {
   float lo[kMaxRows], big[kMaxRows];
 };
 
+// a[m][v] = (scale[v] * sx[m]) * dots[m] in float32 (the rounding of both
+// multiplies and of the conversion is inside slack: build_screen).
 template <int MT>
-void screen_rows(const float* x, int64_t K, const int8_t* codes, const float* scale, const float* slack,
-                 const float* norm, int64_t V, int64_t begin, int64_t end, float* a, Extremes& ex) {
-  float row[MT];
+void screen_rows(const int16_t* xq, const float* sx, int64_t K, const int8_t* codes, const float* scale,
+                 const float* slack, const float* norm, int64_t V, int64_t begin, int64_t end, float* a,
+                 Extremes& ex) {
+  int32_t dots[MT];
   for (int64_t v = begin; v < end; ++v) {
     if (v + kPrefetchRows < end) {
       const int8_t* ahead = codes + (v + kPrefetchRows) * K;
       for (int64_t off = 0; off < K; off += 64) fp8serve_prefetch::line<fp8serve_prefetch::kL2>(ahead + off);
     }
-    screen_row<MT>(x, K, codes + v * K, scale[v], row);
+    screen_row<MT>(xq, K, codes + v * K, dots);
     for (int m = 0; m < MT; ++m) {
+      const float av = (scale[v] * sx[m]) * static_cast<float>(dots[m]);
       const float b = norm[m] * slack[v];
-      a[m * V + v] = row[m];
-      ex.lo[m] = std::max(ex.lo[m], row[m] - b);
-      ex.big[m] = std::max(ex.big[m], std::fabs(row[m]) + b);
+      a[m * V + v] = av;
+      ex.lo[m] = std::max(ex.lo[m], av - b);
+      ex.big[m] = std::max(ex.big[m], std::fabs(av) + b);
     }
   }
 }
 
-void screen_rows_any(int64_t M, const float* x, int64_t K, const int8_t* codes, const float* scale,
-                     const float* slack, const float* norm, int64_t V, int64_t begin, int64_t end, float* a,
-                     Extremes& ex) {
+void screen_rows_any(int64_t M, const int16_t* xq, const float* sx, int64_t K, const int8_t* codes,
+                     const float* scale, const float* slack, const float* norm, int64_t V, int64_t begin,
+                     int64_t end, float* a, Extremes& ex) {
   switch (M) {
 #define FP8SERVE_CASE(T) \
-  case T: screen_rows<T>(x, K, codes, scale, slack, norm, V, begin, end, a, ex); break;
+  case T: screen_rows<T>(xq, sx, K, codes, scale, slack, norm, V, begin, end, a, ex); break;
     FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
     FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
 #undef FP8SERVE_CASE
@@ -154,7 +152,7 @@ void screen_rows_any(int64_t M, const float* x, int64_t K, const int8_t* codes, 
 // x: [M, K] float32, 1 <= M <= 8; codes: [V, K] int8; scale, slack: [V] float32;
 // logit_rel_gap >= 0 and flushed_weight_max: see the top of the file.
 at::Tensor screened_candidates(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor slack,
-                               double logit_rel_gap, double flushed_weight_max) {
+                               double logit_rel_gap, double flushed_weight_max, int64_t x_levels) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "screened_candidates: x must be a [M, K] float32 CPU tensor");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
@@ -169,6 +167,9 @@ at::Tensor screened_candidates(at::Tensor x, at::Tensor codes, at::Tensor scale,
   TORCH_CHECK(std::isfinite(logit_rel_gap) && logit_rel_gap >= 0 && logit_rel_gap < 1,
               "screened_candidates: logit_rel_gap must be in [0, 1), got ", logit_rel_gap);
   TORCH_CHECK(std::isfinite(flushed_weight_max), "screened_candidates: flushed_weight_max must be finite");
+  TORCH_CHECK(x_levels >= 1 && x_levels <= 32767 && 127 * K * x_levels <= std::numeric_limits<int32_t>::max(),
+              "screened_candidates: x_levels must be in [1, 32767] with 127 * K * x_levels < 2^31 (K = ", K,
+              "), got ", x_levels);
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
@@ -191,6 +192,25 @@ at::Tensor screened_candidates(at::Tensor x, at::Tensor codes, at::Tensor scale,
     flush[m] = flushed_weight_max < 0 ? 0.0 : 2.0 * K * 0x1p-126 * (flushed_weight_max + xmax + 1.0);
   }
 
+  // Each row of x as integers in [-x_levels, x_levels]: xq = round(x / sx),
+  // sx = max|x| / x_levels, all in float32 as screened_logits_ref repeats them
+  // (|x - sx xq| <= (1/2 + 2^-8) sx: build_screen's bound).
+  float sx[kMaxRows];
+  std::vector<int16_t> xq(M * K);
+  const float levels = static_cast<float>(x_levels);
+  for (int64_t m = 0; m < M; ++m) {
+    float xmax = 0.f;
+    for (int64_t k = 0; k < K; ++k) xmax = std::max(xmax, std::fabs(xp[m * K + k]));
+    sx[m] = xmax > 0.f ? xmax / levels : 1.f;
+    // A subnormal step would break the relative rounding bounds: the full head decides.
+    if (sx[m] < std::numeric_limits<float>::min()) return at::empty({0}, at::kLong);
+    const float inv = 1.f / sx[m];
+    for (int64_t k = 0; k < K; ++k) {
+      const float q = std::nearbyint(xp[m * K + k] * inv);
+      xq[m * K + k] = static_cast<int16_t>(std::min(levels, std::max(-levels, q)));
+    }
+  }
+
   // One pass over the copy (its bytes are the cost), split over the threads;
   // each task keeps its own extremes.
   std::vector<float> a(M * V);
@@ -205,7 +225,7 @@ at::Tensor screened_candidates(at::Tensor x, at::Tensor codes, at::Tensor scale,
   }
   at::parallel_for(0, V, kMinRowsPerTask, [&](int64_t begin, int64_t end) {
     Task& t = tasks[at::get_thread_num()];
-    screen_rows_any(M, xp, K, cp, sp, lp, norm, V, begin, end, a.data(), t.ex);
+    screen_rows_any(M, xq.data(), sx, K, cp, sp, lp, norm, V, begin, end, a.data(), t.ex);
   });
 
   // Row m's best lower bound, and `margin`: every float32 product and sum
