@@ -36,15 +36,20 @@ def test_every_cell_is_timed_and_the_tokens_agree(ops, monkeypatch, tmp_path):
     assert "candidates per row" in text and "torch.float32" in text and "torch.bfloat16" in text
 
 
-def test_bf16_compute_screens_the_bf16_head(ops, monkeypatch, tmp_path):
-    """--dtype bfloat16: the head stays bf16 under bf16 activations; every
-    cell's screened tokens equal the full head's (logits rounded to bf16)."""
+def _run_base(monkeypatch, tmp_path, *argv):
+    """The base config of a tiny bf16 tied checkpoint, batch-1 decode steps, the shortest settings."""
     src = tmp_path / "llama"
     write_tiny_llama(src, vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
     monkeypatch.delenv("FP8SERVE_SCREENED_ARGMAX", raising=False)
-    text, rows = _run(monkeypatch, tmp_path, "--model", str(src), "--configs", "base", "--dtype", "bfloat16",
-                      "--decode-batch", "1", "--decode-context", "20", "--decode-steps", "3", "--sample-steps", "4",
-                      "--calls", "1", "--rounds", "2", "--prompts", "random")
+    return _run(monkeypatch, tmp_path, "--model", str(src), "--configs", "base", "--decode-batch", "1",
+                "--decode-context", "20", "--decode-steps", "3", "--sample-steps", "4", "--calls", "1",
+                "--rounds", "2", "--prompts", "random", *argv)
+
+
+def test_bf16_compute_screens_the_bf16_head(ops, monkeypatch, tmp_path):
+    """--dtype bfloat16: the head stays bf16 under bf16 activations; every
+    cell's screened tokens equal the full head's (logits rounded to bf16)."""
+    text, rows = _run_base(monkeypatch, tmp_path, "--dtype", "bfloat16")
     from fp8serve.kernels import amx_linear_ops
 
     assert [r[2] for r in rows] == ["1", "2", "4", "8", "1"]
@@ -60,12 +65,7 @@ def test_baseline_rev_times_the_kernel_of_another_commit(ops, monkeypatch, tmp_p
     """--baseline-rev HEAD: the committed screen kernel built under another
     namespace, timed beside this tree's in every head-alone cell, and its
     tokens the full head's (the engine rows have no baseline side)."""
-    src = tmp_path / "llama"
-    write_tiny_llama(src, vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
-    monkeypatch.delenv("FP8SERVE_SCREENED_ARGMAX", raising=False)
-    text, rows = _run(monkeypatch, tmp_path, "--model", str(src), "--configs", "base", "--decode-batch", "1",
-                      "--decode-context", "20", "--decode-steps", "3", "--sample-steps", "4", "--calls", "1",
-                      "--rounds", "2", "--prompts", "random", "--baseline-rev", "HEAD")
+    text, rows = _run_base(monkeypatch, tmp_path, "--baseline-rev", "HEAD")
     assert [r[1] for r in rows] == ["head alone, cold"] * 4 + ["engine decode step, batch 1 x ~20"]
     for r in rows[:4]:
         assert float(r[8]) > 0 and r[9].endswith("x") and r[10] == "yes", r
