@@ -49,9 +49,9 @@ MAX_ROWS = 8
 # (a 16-bit checkpoint kept at 16 bits: quantization/narrow_weights.py) reads
 # the same bytes as a bf16 one and takes its rows (not measured apart).
 # Those runs timed the float32-FMA screen; the integer one (stop 65, AVX2-only
-# Zen 2 EPYC: benchmarks/results/greedy_head_int_screen_2026-12-06_zen2.md)
-# ran 1.07-1.10x as fast at 1 row, 1.36-1.43x at 2, 1.68-1.71x at 4 and
-# 1.62-1.64x at 8.
+# Zen 2 EPYC, two runs: benchmarks/results/greedy_head_int_screen_2026-12-06_zen2.md)
+# ran 1.07-1.14x as fast at 1 row, 1.36-1.43x at 2, 1.68-1.71x at 4 and
+# 1.14-1.64x at 8.
 _ENGINE_ROWS = {torch.float32: MAX_ROWS, torch.bfloat16: 4, torch.float16: 4}
 # bf16 compute (a bf16 head, bf16 activations; on AMD CPUs with AVX512-BF16
 # its full path is dense_gemv_packed, 28-30 GB/s from memory): measured on a
