@@ -25,6 +25,18 @@ def test_bad_values_are_refused(monkeypatch, tmp_path, capsys, argv, message):
     assert_rejected(monkeypatch, tmp_path, capsys, "gate_up_silu.py", argv, message)
 
 
+def _assert_timed(rows: list[list[str]], ops_row: str, engine_cells: list[str]) -> None:
+    """One ops row and the engine cells, in order, each with both times, a ratio and (where the
+    build gives the two steps' bits) the same results."""
+    ops_rows = [r for r in rows if r[0] == ops_row]
+    engine_rows = [r for r in rows if r[0] in engine_cells]
+    assert len(ops_rows) == 1 and [r[0] for r in engine_rows] == engine_cells
+    for r in ops_rows + engine_rows:
+        assert float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x"), r
+        if SAME_BITS:
+            assert r[4] == "yes", r
+
+
 @pytest.mark.skipif(not cpu_ops.bf16_tiled_gemm_built(), reason="needs bf16_tiled_gemm (AVX2 + FMA)")
 def test_ops_and_engine_tables(monkeypatch, tmp_path):
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")  # the packed copies on any AVX2 CPU
@@ -32,13 +44,7 @@ def test_ops_and_engine_tables(monkeypatch, tmp_path):
                            "--prefill-len", "24", "--prompt-len", "8", "--steps", "2", "--prefills", "1",
                            "--rounds", "1", header="| rows")
     assert "## Ops" in text and "## Engine steps" in text
-    ops_rows = [r for r in rows if r[0] == "12"]
-    engine_rows = [r for r in rows if r[0] in ("prefill 1 x 24", "decode batch 12")]
-    assert len(ops_rows) == 1 and [r[0] for r in engine_rows] == ["prefill 1 x 24", "decode batch 12"]
-    for r in ops_rows + engine_rows:
-        assert float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x"), r
-        if SAME_BITS:
-            assert r[4] == "yes", r
+    _assert_timed(rows, "12", ["prefill 1 x 24", "decode batch 12"])
 
 
 @pytest.mark.skipif(not fp8_linear_ops.tiled_gemm_enabled(),
@@ -50,10 +56,4 @@ def test_fp8_weights_ops_and_engine_tables(monkeypatch, tmp_path):
                            "--batch-sizes", "25", "--prefill-len", "30", "--prompt-len", "8", "--steps", "2",
                            "--prefills", "1", "--rounds", "1", header="| rows")
     assert "## Ops: 30 fp8 gate_up weights" in text and "on the fp8 weights" in text and "-FP8" in text
-    ops_rows = [r for r in rows if r[0] == "25"]
-    engine_rows = [r for r in rows if r[0] in ("prefill 1 x 30", "decode batch 25")]
-    assert len(ops_rows) == 1 and [r[0] for r in engine_rows] == ["prefill 1 x 30", "decode batch 25"]
-    for r in ops_rows + engine_rows:
-        assert float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x"), r
-        if SAME_BITS:
-            assert r[4] == "yes", r
+    _assert_timed(rows, "25", ["prefill 1 x 30", "decode batch 25"])

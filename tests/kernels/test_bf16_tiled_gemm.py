@@ -12,6 +12,7 @@ import torch
 
 import gated_reference
 from gated_reference import SAME_BITS_AS_TWO_STEPS
+from thread_counts import at_one_and
 from tiny_layers import tiny_bf16_model
 
 from fp8serve.errors import ConfigError
@@ -76,14 +77,7 @@ def test_any_thread_count_gives_the_same_bits(m, n, k, threads):
     seed = fresh_seed()
     x, w, bias = make_case(m, n, k, True, seed)
     packed = gemv_packing.pack_gemv_weight(w)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = ops.bf16_tiled_gemm(x, packed, n, bias)
-        torch.set_num_threads(threads)
-        many = ops.bf16_tiled_gemm(x, packed, n, bias)
-    finally:
-        torch.set_num_threads(before)
+    one, many = at_one_and(threads, lambda: ops.bf16_tiled_gemm(x, packed, n, bias))
     assert torch.equal(one, many), f"seed={seed}: {threads} threads differ from one"
     assert_close(many, x, w, bias, seed, f"{threads} threads")
 
@@ -163,14 +157,7 @@ def test_gated_form_any_thread_count_gives_the_same_bits(m, d, threads):
     seed = fresh_seed()
     x, w, bias = make_case(m, 2 * d, 320, True, seed)
     packed = gemv_packing.pack_gemv_weight(w)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = ops.bf16_tiled_gemm_silu_and_mul(x, packed, 2 * d, bias)
-        torch.set_num_threads(threads)
-        many = ops.bf16_tiled_gemm_silu_and_mul(x, packed, 2 * d, bias)
-    finally:
-        torch.set_num_threads(before)
+    one, many = at_one_and(threads, lambda: ops.bf16_tiled_gemm_silu_and_mul(x, packed, 2 * d, bias))
     assert torch.equal(one, many), f"seed={seed}: {threads} threads differ from one"
 
 

@@ -10,6 +10,7 @@ import torch
 import gated_reference
 from fp8_weight_cases import assert_close, fresh_seed, make_case, reference
 from gated_reference import SAME_BITS_AS_TWO_STEPS
+from thread_counts import at_one_and
 from fp8serve.errors import ConfigError
 from fp8serve.kernels import cpu_ops, fp8_linear_ops
 from fp8serve.kernels.cpu_ops import load_cpu_ops
@@ -43,14 +44,7 @@ def test_any_thread_count_gives_the_same_bits(m, n, threads):
     output's sums run in the same order either way."""
     seed = fresh_seed()
     x, w, scale, bias = make_case(m, n, 700, torch.float32, True, seed)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = ops.fp8_tiled_gemm(x, w, scale, bias)
-        torch.set_num_threads(threads)
-        many = ops.fp8_tiled_gemm(x, w, scale, bias)
-    finally:
-        torch.set_num_threads(before)
+    one, many = at_one_and(threads, lambda: ops.fp8_tiled_gemm(x, w, scale, bias))
     assert torch.equal(one, many), f"seed={seed}: {threads} threads differ from one"
     assert_close(many, x, w, scale, bias, seed, f"{threads} threads")
 
@@ -183,14 +177,7 @@ def test_gated_form_is_the_gemm_then_silu_and_mul(m, d, k, with_bias):
 def test_gated_form_any_thread_count_gives_the_same_bits(m, d, threads):
     seed = fresh_seed()
     x, w, scale, bias = make_case(m, 2 * d, 320, torch.float32, True, seed)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = ops.fp8_tiled_gemm_silu_and_mul(x, w, scale, bias)
-        torch.set_num_threads(threads)
-        many = ops.fp8_tiled_gemm_silu_and_mul(x, w, scale, bias)
-    finally:
-        torch.set_num_threads(before)
+    one, many = at_one_and(threads, lambda: ops.fp8_tiled_gemm_silu_and_mul(x, w, scale, bias))
     assert torch.equal(one, many), f"seed={seed}: {threads} threads differ from one"
 
 
