@@ -6,9 +6,9 @@ engine runs a tiled GEMM under float32 compute:
   --weights fp8: an FP8 checkpoint (e4m3 weights, one scale per output row), 25 or more rows:
     `fp8_tiled_gemm_silu_and_mul` against `fp8_tiled_gemm`, then `silu_and_mul`.
 
-1. Ops: the default model's 30 gate_up weights (576 -> 2 x 1536, bf16 packed as the engine packs
-   them, or e4m3 codes; each distinct, so every call reads its weight from memory as a step does)
-   at each --rows, the fused kernel and the two steps alternating (ABBA), medians of --rounds; and
+1. Ops: --layers gate_up weights of --shape (default: the default model's 30, 576 -> 2 x 1536;
+   bf16 packed as the engine packs them, or e4m3 codes; each distinct, so every call reads its
+   weight from memory as a step does) at each --rows, the fused kernel and the two steps alternating (ABBA), medians of --rounds; and
    whether both give the same bits.
 2. Engine steps: two engines on the default model (--weights fp8: its FP8 checkpoint, written once
    as single_stream.py writes it), one with the gated form, one with every MLP
@@ -20,6 +20,8 @@ engine runs a tiled GEMM under float32 compute:
     .venv/bin/python benchmarks/gate_up_silu.py
     .venv/bin/python benchmarks/gate_up_silu.py --rows 16,512 --batch-sizes 16 --rounds 4
     .venv/bin/python benchmarks/gate_up_silu.py --weights fp8 --rows 32,64,512 --batch-sizes 32,64
+    .venv/bin/python benchmarks/gate_up_silu.py --weights fp8 --shape 2048x5632 --layers 4 \\
+        --batch-sizes '' --prefill-len 0   # TinyLlama-1.1B's MLP (K = 2048: K blocks), ops only
 """
 
 from __future__ import annotations
@@ -43,22 +45,32 @@ from bench_common import (  # noqa: E402
 HIDDEN, INTERMEDIATE, LAYERS = 576, 1536, 30  # SmolLM2-135M
 
 
-def gate_up_calls(weights: str, seed: int):
-    """(fused(x, i), unfused(x, i)) of the i-th of LAYERS distinct gate_up weights of `weights`."""
+def parse_shape(p: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    """--shape HIDDENxINTERMEDIATE -> (hidden, intermediate), both >= 1."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(part.strip().isdigit() and int(part) >= 1 for part in parts):
+        p.error(f"--shape: expected HIDDENxINTERMEDIATE with two integers >= 1 (e.g. 576x1536), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def gate_up_calls(weights: str, seed: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE,
+                  layers: int = LAYERS):
+    """(fused(x, i), unfused(x, i)) of the i-th of `layers` distinct gate_up weights of `weights`,
+    each [2 * intermediate, hidden]."""
     from fp8serve.kernels import cpu_ops, gemv_packing
     from fp8serve.quantization.fp8 import FP8_E4M3, quantize_fp8
 
     ops = cpu_ops.load_cpu_ops()
     g = torch.Generator().manual_seed(seed)
-    n = 2 * INTERMEDIATE
+    n = 2 * intermediate
     if weights == "bf16":
-        packed = [gemv_packing.pack_gemv_weight((torch.randn(n, HIDDEN, generator=g) * 0.05).bfloat16())
-                  for _ in range(LAYERS)]
+        packed = [gemv_packing.pack_gemv_weight((torch.randn(n, hidden, generator=g) * 0.05).bfloat16())
+                  for _ in range(layers)]
         return (lambda x, i: ops.bf16_tiled_gemm_silu_and_mul(x, packed[i], n, None),
                 lambda x, i: cpu_ops.silu_and_mul(ops.bf16_tiled_gemm(x, packed[i], n, None)))
     codes, scales = [], []
-    for _ in range(LAYERS):
-        w = torch.randn(n, HIDDEN, generator=g) * 0.05
+    for _ in range(layers):
+        w = torch.randn(n, hidden, generator=g) * 0.05
         scale = (w.abs().amax(dim=1) / FP8_E4M3.max_finite).float()
         codes.append(quantize_fp8(w / scale[:, None], 1.0, FP8_E4M3))
         scales.append(scale)
@@ -66,28 +78,29 @@ def gate_up_calls(weights: str, seed: int):
             lambda x, i: cpu_ops.silu_and_mul(ops.fp8_tiled_gemm(x, codes[i], scales[i], None)))
 
 
-def ops_table(weights: str, rows: list[int], rounds: int, seed: int) -> list[str]:
-    fused_op, two_step_op = gate_up_calls(weights, seed)
+def ops_table(weights: str, rows: list[int], rounds: int, seed: int, hidden: int = HIDDEN,
+              intermediate: int = INTERMEDIATE, layers: int = LAYERS) -> list[str]:
+    fused_op, two_step_op = gate_up_calls(weights, seed, hidden, intermediate, layers)
     g = torch.Generator().manual_seed(seed + 1)
     lines = ["| rows | two steps ms | fused ms | speedup | same bits |", "|---|---|---|---|---|"]
     for m in rows:
-        x = torch.randn(m, HIDDEN, generator=g)
+        x = torch.randn(m, hidden, generator=g)
 
         def two_steps():
             t = time.perf_counter()
-            for i in range(LAYERS):
+            for i in range(layers):
                 two_step_op(x, i)
             return time.perf_counter() - t
 
         def fused():
             t = time.perf_counter()
-            for i in range(LAYERS):
+            for i in range(layers):
                 fused_op(x, i)
             return time.perf_counter() - t
 
         two_steps(), fused()  # warm-up
         res = alternate({"two": two_steps, "fused": fused}, rounds)
-        same = all(torch.equal(fused_op(x, i), two_step_op(x, i)) for i in range(3))
+        same = all(torch.equal(fused_op(x, i), two_step_op(x, i)) for i in range(min(3, layers)))
         lines.append(f"| {m} | {1e3 * res['two']:.2f} | {1e3 * res['fused']:.2f} | {res['two'] / res['fused']:.3f}x "
                      f"| {'yes' if same else 'NO'} |")
     return lines
@@ -164,11 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None,
                    help="a bf16 checkpoint directory (default: the built-in model; --weights fp8: its FP8 "
                         "checkpoint is written once and run)")
+    p.add_argument("--shape", default=f"{HIDDEN}x{INTERMEDIATE}",
+                   help="HIDDENxINTERMEDIATE of the ops table's weights (default: the default model's)")
+    p.add_argument("--layers", type=int, default=LAYERS, help="distinct gate_up weights of the ops table")
     p.add_argument("--output", type=Path, help="also write the report (markdown) here")
     args = p.parse_args(argv)
+    hidden, intermediate = parse_shape(p, args.shape)
     rows = parse_sizes(p, "--rows", args.rows, allow_empty=True)
     batches = parse_sizes(p, "--batch-sizes", args.batch_sizes, allow_empty=True)
-    for flag in ("prompt_len", "steps", "prefills", "rounds"):
+    for flag in ("prompt_len", "steps", "prefills", "rounds", "layers"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.prefill_len < 0:
@@ -187,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
              f"command: {command_line(argv)}"]
     lines += describe_machine(machine_info())
     if rows:
-        lines += ["", f"## Ops: {LAYERS} {args.weights} gate_up weights {HIDDEN} -> 2 x {INTERMEDIATE} from memory, "
-                  f"medians of {args.rounds} ABBA rounds (ms per pass of all {LAYERS})", ""]
-        lines += ops_table(args.weights, rows, args.rounds, args.seed)
+        lines += ["", f"## Ops: {args.layers} {args.weights} gate_up weights {hidden} -> 2 x {intermediate} from "
+                  f"memory, medians of {args.rounds} ABBA rounds (ms per pass of all {args.layers})", ""]
+        lines += ops_table(args.weights, rows, args.rounds, args.seed, hidden, intermediate, args.layers)
     if batches or args.prefill_len:
         from fp8serve import LLM
         from fp8serve.kernels import gemv_packing

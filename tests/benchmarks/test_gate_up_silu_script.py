@@ -20,6 +20,10 @@ SAME_BITS = "avx512f" not in cpu_flags()
     (["--rows", "12,0"], "--rows: expected sizes >= 1, got '12,0'"),
     (["--batch-sizes", "x"], "--batch-sizes: expected comma-separated integers, got 'x'"),
     (["--weights", "int8"], "argument --weights: invalid choice: 'int8'"),
+    (["--shape", "576"], "--shape: expected HIDDENxINTERMEDIATE with two integers >= 1 (e.g. 576x1536), got '576'"),
+    (["--shape", "576x0"], "--shape: expected HIDDENxINTERMEDIATE with two integers >= 1 (e.g. 576x1536), got "
+                           "'576x0'"),
+    (["--layers", "0"], "--layers must be >= 1, got 0"),
 ])
 def test_bad_values_are_refused(monkeypatch, tmp_path, capsys, argv, message):
     assert_rejected(monkeypatch, tmp_path, capsys, "gate_up_silu.py", argv, message)
@@ -57,3 +61,15 @@ def test_fp8_weights_ops_and_engine_tables(monkeypatch, tmp_path):
                            "--prefills", "1", "--rounds", "1", header="| rows")
     assert "## Ops: 30 fp8 gate_up weights" in text and "on the fp8 weights" in text and "-FP8" in text
     _assert_timed(rows, "25", ["prefill 1 x 30", "decode batch 25"])
+
+
+@pytest.mark.skipif(not fp8_linear_ops.tiled_gemm_enabled(),
+                    reason="needs fp8_tiled_gemm (AVX2 + FMA + F16C, no AVX-512)")
+def test_fp8_ops_table_of_another_shape(monkeypatch, tmp_path):
+    """--shape / --layers: the ops table's weights, here with K past one K block of the FP8
+    kernel (640), so the gated form sums its K blocks before the SiLU; no engine table."""
+    text, rows = run_table(monkeypatch, tmp_path, "gate_up_silu.py", "--weights", "fp8", "--shape", "700x32",
+                           "--layers", "2", "--rows", "25", "--batch-sizes", "", "--prefill-len", "0",
+                           "--rounds", "1", header="| rows")
+    assert "## Ops: 2 fp8 gate_up weights 700 -> 2 x 32" in text and "## Engine steps" not in text
+    _assert_timed(rows, "25", [])

@@ -154,10 +154,11 @@ def assert_gated_close(out, x, w, scale, bias, seed, what):
 
 
 # (M, d, K): d = n / 2 whole panels (the fused loop) up to the default model's 1536 (K = 576), past
-# one block of packed rows (144 rows), K not a multiple of 8; d not a multiple of 16 and K past one
-# K block (640: the two steps in the op).
-GATED_CASES = [(1, 16, 8), (25, 32, 64), (7, 48, 203), (64, 1536, 576), (300, 64, 100), (13, 24, 96),
-               (5, 3, 8), (30, 16, 700)]
+# one block of packed rows (144 rows), K not a multiple of 8; K past one K block (640): two blocks,
+# three with rows past a block of packed rows, three of odd size; d not a multiple of 16 (the two
+# steps in the op).
+GATED_CASES = [(1, 16, 8), (25, 32, 64), (7, 48, 203), (64, 1536, 576), (300, 64, 100), (30, 16, 700),
+               (150, 48, 1500), (9, 32, 1283), (13, 24, 96), (5, 3, 8)]
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
@@ -173,10 +174,11 @@ def test_gated_form_is_the_gemm_then_silu_and_mul(m, d, k, with_bias):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("m, d", [(40, 256), (200, 16), (2, 48)])  # pairs split; rows split; few of both
-def test_gated_form_any_thread_count_gives_the_same_bits(m, d, threads):
+@pytest.mark.parametrize("m, d, k", [(40, 256, 320), (200, 16, 320), (2, 48, 320), (40, 64, 1000)],
+                         ids=["pairs-split", "rows-split", "few-of-both", "two-k-blocks"])
+def test_gated_form_any_thread_count_gives_the_same_bits(m, d, k, threads):
     seed = fresh_seed()
-    x, w, scale, bias = make_case(m, 2 * d, 320, torch.float32, True, seed)
+    x, w, scale, bias = make_case(m, 2 * d, k, torch.float32, True, seed)
     one, many = at_one_and(threads, lambda: ops.fp8_tiled_gemm_silu_and_mul(x, w, scale, bias))
     assert torch.equal(one, many), f"seed={seed}: {threads} threads differ from one"
 

@@ -40,7 +40,10 @@
 // EPYC (benchmarks/gate_up_silu.py --weights fp8, two runs, same bits and
 // tokens): the 30 gate_up passes 1.01-1.08x at 25-512 rows, engine prefill
 // steps of 1 x 512 tokens 1.01-1.03x, decode steps at batch 32-64
-// 0.99-1.03x (benchmarks/results/gate_up_silu_fp8_2026-12-06_zen2.md).
+// 0.99-1.03x (benchmarks/results/gate_up_silu_fp8_2026-12-06_zen2.md). With
+// K past one K block (TinyLlama-1.1B's 2048 -> 2 x 5632, four weights from
+// memory, same bits) 1.07-1.11x the two steps at 25-512 rows
+// (benchmarks/results/gate_up_silu_fp8_kblocks_2026-12-06_zen2.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -225,33 +228,57 @@ void run_share(const float* x, const uint8_t* w, const float* scale, const float
   }
 }
 
-// run_share for the gated form (K in one block): gate panels [p0, p1) of the
-// first d = N / 2 outputs, each decoded with its up panel p + d / 16. Per row
-// tile the gate and up tiles go to two small buffers through `tile`, as the
-// plain GEMM stores them (bias included), and silu(gate) * up to out [M, d]:
-// the [M, N] projection is never written.
+// run_share for the gated form: gate panels [p0, p1) of the first d = N / 2
+// outputs, each with its up panel p + d / 16. Per block of row tiles, x is
+// packed once for all of K; per pair of panels and K block, both panels are
+// decoded and every row tile runs over them into two small buffers, as the
+// plain GEMM adds its K blocks into out (bias with the last); after the last
+// K block, silu(gate) * up goes to out [M, d]. The [M, N] projection is never
+// written. (K blocks inside the pair, not outside the row block as in
+// run_share: the gate and up sums of a pair stay in L1 until their silu,
+// where K blocks outside would keep the whole [rows, N] projection; packed x
+// of all of K then comes from L2 or L3 once per pair.)
 void run_gated_share(const float* x, const uint8_t* w, const float* scale, const float* bias, float* out, int64_t M,
                      int64_t d, int64_t K, int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
-  std::vector<float> packed(kMcTiles * kMr * K), gate_panel(K * kNr), up_panel(K * kNr);
-  alignas(32) float s8[kNr], g[kMr][kNr], u[kMr][kNr];
-  const auto decode = [&](int64_t n0, float* panel) {
+  const int64_t nkb = (K + kMaxKc - 1) / kMaxKc;
+  const int64_t kc_max = (K + nkb - 1) / nkb;  // equal K blocks, as run_share's
+  std::vector<float> packed(kMcTiles * kMr * K), gate_panel(kc_max * kNr), up_panel(kc_max * kNr);
+  std::vector<float> g(kMcTiles * kMr * kNr), u(kMcTiles * kMr * kNr);
+  alignas(32) float s8[kNr];
+  const auto decode = [&](int64_t n0, int64_t k0, int64_t kc, float* panel) {
     for (int j = 0; j < kNr; ++j) s8[j] = scale[n0 + j] * fp8serve_e4m3::kE4M3HalfMultiplier;
-    decode_panel(w, K, n0, kNr, 0, K, s8, panel);
+    decode_panel(w, K, n0, kNr, k0, kc, s8, panel);
   };
   for (int64_t tb = t0; tb < t1; tb += kMcTiles) {
     const int64_t tiles = std::min(kMcTiles, t1 - tb);
-    pack_rows(x, M, K, tb * kMr, tiles, 0, K, packed.data());
+    // K block kb's packed rows start at tiles * kMr * k0, laid out as run_share's.
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      const int64_t k0 = kb * kc_max;
+      pack_rows(x, M, K, tb * kMr, tiles, k0, std::min(kc_max, K - k0), packed.data() + tiles * kMr * k0);
+    }
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t ng = p * kNr, nu = d + p * kNr;
-      decode(ng, gate_panel.data());
-      decode(nu, up_panel.data());
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const int64_t k0 = kb * kc_max, kc = std::min(kc_max, K - k0);
+        const bool last = kb == nkb - 1;
+        decode(ng, k0, kc, gate_panel.data());
+        decode(nu, k0, kc, up_panel.data());
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMr, M - (tb + t) * kMr));
+          const float* a = packed.data() + tiles * kMr * k0 + t * kc * kMr;
+          float* gt = g.data() + t * kMr * kNr;
+          float* ut = u.data() + t * kMr * kNr;
+          tile_rows(rows, a, gate_panel.data(), kc, gt, kNr, kb > 0, last && bias ? bias + ng : nullptr, kNr);
+          tile_rows(rows, a, up_panel.data(), kc, ut, kNr, kb > 0, last && bias ? bias + nu : nullptr, kNr);
+        }
+      }
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m = (tb + t) * kMr;
         const int rows = static_cast<int>(std::min<int64_t>(kMr, M - m));
-        const float* a = packed.data() + t * K * kMr;
-        tile_rows(rows, a, gate_panel.data(), K, &g[0][0], kNr, false, bias ? bias + ng : nullptr, kNr);
-        tile_rows(rows, a, up_panel.data(), K, &u[0][0], kNr, false, bias ? bias + nu : nullptr, kNr);
-        for (int r = 0; r < rows; ++r) fp8serve_act::silu_mul_row(g[r], u[r], out + (m + r) * d + ng, kNr);
+        for (int r = 0; r < rows; ++r) {
+          fp8serve_act::silu_mul_row(g.data() + (t * kMr + r) * kNr, u.data() + (t * kMr + r) * kNr,
+                                     out + (m + r) * d + ng, kNr);
+        }
       }
     }
   }
@@ -303,9 +330,9 @@ at::Tensor fp8_tiled_gemm(at::Tensor x, at::Tensor w, at::Tensor scale, std::opt
 // out [M, n / 2] = silu(x @ gate.T + bias[:n/2]) * (x @ up.T + bias[n/2:]),
 // what fp8_tiled_gemm followed by silu_and_mul gives (bit for bit where
 // silu_and_mul runs its 8-lane loop: builds without AVX-512), without writing
-// and re-reading the [M, n] projection. Where the gate's rows are not a whole
-// number of 16-row panels, or K needs more than one K block, it runs those
-// two steps itself.
+// and re-reading the [M, n] projection, for any K (K blocks as the plain
+// GEMM's). Where the gate's rows are not a whole number of 16-row panels it
+// runs those two steps itself.
 at::Tensor fp8_tiled_gemm_silu_and_mul(at::Tensor x, at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
 #ifndef FP8SERVE_TILED_GEMM
   TORCH_CHECK(false,
@@ -316,7 +343,7 @@ at::Tensor fp8_tiled_gemm_silu_and_mul(at::Tensor x, at::Tensor w, at::Tensor sc
   const int64_t d = N / 2;
   at::Tensor out = at::empty({M, d}, x.options());
   if (M == 0) return out;
-  if (d % kNr != 0 || K > kMaxKc || K == 0) {
+  if (d % kNr != 0 || K == 0) {
     const at::Tensor gate_up = fp8_tiled_gemm(x, w, scale, bias);
     fp8serve_tiles::silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), M, d);
     return out;
