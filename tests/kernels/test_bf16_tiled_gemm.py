@@ -51,12 +51,14 @@ def assert_close(out, x, w, bias, seed, what):
 
 
 # (M, N, K): M short of, at and past whole 6-row tiles, and past one block
-# of packed rows (264: prefills); N a multiple of 16 and not (a partial last
-# panel, N < 16); K = 2 (one pair) up to the default model's down projection,
-# and past one K block (4096: a second block that adds to the first, three
-# blocks of unequal size).
+# of packed rows (264: prefills), with last tiles of every height (1-3 rows
+# take more accumulator sets: an odd number of k pairs leaves a pair over);
+# N a multiple of 16 and not (a partial last panel, N < 16); K = 2 (one pair)
+# up to the default model's down projection, and past one K block (4096: a
+# second block that adds to the first, three blocks of unequal size).
 CASES = [(1, 16, 2), (5, 7, 8), (6, 48, 64), (17, 37, 96), (24, 1, 576), (64, 130, 576), (43, 33, 1536),
-         (256, 19, 202), (300, 40, 100), (13, 35, 4098), (280, 17, 8196), (7, 16, 12290)]
+         (256, 19, 202), (300, 40, 100), (13, 35, 4098), (280, 17, 8196), (7, 16, 12290), (8, 24, 30),
+         (15, 20, 10), (2, 16, 6), (9, 33, 578)]
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])

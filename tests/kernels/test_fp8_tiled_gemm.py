@@ -22,11 +22,13 @@ pytestmark = pytest.mark.skipif(
     reason="fp8_tiled_gemm needs the C++ kernels built with AVX2, FMA and F16C")
 
 
-# (M, N, K): M past and short of whole 6-row tiles and of a 144-row block;
-# N a multiple of 16 and not (a partial last panel, N < 16); K a multiple of
-# 8 and not, K < 8, and K past one 640-column block (two and three blocks).
+# (M, N, K): M past and short of whole 6-row tiles and of a 144-row block,
+# with last tiles of every height (1-3 rows take more accumulator sets, with
+# k left over where K is not a multiple of their count); N a multiple of 16
+# and not (a partial last panel, N < 16); K a multiple of 8 and not, K < 8,
+# and K past one 640-column block (two and three blocks).
 CASES = [(1, 16, 64), (6, 48, 8), (7, 37, 203), (25, 101, 200), (33, 5, 3), (145, 64, 96), (300, 19, 1037),
-         (64, 130, 1300), (13, 1, 1)]
+         (64, 130, 1300), (13, 1, 1), (14, 40, 101), (9, 16, 1300), (4, 17, 66)]
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])

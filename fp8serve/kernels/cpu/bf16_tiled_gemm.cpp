@@ -105,11 +105,23 @@ template <int R, bool kAccumulate, bool kPrefetch>
 __attribute__((always_inline)) inline void tile(const float* __restrict a, const uint16_t* __restrict b, int64_t K,
                                                 float* c, int64_t ldc, const float* bias, int nvalid,
                                                 const char* next) {
-  __m256 lo[R], hi[R];
+  // Accumulator sets: a tile of 1-3 rows (the last of M = 6t + 1..3) has too
+  // few accumulators to hide the FMA's latency with one set (2R chains of two
+  // FMAs per pair of k: 5 cycles per k whatever R, so a 1-row tile cost what a
+  // 6-row one does); it keeps one set per k of a pair, a 1-row tile one per k
+  // of two pairs, added together at the end (fixed order: the bits depend on
+  // the tile's height, not on threads). The default model's 120 decode
+  // linears (Zen 2, from memory): 1.05-1.16x at M = 6t + 1..3, engine decode
+  // steps at batch 13 1.05x (benchmarks/results/tiled_gemm_tail_tiles_2026-12-06_zen2.md).
+  constexpr int kSets = R == 1 ? 4 : (R <= 3 ? 2 : 1);
+  __m256 lo[kSets][R], hi[kSets][R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int s = 0; s < kSets; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) lo[s][r] = hi[s][r] = _mm256_setzero_ps();
   const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < K; k += 2) {
+  // k and k + 1 into sets se and so.
+  const auto pair = [&](int64_t k, int se, int so) __attribute__((always_inline)) {
     if (kPrefetch) _mm_prefetch(next + k * kNr * 2, _MM_HINT_T0);  // the 64 bytes this pair of k reads, a panel on
     const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k * kNr));
     const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k * kNr + 16));
@@ -118,16 +130,32 @@ __attribute__((always_inline)) inline void tile(const float* __restrict a, const
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 av = _mm256_broadcast_ss(a + k * kMr + r);
-      lo[r] = _mm256_fmadd_ps(av, w0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(av, w1, hi[r]);
+      lo[se][r] = _mm256_fmadd_ps(av, w0, lo[se][r]);
+      hi[se][r] = _mm256_fmadd_ps(av, w1, hi[se][r]);
     }
     const __m256 v0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high_half));  // w[n0 + 0..7][k + 1]
     const __m256 v1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high_half));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 av = _mm256_broadcast_ss(a + (k + 1) * kMr + r);
-      lo[r] = _mm256_fmadd_ps(av, v0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(av, v1, hi[r]);
+      lo[so][r] = _mm256_fmadd_ps(av, v0, lo[so][r]);
+      hi[so][r] = _mm256_fmadd_ps(av, v1, hi[so][r]);
+    }
+  };
+  int64_t k = 0;
+  if constexpr (kSets == 4) {
+    for (; k + 4 <= K; k += 4) {
+      pair(k, 0, 1);
+      pair(k + 2, 2, 3);
+    }
+  }
+  for (; k < K; k += 2) pair(k, 0, kSets > 1 ? 1 : 0);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int s = 1; s < kSets; ++s) {
+      lo[0][r] = _mm256_add_ps(lo[0][r], lo[s][r]);
+      hi[0][r] = _mm256_add_ps(hi[0][r], hi[s][r]);
     }
   }
   // The bias is read in the stores, not added to the accumulators first: that
@@ -137,23 +165,23 @@ __attribute__((always_inline)) inline void tile(const float* __restrict a, const
     for (int r = 0; r < R; ++r) {
       float* cr = c + r * ldc;
       if (kAccumulate) {
-        lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(cr));
-        hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(cr + 8));
+        lo[0][r] = _mm256_add_ps(lo[0][r], _mm256_loadu_ps(cr));
+        hi[0][r] = _mm256_add_ps(hi[0][r], _mm256_loadu_ps(cr + 8));
       }
       if (bias) {
-        lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(bias));
-        hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(bias + 8));
+        lo[0][r] = _mm256_add_ps(lo[0][r], _mm256_loadu_ps(bias));
+        hi[0][r] = _mm256_add_ps(hi[0][r], _mm256_loadu_ps(bias + 8));
       }
-      _mm256_storeu_ps(cr, lo[r]);
-      _mm256_storeu_ps(cr + 8, hi[r]);
+      _mm256_storeu_ps(cr, lo[0][r]);
+      _mm256_storeu_ps(cr + 8, hi[0][r]);
     }
     return;
   }
   alignas(32) float t[R][kNr];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(t[r], lo[r]);
-    _mm256_store_ps(t[r] + 8, hi[r]);
+    _mm256_store_ps(t[r], lo[0][r]);
+    _mm256_store_ps(t[r] + 8, hi[0][r]);
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < nvalid; ++j) {

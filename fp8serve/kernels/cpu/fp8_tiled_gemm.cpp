@@ -85,16 +85,40 @@ constexpr int64_t kMcTiles = 24;
 template <int R>
 __attribute__((always_inline)) inline void tile(const float* __restrict a, const float* __restrict b, int64_t kc,
                                                 float* c, int64_t ldc, bool accumulate, const float* bias, int nvalid) {
-  __m256 lo[R], hi[R];
+  // Accumulator sets: a tile of 1-3 rows (the last of M = 6t + 1..3) has too
+  // few accumulators to hide the FMA's latency with one set (2R chains: 5
+  // cycles per k whatever R, so a 1-row tile cost what a 6-row one does); it
+  // keeps a set per k of 2 (1-row tiles: of 4) consecutive k, added together
+  // at the end in a fixed order (the bits depend on the tile's height, not on
+  // threads), as bf16_tiled_gemm.cpp's tile
+  // (benchmarks/results/tiled_gemm_tail_tiles_2026-12-06_zen2.md).
+  constexpr int kSets = R == 1 ? 4 : (R <= 3 ? 2 : 1);
+  __m256 lo[kSets][R], hi[kSets][R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
+  for (int s = 0; s < kSets; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) lo[s][r] = hi[s][r] = _mm256_setzero_ps();
+  const auto step = [&](int64_t k, int s) __attribute__((always_inline)) {
     const __m256 b0 = _mm256_loadu_ps(b + k * kNr), b1 = _mm256_loadu_ps(b + k * kNr + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 av = _mm256_broadcast_ss(a + k * kMr + r);
-      lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
+      lo[s][r] = _mm256_fmadd_ps(av, b0, lo[s][r]);
+      hi[s][r] = _mm256_fmadd_ps(av, b1, hi[s][r]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + kSets <= kc; k += kSets) {
+#pragma GCC unroll 4
+    for (int s = 0; s < kSets; ++s) step(k + s, s);
+  }
+  for (; k < kc; ++k) step(k, 0);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int s = 1; s < kSets; ++s) {
+      lo[0][r] = _mm256_add_ps(lo[0][r], lo[s][r]);
+      hi[0][r] = _mm256_add_ps(hi[0][r], hi[s][r]);
     }
   }
   if (nvalid == kNr) {
@@ -102,23 +126,23 @@ __attribute__((always_inline)) inline void tile(const float* __restrict a, const
     for (int r = 0; r < R; ++r) {
       float* cr = c + r * ldc;
       if (accumulate) {
-        lo[r] = _mm256_add_ps(_mm256_loadu_ps(cr), lo[r]);
-        hi[r] = _mm256_add_ps(_mm256_loadu_ps(cr + 8), hi[r]);
+        lo[0][r] = _mm256_add_ps(_mm256_loadu_ps(cr), lo[0][r]);
+        hi[0][r] = _mm256_add_ps(_mm256_loadu_ps(cr + 8), hi[0][r]);
       }
       if (bias) {
-        lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(bias));
-        hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(bias + 8));
+        lo[0][r] = _mm256_add_ps(lo[0][r], _mm256_loadu_ps(bias));
+        hi[0][r] = _mm256_add_ps(hi[0][r], _mm256_loadu_ps(bias + 8));
       }
-      _mm256_storeu_ps(cr, lo[r]);
-      _mm256_storeu_ps(cr + 8, hi[r]);
+      _mm256_storeu_ps(cr, lo[0][r]);
+      _mm256_storeu_ps(cr + 8, hi[0][r]);
     }
     return;
   }
   alignas(32) float t[R][kNr];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(t[r], lo[r]);
-    _mm256_store_ps(t[r] + 8, hi[r]);
+    _mm256_store_ps(t[r], lo[0][r]);
+    _mm256_store_ps(t[r] + 8, hi[0][r]);
   }
   for (int r = 0; r < R; ++r) {
     float* cr = c + r * ldc;
