@@ -31,7 +31,7 @@ the engine can take, side by side.
 4. Engine (--engine-batches, --engine-prefills): two engines on the model, one
    loaded with FP8SERVE_GEMV_PACKED_WEIGHTS=0 (no packed bf16 copies:
    dense_gemv, and oneDNN on a packed float32 copy above its rows), one with
-   the setting as given (auto: bf16_tiled_gemm from 12 rows, decode batches
+   the setting as given (auto: bf16_tiled_gemm from 3 rows, decode batches
    and prefills, where gemv_packing.float32_packing_applies), alternating
    (ABBA): decode steps of each batch over ~--decode-context tokens (greedy,
    or sampled at --engine-temperature, which reads the whole LM head),

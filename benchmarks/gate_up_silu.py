@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The MLP's gate_up projection and SiLU-and-mul as one kernel against the two steps, where the
 engine runs a tiled GEMM under float32 compute:
-  --weights bf16 (default): a bf16 checkpoint, 12 or more rows: `bf16_tiled_gemm_silu_and_mul`
+  --weights bf16 (default): a bf16 checkpoint, 3 or more rows: `bf16_tiled_gemm_silu_and_mul`
     against `bf16_tiled_gemm`, then `silu_and_mul`;
   --weights fp8: an FP8 checkpoint (e4m3 weights, one scale per output row), 25 or more rows:
     `fp8_tiled_gemm_silu_and_mul` against `fp8_tiled_gemm`, then `silu_and_mul`.

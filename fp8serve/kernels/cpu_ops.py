@@ -495,9 +495,13 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
 # first run), 1.12-1.29x at 17-32; 1.12-1.57x oneDNN's packed float32 weight
 # at 48-256. At prefill rows see benchmarks/results/bf16_tiled_gemm_prefill_2026-12-06_zen2.md.
 # Since the kernel prefetches the next weight panel it runs 1.05-1.46x
-# dense_gemv at 3-11 rows too, but whole decode steps did not follow (1.02x at
-# batch 4, 0.95x at 8: bf16_tiled_gemm_min_rows_2026-12-06_zen2.md).
-BF16_TILED_GEMM_MIN_ROWS = 12
+# dense_gemv at 3-11 rows too, but whole decode steps did not follow then (1.02x
+# at batch 4, 0.95x at 8: bf16_tiled_gemm_min_rows_2026-12-06_zen2.md): a tile
+# of 1-3 rows waited on the FMA latency. Since its tiles of 1-3 rows keep more
+# accumulators (tiled_gemm_tail_tiles_2026-12-06_zen2.md), decode steps at batch
+# 3-10 ran 1.05-1.27x with it (1.14x at 8); at 2 rows the linears alone still run
+# 0.89-0.91x dense_gemv (bf16_tiled_gemm_min_rows_2026-12-06_zen2_stop66.md).
+BF16_TILED_GEMM_MIN_ROWS = 3
 
 
 @functools.cache

@@ -25,7 +25,7 @@ arithmetic: narrow_weights.py) the same bf16 layout serves float32
 activations: bf16_tiled_gemm (cpu/bf16_tiled_gemm.cpp, AVX2 + FMA) turns each
 pair into two float32 weights by one shift and one AND and runs 6 x 16
 register tiles over a block. The plain linear layers and a bf16 LM head get
-the copy there, and it serves all their batches of 12 or more rows, prefills
+the copy there, and it serves all their batches of 3 or more rows, prefills
 too (so they get no float32 copy for oneDNN); the head ran 1.35-1.41x
 dense_gemv at 12-32 rows and 1.01-1.29x oneDNN's float32 copy at 64-256
 (bf16_tiled_gemm_head_2026-12-06_zen2.md). On an AVX2-only Zen 2 EPYC their
@@ -214,7 +214,7 @@ def float32_packing_applies() -> bool:
 def _pack_for_float32_compute(model: nn.Module) -> int:
     """The bf16 weights of plain linear layers and of the LM head (16-bit
     weights under float32 compute: narrow_weights.py; an FP8 checkpoint's
-    bf16 head) packed for bf16_tiled_gemm: batches of 12 or more rows, decode
+    bf16 head) packed for bf16_tiled_gemm: batches of 3 or more rows, decode
     and prefill (these layers then get no float32 copy for oneDNN:
     `onednn_linear.pack_weights`). Greedy steps of a few rows still read the
     head's plain rows (its int8 screen, dense_gemv)."""

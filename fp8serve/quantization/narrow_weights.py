@@ -14,7 +14,7 @@ dense_gemv sums a 16-bit row in the same order as its float32 copy, and the
 GEMMs above dense_gemv's rows (prefill, big decode batches) run on oneDNN's
 packed float32 copy, which `onednn_linear.pack_weights` makes from the 16-bit
 weight where it packs float32 weights at all (AMD CPUs). The exception: on
-AMD CPUs without AVX-512, bf16 linears of 12 or more rows (decode batches and
+AMD CPUs without AVX-512, bf16 linears of 3 or more rows (decode batches and
 prefills) run bf16_tiled_gemm on a packed bf16 copy (gemv_packing.py), faster
 than oneDNN's float32 one there, which those layers then do not get;
 its float32 sums run in another order, so those results equal the float32

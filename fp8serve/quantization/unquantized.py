@@ -28,7 +28,7 @@ class UnquantizedLinearMethod(LinearMethod):
             # bf16 decode at batch 13-256 on the packed copy, where the engine made one (gemv_packing.py).
             return cpu_ops.dense_gemv_packed(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed):
-            # float32 x of 12 or more rows (decode batches, prefills) on a bf16 weight's packed copy
+            # float32 x of 3 or more rows (decode batches, prefills) on a bf16 weight's packed copy
             # (AVX2: gemv_packing.py); such a layer has no float32 copy for oneDNN.
             return cpu_ops.bf16_tiled_gemm(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.dense_gemv_applies(x, layer.weight):

@@ -273,8 +273,8 @@ def test_skips_when_the_copy_does_not_fit(monkeypatch, caplog):
 
 
 def test_lm_head_runs_it_and_its_greedy_screen_agrees(monkeypatch):
-    """A bf16 head under float32 compute: 12 or more rows run bf16_tiled_gemm
-    on its packed copy (its bits), fewer keep dense_gemv; the screen's
+    """A bf16 head under float32 compute: BF16_TILED_GEMM_MIN_ROWS or more rows
+    run bf16_tiled_gemm on its packed copy (its bits), fewer keep dense_gemv; the screen's
     logits of a few vocabulary rows (`logits_of_rows`) equal the full
     logits' bit for bit on either path."""
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
@@ -288,13 +288,14 @@ def test_lm_head_runs_it_and_its_greedy_screen_agrees(monkeypatch):
     monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
                         lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
     vocab_rows = torch.tensor([3, 0, 49, 17])
-    for m in (cpu_ops.BF16_TILED_GEMM_MIN_ROWS - 1, cpu_ops.BF16_TILED_GEMM_MIN_ROWS, 40):
+    lo = cpu_ops.BF16_TILED_GEMM_MIN_ROWS
+    for m in (lo - 1, lo, 40):
         x = torch.randn(m, 32, generator=g)
         logits = head(x)
         assert_close(logits, x, head.weight, None, seed, f"head M={m}")
         few = head.logits_of_rows(x)
         assert few is not None and torch.equal(few(vocab_rows), logits[:, vocab_rows]), f"seed={seed} M={m}"
-    assert calls == [12, 12, 40, 40], calls
+    assert calls == [lo, lo, 40, 40], calls  # the full head and the screen's rows, each on the kernel
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])

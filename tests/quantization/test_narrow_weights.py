@@ -96,10 +96,11 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 @needs_kernels
 @pytest.mark.parametrize("name", ["bf16", "bf16_tied", "fp16"])
 @pytest.mark.parametrize("packed", ["1", "0"], ids=["packed", "unpacked"])
-# 1 and 3 sequences decode on dense_gemv's rows; 40 above them (oneDNN, or bf16_tiled_gemm).
+# 1 sequence decodes on dense_gemv's rows; 3 on bf16_tiled_gemm where tiled (a
+# 3-row tile), on dense_gemv otherwise; 40 above them (oneDNN, or bf16_tiled_gemm).
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])
 # tiled: the bf16 weights' packed copy for bf16_tiled_gemm (decode batches and
-# prompts of 12 or more rows), whose sums run in another order than oneDNN's.
+# prompts of 3 or more rows), whose sums run in another order than oneDNN's.
 @pytest.mark.parametrize("tiled", ["0", "1"], ids=["gemm", "tiled"])
 def test_same_results_as_float32_weights(checkpoints, monkeypatch, seed, name, packed, num_seqs, tiled):
     if tiled == "1" and not cpu_ops.bf16_tiled_gemm_built():
