@@ -15,9 +15,11 @@ from checkpoints import write_tiny_llama
 def test_both_engines_are_timed_at_each_batch_size(ops, monkeypatch, tmp_path):
     src = write_tiny_llama(tmp_path / "llama", vocab_size=3000, dtype=torch.bfloat16)
     _, rows = run_table(monkeypatch, tmp_path, "static_plan.py", "--model", str(src), "--kv-cache-dtype", "fp8",
-                        "--batches", "1,3", "--prompt-len", "8", "--steps", "6", "--rounds", "2",
+                        "--batches", "1,2", "--prompt-len", "8", "--steps", "6", "--rounds", "2",
                         "--kv-cache-memory", "16MiB", header="| batch")
-    assert [r[0] for r in rows] == ["1", "3"]
+    # (From 3 rows a bf16 checkpoint under float32 compute runs bf16_tiled_gemm on AMD CPUs, which no
+    # static plan replays: those batches keep the compiled replay.)
+    assert [r[0] for r in rows] == ["1", "2"]
     for r in rows:
         assert float(r[1]) > 0 and float(r[2]) > 0
         assert r[5].endswith("of 2") and r[6] == "True"
