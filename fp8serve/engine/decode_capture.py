@@ -104,7 +104,10 @@ class DecodeCaptures:
     one pays at most ~0.25 s more. A static plan compiles nothing (~30 ms
     more than an eager step, won back in ~5 replays): batches up to
     STATIC_PLAN_MAX_BATCH follow `record_after` alone, until a recording of
-    the model makes no static plan (then they wait like the rest). Until
+    the model makes no static plan (then that batch size and larger ones wait
+    like the rest: which kernels a forward calls changes with its rows, e.g.
+    bf16_tiled_gemm from 3 rows, which no plan replays, so smaller batches
+    still try). Until
     stop 47 every first recording also imported torch._dynamo (~0.5 s: see
     op_recorder.py), and every recording waited."""
 
@@ -124,7 +127,8 @@ class DecodeCaptures:
         self._templates: list[CapturedForward] = []  # compiled forwards a new batch size may share
         self.share_compiled = True  # False: every batch size compiles its own (benchmarks' A/B)
         self._logged = False
-        self._static_ok = True  # False once a recording of this model made no static plan
+        # The smallest batch size whose recording made no static plan (None: none yet).
+        self._no_static_from: int | None = None
         self.num_replays = 0  # decode forwards served by a replay
         self.num_compiled = 0  # recordings compiled (the rest shared a compiled forward)
         # Batch sizes up to static_plan_max_batch replay as static plans where
@@ -150,7 +154,8 @@ class DecodeCaptures:
             self.num_replays += 1
             return recorded.replay(*inputs)
         steps = self._eager_steps.get(key, 0)
-        static = self.static_plans and md.num_seqs <= self.static_plan_max_batch and self._static_ok
+        static = (self.static_plans and md.num_seqs <= self.static_plan_max_batch
+                  and (self._no_static_from is None or md.num_seqs < self._no_static_from))
         if steps < self.record_after or (not static and self._compile_waits()):
             self._eager_steps[key] = steps + 1
             self._eager_total += 1
@@ -164,8 +169,9 @@ class DecodeCaptures:
                 self._captures[key] = plan
                 self.num_static += 1
                 return output
-            # This model's recordings do not make static plans: the next ones wait like any compile.
-            self._static_ok = False
+            # This model's recordings of this many rows and more make no static plans: those wait
+            # like any compile from now on.
+            self._no_static_from = min(md.num_seqs, self._no_static_from or md.num_seqs)
             if self._compile_waits():
                 self._eager_steps[key] = steps + 1
                 self._eager_total += 1
@@ -254,7 +260,7 @@ class DecodeCaptures:
         self._templates.clear()
         self._eager_steps.clear()
         self._eager_total = 0
-        self._static_ok = True
+        self._no_static_from = None
         self.num_compiled = 0
         self.num_static = 0
 

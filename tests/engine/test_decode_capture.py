@@ -484,6 +484,29 @@ def test_static_plans_do_not_wait_for_first_record_after(ops, llama_dir, seed):
             assert captures.recorded_batch_sizes == [] and captures.num_replays == 0, f"seed={seed}"
 
 
+def test_a_batch_without_a_static_plan_leaves_smaller_batches_theirs(ops, tmp_path, seed, monkeypatch):
+    """Which kernels a decode forward calls changes with its rows: a bf16 checkpoint under float32
+    compute with packed copies runs bf16_tiled_gemm from BF16_TILED_GEMM_MIN_ROWS rows, which no static
+    plan replays. A batch of 3 that made no plan must not keep a later batch of 1 from its plan."""
+    from fp8serve.kernels import cpu_ops, gemv_packing
+
+    if not cpu_ops.bf16_tiled_gemm_built():
+        pytest.skip("needs bf16_tiled_gemm (AVX2 + FMA)")
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    model_dir = str(write_tiny_llama(tmp_path / "llama", dtype=torch.bfloat16))
+    assert cpu_ops.BF16_TILED_GEMM_MIN_ROWS <= 3
+    rng = random.Random(seed)
+    three = [([rng.randrange(3, 512) for _ in range(6)], 8) for _ in range(3)]
+    one = [([rng.randrange(3, 512) for _ in range(5)], 16)]
+    engine = make_engine(model_dir, enforce_eager=False, record_after=2, first_record_after=64, static_plans=True)
+    eager = make_engine(model_dir, enforce_eager=True)
+    assert run(engine, three) == run(eager, three), f"seed={seed}"
+    captures = engine.model_runner.decode_captures
+    assert captures.static_batch_sizes == [] and captures.recorded_batch_sizes == [], f"seed={seed}"
+    assert run(engine, one) == run(eager, one), f"seed={seed}"
+    assert captures.static_batch_sizes == [1] and captures.num_replays >= 10, f"seed={seed}"
+
+
 @pytest.mark.parametrize("static_plans", [False, True])
 def test_per_head_kv_scales_are_recorded_again(ops, llama_dir, seed, static_plans):
     """Per-KV-head scales are tensors baked into the recorded calls: new ones must not replay
