@@ -191,9 +191,10 @@ inline void transpose8(__m256 r[8]) {
 // the weight streams from memory 16 rows at a time, which the hardware
 // prefetchers do not follow far enough ahead, and the decode waited on it.
 // The default model's 120 decode linears from memory (Zen 2, ABBA against no
-// prefetch, same bits): 1.16x at 24 rows, 1.09x at 48, 1.01x at 512; the
-// gated form the same (benchmarks/results/fp8_tiled_gemm_prefetch_2026-12-06_zen2.md).
-// (prefetcht0 measured a little ahead of prefetcht1 here.)
+// prefetch, same bits): 1.14x at 24 rows, 1.08x at 48, 1.00x at 512; the
+// gated form 1.18x / 1.09x / 1.00x
+// (benchmarks/results/fp8_tiled_gemm_prefetch_2026-12-06_zen2.md; prefetcht1
+// gave 1.14x / 1.09x / 1.00x in another run of the probe).
 void decode_panel(const uint8_t* w, int64_t K, int64_t n0, int nvalid, int64_t k0, int64_t kc, const float* s8,
                   float* panel, int next_rows) {
   int64_t k = 0;
