@@ -303,7 +303,14 @@ def test_detokenize_false_gives_the_same_tokens_without_text(model_dir, seed):
     """vLLM's detokenize=False: the same token ids and logprobs, no text and no decoded tokens
     (the offline benchmarks' --disable-detokenize)."""
     rng = random.Random(seed)
+    tokenizer = make_engine(model_dir, NUM_BLOCKS).tokenizer
+    # A prompt that ends on a character boundary: the output text is decoded in a window that
+    # starts inside the prompt (as vLLM's is), so a prompt ending in part of a UTF-8 character
+    # would let the first output bytes complete it there, and decode(output ids) alone is then not
+    # the text to expect (seed 952906247 drew one).
     prompt = [rng.randrange(3, 512) for _ in range(9)]
+    while tokenizer.decode(prompt, skip_special_tokens=True).endswith("\ufffd"):
+        prompt = [rng.randrange(3, 512) for _ in range(9)]
     outs = {}
     for detokenize in (True, False):
         engine = make_engine(model_dir, NUM_BLOCKS)
