@@ -10,6 +10,7 @@ from checkpoints import load_hf_model, write_tiny_llama
 from engine_runs import run_requests as run
 
 from fp8serve.engine.llm_engine import LLMEngine
+from fp8serve.kernels import cpu_ops
 from fp8serve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -31,12 +32,14 @@ def make_engine(model_dir: str, *, prefix_caching: bool, kv_cache_dtype: str = "
     )
 
 
-def shared_prefix_prompts(seed: int, prefix_len: int = 13, n: int = 6, min_tail: int = 1) -> list[list[int]]:
-    """`n` prompts of one `prefix_len`-token prefix and a tail of `min_tail`-9 tokens whose first tokens differ."""
+def shared_prefix_prompts(seed: int, prefix_len: int = 13, n: int = 6, min_tail: int = 1,
+                          max_tail: int = 9) -> list[list[int]]:
+    """`n` prompts of one `prefix_len`-token prefix and a tail of `min_tail` to `max_tail` tokens whose
+    first tokens differ."""
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 512) for _ in range(prefix_len)]
     firsts = rng.sample(range(3, 512), n)
-    return [prefix + [firsts[i]] + [rng.randrange(3, 512) for _ in range(rng.randint(min_tail - 1, 8))]
+    return [prefix + [firsts[i]] + [rng.randrange(3, 512) for _ in range(rng.randint(min_tail - 1, max_tail - 1))]
             for i in range(n)]
 
 
@@ -83,8 +86,13 @@ def test_requests_after_a_shared_prefix_generate_what_an_uncached_engine_does(mo
     against one alone, 0.004 in the layer's output; and with torch's SDPA for short prompts, whose
     rows depend on the prompt's length, e5m2 generations 4e-5 to 1.4e-3 apart in 6 seeds of 1000).
     Tails of 3+ new tokens after the cached blocks: fewer take the linear layers' 1-2-row walk, see
-    the next test."""
-    prompts = shared_prefix_prompts(seed, min_tail=2)  # 12 cached tokens, then 1 + (2 to 9) new ones
+    the next test. Whole prompts of at most dense_gemv's rows on this CPU (32 on AMD, 16 on others),
+    where the uncached engine's prefill takes the same kernel: past them it runs oneDNN, whose sums
+    for a row depend on the number of rows (seen on a Xeon: logprobs 5e-7 to 2e-6 apart)."""
+    gemv_rows = cpu_ops.dense_gemv_max_rows(torch.float32, torch.float32)
+    # 12 cached tokens, then 1 + (2 to 9, or fewer for gemv_rows) new ones
+    prompts = shared_prefix_prompts(seed, min_tail=2, max_tail=min(9, gemv_rows - 13))
+    assert max(len(p) for p in prompts) <= gemv_rows
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     engine = make_engine(model_dir, prefix_caching=True, kv_cache_dtype=kv_cache_dtype)
     cached = run_one_at_a_time(engine, prompts, params)

@@ -69,6 +69,9 @@ def test_linear_layers_use_it_for_8_to_64_bf16_rows(seed, monkeypatch):
     g = torch.Generator().manual_seed(seed)
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter((torch.randn(64, 128, generator=g) * 0.1).bfloat16(), requires_grad=False)
+    # What a LinearBase holds besides its weight: no packed copies (65 rows ask for them).
+    layer.register_buffer("weight_gemv_packed", None, persistent=False)
+    layer.register_buffer("weight_packed", None, persistent=False)
     calls = []
     real = amx_linear_ops.amx_linear
     monkeypatch.setattr(amx_linear_ops, "amx_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
