@@ -41,6 +41,43 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[1] % 32 == 0 and x.stride(1) == 1 and weight.is_contiguous() and is_available())
 
 
+# Rows amx_fp8_linear serves: FP8 (e4m3) layers with bf16 x, from 5 rows (at 1-2 the fused FP8
+# kernel of fp8_gemm.cpp reads the codes faster; at 4 the two runs disagreed: 0.94x and 1.16x) to a
+# call's four C tiles. The default model's 120 FP8 decode linears, distinct codes, 2-core Xeon with
+# AMX, ms per pass against the path before (fused kernel to 12 rows, then dequantize to bf16 +
+# amx_linear), ABBA medians of 8 (benchmarks/results/amx_fp8_linear_2026-12-06_xeon_amx.md):
+#   rows             1     2     4     5     8     12    16    32    48    64
+#   before          3.63  4.23  6.22  8.11  13.9  17.1  13.7  15.5  19.5  21.5
+#   amx_fp8_linear  4.89  4.75  5.36  5.49  6.13  6.45  6.45  8.31  11.1  14.9
+# Engine decode steps of the FP8 checkpoint: 1.19-1.48x at batch 8-32, 1.08x at 64, 0.99x at 5.
+MIN_FP8_ROWS = 5
+
+
+@functools.cache
+def fp8_is_available() -> bool:
+    """Whether the build has the FP8 AMX kernel (AMX and AVX512-VBMI) and Linux granted the tiles."""
+    ops = load_cpu_ops()
+    return ops is not None and hasattr(ops, "amx_fp8_linear") and bool(ops.amx_fp8_linear_available())
+
+
+def fp8_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `amx_fp8_linear` serves bf16 x against a layer's [N, K] e4m3 codes."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.uint8 and x.device.type == "cpu"
+            and x.dim() == 2 and weight.dim() == 2 and MIN_FP8_ROWS <= x.shape[0] <= MAX_ROWS
+            and x.shape[1] % 64 == 0 and x.stride(1) == 1 and weight.is_contiguous() and fp8_is_available())
+
+
+def amx_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (e4m3(weight) * weight_scale[:, None]).T (+ bias): bf16 [M, K] x, [N, K] uint8 codes,
+    float32 [N] scales -> [M, N] bf16; the codes decoded to bf16 tile by tile in registers (one
+    byte read per weight), products summed in float32 and scaled once (cpu/amx_fp8_linear.cpp)."""
+    if not fp8_is_available():
+        raise RuntimeError("the FP8 AMX linear kernel is not available (no AMX or AVX512-VBMI in this build, "
+                           "CPU or process)")
+    return load_cpu_ops().amx_fp8_linear(x, weight, weight_scale, bias)
+
+
 def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                float_out: bool = False) -> torch.Tensor:
     """x @ weight.T (+ bias): [M, K] bf16 x [N, K] bf16 -> [M, N] bf16, float32 accumulation.

@@ -11,9 +11,13 @@ the ways to run them.
   than the GEMV's FMA loops. Weights are decoded block by block
   into a small buffer in x's dtype and multiplied there, so the full-size
   float weight never exists.
-- In between, on CPUs with AMX and bf16 activations (decode batches of 13-64
-  rows): the same decoded buffer, multiplied by the AMX linear kernel
-  (`amx_linear_ops`) instead of torch's GEMM.
+- In between, on CPUs with AMX and bf16 activations (decode batches of 5-64
+  rows): `amx_fp8_linear` (`cpu/amx_fp8_linear.cpp`), which decodes each AMX
+  weight tile to bf16 right before it multiplies it, so the weight is read at
+  one byte per element (1.15-2.1x the path before it at 5-64 rows: see
+  `amx_linear_ops.MIN_FP8_ROWS`). Builds with AMX but without AVX512-VBMI
+  dequantize the whole weight to a bf16 buffer and run `amx_linear` over it
+  at 13-64 rows.
 - On AVX2 CPUs without AVX-512, float32 activations past 24 rows (decode
   batches and prefills): `fp8_tiled_gemm` (`cpu/fp8_tiled_gemm.cpp`), a GEMM
   that decodes 16 weight rows at a time into a cache-sized panel, so neither
@@ -47,7 +51,8 @@ _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # and they are within ~30% of each other at M = 32..64 (float32 and bf16 x;
 # the bf16 GEMM ran on AMX, yet decoding to bf16 costs more than to float32).
 _MAX_FUSED_ROWS = {torch.float32: 32, torch.bfloat16: 16}
-# Where the AMX linear kernel runs (bf16 x), decode batches of 13-64 rows
+# Where the AMX linear kernel runs (bf16 x) but amx_fp8_linear does not (a build
+# without AVX512-VBMI), decode batches of 13-64 rows
 # dequantize to bf16 and multiply there instead (`_dequantize_and_matmul`):
 # the fused kernel's cost grows with its 8-row register tiles, and torch's
 # GEMM repacks the weight and allocates its own buffers on every call.
@@ -80,6 +85,8 @@ def _dequant_rows(k: int, dtype: torch.dtype) -> int:
 
 def max_fused_rows(dtype: torch.dtype) -> int:
     """Largest number of activation rows the fused kernel takes for x of `dtype`."""
+    if dtype == torch.bfloat16 and amx_linear_ops.fp8_is_available():
+        return amx_linear_ops.MIN_FP8_ROWS - 1
     if dtype == torch.bfloat16 and amx_linear_ops.is_available():
         return _MAX_FUSED_ROWS_AMX_BF16
     if dtype == torch.float32 and tiled_gemm_enabled():
@@ -143,6 +150,8 @@ def fp8_linear(
     weight = weight.contiguous()
     if x.shape[0] <= _fused_rows_by_dtype()[x.dtype]:
         return ops.fp8_linear(x, weight, weight_scale.contiguous(), None if bias is None else bias.float().contiguous())
+    if amx_linear_ops.fp8_applies(x, weight):
+        return amx_linear_ops.amx_fp8_linear(x, weight, weight_scale.contiguous(), bias)
     if x.dtype == torch.float32 and tiled_gemm_enabled():
         return ops.fp8_tiled_gemm(x, weight, weight_scale.contiguous(), None if bias is None else bias.float().contiguous())
     return _dequantize_and_matmul(ops, x, weight, weight_scale.contiguous(), bias)
@@ -163,6 +172,8 @@ def fp8_linear_loaded(
             x if x.is_contiguous() else x.contiguous(), weight, weight_scale,
             None if bias is None else bias.float(),
         )
+    if amx_linear_ops.fp8_applies(x, weight):
+        return load_cpu_ops().amx_fp8_linear(x, weight, weight_scale, bias)
     return fp8_linear(x, weight, weight_scale, bias)
 
 

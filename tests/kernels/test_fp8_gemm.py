@@ -318,13 +318,52 @@ def test_wide_loops_are_built_where_the_cpu_has_them():
     assert load_cpu_ops().fp8_gemm_has_avx512()
 
 
+def _rows_by_dtype_as_now(monkeypatch):
+    """fp8_linear_ops asks its row bounds once per process: ask again under a test's monkeypatches."""
+    monkeypatch.setattr(fp8_linear_ops, "_fused_rows_by_dtype",
+                        lambda: {dt: fp8_linear_ops.max_fused_rows(dt) for dt in (torch.float32, torch.bfloat16)})
+
+
+@pytest.mark.skipif(not fp8_linear_ops.amx_linear_ops.fp8_is_available(),
+                    reason="no AMX tiles or AVX512-VBMI in this build/CPU/process")
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_bf16_decode_batches_of_5_to_64_rows_run_amx_fp8_linear(monkeypatch, with_bias):
+    """With the FP8 AMX kernel, bf16 batches of 5-64 rows run it on the codes (K a multiple of 64);
+    4 rows stay on the fused kernel, 65 go to dequantize + GEMM, and K = 96 (not a multiple of 64)
+    to the dequantize + amx_linear path. Results match float64 either way."""
+    amx = fp8_linear_ops.amx_linear_ops
+    calls = []
+    real = amx.amx_fp8_linear
+
+    def spy(x, w, scale, bias=None):
+        calls.append((x.shape[0], w.shape[0], bias is not None))
+        return real(x, w, scale, bias)
+
+    monkeypatch.setattr(amx, "amx_fp8_linear", spy)
+    assert fp8_linear_ops.max_fused_rows(torch.bfloat16) == amx.MIN_FP8_ROWS - 1 == 4
+    for m, k, expect in [(4, 192, False), (5, 192, True), (13, 192, True), (64, 192, True), (65, 192, False),
+                         (20, 96, False)]:
+        seed = fresh_seed()
+        x, w, scale, bias = make_case(m, 101, k, torch.bfloat16, with_bias, seed)
+        calls.clear()
+        assert_close(fp8_linear_ops.fp8_linear(x, w, scale, bias), x, w, scale, bias, seed, f"M={m} K={k}")
+        assert calls == ([(m, 101, with_bias)] if expect else []), (m, k, calls)
+        # A loaded layer's call takes the op directly (no Python checks): the same result.
+        direct = fp8_linear_ops.fp8_linear_loaded(x, w, scale, bias)
+        assert_close(direct, x, w, scale, bias, seed, f"loaded M={m} K={k}")
+        if expect:
+            assert torch.equal(direct, real(x, w, scale, bias)), f"seed={seed} M={m}"
+
+
 @pytest.mark.skipif(not fp8_linear_ops.amx_linear_ops.is_available(), reason="no AMX tiles in this build/CPU/process")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 def test_bf16_decode_batches_of_13_to_64_rows_run_on_amx(monkeypatch, with_bias):
-    """On AMX machines bf16 batches of 13-64 rows dequantize and multiply on
-    the AMX kernel (one call per weight tile, bias passed to it); 12 rows stay
-    on the fused kernel and 65 on torch's GEMM. Results match float64 either way."""
+    """On AMX machines without the FP8 AMX kernel (no AVX512-VBMI) bf16 batches of 13-64 rows
+    dequantize and multiply on the AMX kernel (one call per weight tile, bias passed to it); 12 rows
+    stay on the fused kernel and 65 on torch's GEMM. Results match float64 either way."""
     amx = fp8_linear_ops.amx_linear_ops
+    monkeypatch.setattr(amx, "fp8_is_available", lambda: False)
+    _rows_by_dtype_as_now(monkeypatch)
     calls = []
     real = amx.amx_linear
 
@@ -353,6 +392,7 @@ def test_bf16_decode_batches_of_13_to_64_rows_run_on_amx(monkeypatch, with_bias)
 
 def test_without_amx_bf16_keeps_the_fused_kernel_to_16_rows(monkeypatch):
     monkeypatch.setattr(fp8_linear_ops.amx_linear_ops, "is_available", lambda: False)
+    monkeypatch.setattr(fp8_linear_ops.amx_linear_ops, "fp8_is_available", lambda: False)
     assert fp8_linear_ops.max_fused_rows(torch.bfloat16) == 16
     seed = fresh_seed()
     x, w, scale, bias = make_case(33, 37, 64, torch.bfloat16, True, seed)
