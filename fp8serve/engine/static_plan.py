@@ -37,6 +37,7 @@ _KERNELS = {
     "fp8serve::fp8_linear": ("fp8_linear", ("out", 0, 1, 2, 3), (), (), ()),
     "fp8serve::dense_gemv": ("dense_gemv", ("out", 0, 1, 2), (), (), ()),
     "fp8serve::fp8_gemv_packed": ("fp8_gemv_packed", ("out", 0, 1, 2, 4), (3,), (), ()),
+    "fp8serve::amx_fp8_linear": ("amx_fp8_linear", ("out", 0, 1, 2, 3), (), (), ()),
     "fp8serve::paged_attention_decode_fused": ("attention", ("out", 0, 1, 2, 3, 4), (5,), (6, 7), ()),
     "fp8serve::rms_norm": ("rms_norm", (0, 1, 2), (), (3,), ()),
     "fp8serve::fused_add_rms_norm": ("fused_add_rms_norm", (0, 1, 2), (), (3,), ()),
@@ -52,7 +53,7 @@ _KERNELS = {
 # Ops whose other overloads (a Python scalar, div's rounding_mode) the plan's step does not replay.
 _TENSOR_OVERLOAD = {"aten::mul", "aten::div"}
 # Trailing optional tensor arguments a step may go without (a linear's bias).
-_OPTIONAL_LAST = {"fp8_linear", "dense_gemv", "fp8_gemv_packed"}
+_OPTIONAL_LAST = {"fp8_linear", "dense_gemv", "fp8_gemv_packed", "amx_fp8_linear"}
 
 
 class Unsupported(ValueError):

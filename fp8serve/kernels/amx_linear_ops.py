@@ -41,16 +41,16 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[1] % 32 == 0 and x.stride(1) == 1 and weight.is_contiguous() and is_available())
 
 
-# Rows amx_fp8_linear serves: FP8 (e4m3) layers with bf16 x, from 5 rows (at 1-2 the fused FP8
-# kernel of fp8_gemm.cpp reads the codes faster; at 4 the two runs disagreed: 0.94x and 1.16x) to a
-# call's four C tiles. The default model's 120 FP8 decode linears, distinct codes, 2-core Xeon with
-# AMX, ms per pass against the path before (fused kernel to 12 rows, then dequantize to bf16 +
-# amx_linear), ABBA medians of 8 (benchmarks/results/amx_fp8_linear_2026-12-06_xeon_amx.md):
-#   rows             1     2     4     5     8     12    16    32    48    64
-#   before          3.63  4.23  6.22  8.11  13.9  17.1  13.7  15.5  19.5  21.5
-#   amx_fp8_linear  4.89  4.75  5.36  5.49  6.13  6.45  6.45  8.31  11.1  14.9
-# Engine decode steps of the FP8 checkpoint: 1.19-1.48x at batch 8-32, 1.08x at 64, 0.99x at 5.
-MIN_FP8_ROWS = 5
+# Rows amx_fp8_linear serves: FP8 (e4m3) layers with bf16 x, from 3 rows (at 1-2 the fused FP8
+# kernel of fp8_gemm.cpp reads the codes about as fast: 0.90x / 1.06x) to a call's four C tiles. The
+# default model's 120 FP8 decode linears, distinct codes, 2-core Xeon with AMX, ms per pass against the
+# path before (fused kernel to 12 rows, then dequantize to bf16 + amx_linear), ABBA medians of 8
+# (benchmarks/results/amx_fp8_linear_2026-12-06_xeon_amx.md, second run):
+#   rows             1     2     3     4     5     8     12    16    32    48    64
+#   before          3.71  4.34  5.49  6.33  8.62  13.2  17.9  14.8  17.0  22.1  23.6
+#   amx_fp8_linear  4.10  4.09  4.24  4.28  4.42  4.50  4.94  5.18  9.07  14.1  15.3
+# Engine decode steps of the FP8 checkpoint: 1.03-1.13x at batch 3-5, 1.31-1.65x at 8-32, 1.21x at 64.
+MIN_FP8_ROWS = 3
 
 
 @functools.cache

@@ -11,10 +11,10 @@ the ways to run them.
   than the GEMV's FMA loops. Weights are decoded block by block
   into a small buffer in x's dtype and multiplied there, so the full-size
   float weight never exists.
-- In between, on CPUs with AMX and bf16 activations (decode batches of 5-64
+- In between, on CPUs with AMX and bf16 activations (decode batches of 3-64
   rows): `amx_fp8_linear` (`cpu/amx_fp8_linear.cpp`), which decodes each AMX
   weight tile to bf16 right before it multiplies it, so the weight is read at
-  one byte per element (1.15-2.1x the path before it at 5-64 rows: see
+  one byte per element (1.3-3.6x the path before it at 3-64 rows: see
   `amx_linear_ops.MIN_FP8_ROWS`). Builds with AMX but without AVX512-VBMI
   dequantize the whole weight to a bf16 buffer and run `amx_linear` over it
   at 13-64 rows.

@@ -17,6 +17,7 @@ from fp8serve.engine import decode_capture
 from fp8serve.engine.llm_engine import LLMEngine
 from fp8serve.engine.op_recorder import record
 from fp8serve.engine.static_plan import StaticPlan, Unsupported
+from fp8serve.kernels import amx_linear_ops
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +59,22 @@ def test_static_plans_equal_eager_and_torchscript(ops, llama_dir, fp8_dir, seed,
     assert captures.static_batch_sizes == captures.recorded_batch_sizes, f"seed={seed}"
     assert captures.num_static == len(captures.recorded_batch_sizes) and captures.num_compiled == 0, f"seed={seed}"
     # FP8 layers under bf16 compute run fp8_gemv_packed on their packed codes
-    # where the engine made them (AVX512-BF16 AMD CPUs: kernels/gemv_packing.py).
+    # where the engine made them (AVX512-BF16 AMD CPUs: kernels/gemv_packing.py),
+    # else amx_fp8_linear from its rows where the CPU has AMX and VBMI.
     packed_fp8 = any(getattr(m, "weight_scale_gemv_packed", None) is not None
                      for m in engine.model_runner.model.modules())
-    linear = ("fp8_gemv_packed" if packed_fp8 else "fp8_linear") if weights == "fp8" else "dense_gemv"
-    plans = [p for p in captures._captures.values() if isinstance(p, StaticPlan)]
-    assert all(p.step_kinds.get(linear, 0) >= 4 * len(captures.attn_layers) for p in plans), \
-        f"seed={seed} {[p.step_kinds for p in plans]}"
+
+    def linear(batch: int) -> str:
+        if weights != "fp8":
+            return "dense_gemv"
+        if packed_fp8:
+            return "fp8_gemv_packed"
+        on_amx = dtype == "bfloat16" and amx_linear_ops.fp8_is_available()
+        return "amx_fp8_linear" if on_amx and batch >= amx_linear_ops.MIN_FP8_ROWS else "fp8_linear"
+
+    plans = {key[0]: p for key, p in captures._captures.items() if isinstance(p, StaticPlan)}  # key[0]: the batch
+    assert all(p.step_kinds.get(linear(b), 0) >= 4 * len(captures.attn_layers) for b, p in plans.items()), \
+        f"seed={seed} {[(b, p.step_kinds) for b, p in plans.items()]}"
 
 
 def test_batches_above_the_limit_keep_the_torchscript_replay(ops, llama_dir, seed, monkeypatch):

@@ -108,7 +108,24 @@ def test_rejects_bad_inputs(case, message):
 def test_fp8_applies_bounds():
     """The rows and shapes fp8_linear_ops sends to the kernel."""
     w = torch.zeros(32, 128, dtype=torch.uint8)
-    for m, expect in [(4, False), (5, True), (64, True), (65, False)]:
+    lo = amx_linear_ops.MIN_FP8_ROWS
+    for m, expect in [(lo - 1, False), (lo, True), (64, True), (65, False)]:
         assert amx_linear_ops.fp8_applies(torch.zeros(m, 128).bfloat16(), w) is expect, m
     assert not amx_linear_ops.fp8_applies(torch.zeros(8, 128), w)  # float32 x: the fused kernel's
     assert not amx_linear_ops.fp8_applies(torch.zeros(8, 96).bfloat16(), torch.zeros(32, 96, dtype=torch.uint8))
+
+
+def test_out_form_writes_what_the_op_returns():
+    """`amx_fp8_linear_out` (what static decode plans call) fills a given tensor with exactly the op's
+    result, whatever it held before, and refuses an out of another shape or dtype."""
+    from fp8serve.kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    seed = fresh_seed()
+    for with_bias in (False, True):
+        x, w, scale, bias = make(7, 40, 128, with_bias, seed)
+        out = torch.full((7, 40), float("nan")).bfloat16()
+        ops.amx_fp8_linear_out(out, x, w, scale, bias)
+        assert torch.equal(out, ops.amx_fp8_linear(x, w, scale, bias)), f"seed={seed}"
+    with pytest.raises(RuntimeError, match="out must be a contiguous bf16 \\[7, 40\\] tensor"):
+        ops.amx_fp8_linear_out(torch.empty(7, 40), x, w, scale, None)

@@ -327,10 +327,10 @@ def _rows_by_dtype_as_now(monkeypatch):
 @pytest.mark.skipif(not fp8_linear_ops.amx_linear_ops.fp8_is_available(),
                     reason="no AMX tiles or AVX512-VBMI in this build/CPU/process")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_bf16_decode_batches_of_5_to_64_rows_run_amx_fp8_linear(monkeypatch, with_bias):
-    """With the FP8 AMX kernel, bf16 batches of 5-64 rows run it on the codes (K a multiple of 64);
-    4 rows stay on the fused kernel, 65 go to dequantize + GEMM, and K = 96 (not a multiple of 64)
-    to the dequantize + amx_linear path. Results match float64 either way."""
+def test_bf16_decode_batches_of_3_to_64_rows_run_amx_fp8_linear(monkeypatch, with_bias):
+    """With the FP8 AMX kernel, bf16 batches of MIN_FP8_ROWS-64 rows run it on the codes (K a multiple
+    of 64); fewer stay on the fused kernel, 65 go to dequantize + GEMM, and K = 96 (not a multiple of
+    64) to the dequantize + amx_linear path. Results match float64 either way."""
     amx = fp8_linear_ops.amx_linear_ops
     calls = []
     real = amx.amx_fp8_linear
@@ -340,8 +340,9 @@ def test_bf16_decode_batches_of_5_to_64_rows_run_amx_fp8_linear(monkeypatch, wit
         return real(x, w, scale, bias)
 
     monkeypatch.setattr(amx, "amx_fp8_linear", spy)
-    assert fp8_linear_ops.max_fused_rows(torch.bfloat16) == amx.MIN_FP8_ROWS - 1 == 4
-    for m, k, expect in [(4, 192, False), (5, 192, True), (13, 192, True), (64, 192, True), (65, 192, False),
+    lo = amx.MIN_FP8_ROWS
+    assert fp8_linear_ops.max_fused_rows(torch.bfloat16) == lo - 1 and lo >= 2
+    for m, k, expect in [(lo - 1, 192, False), (lo, 192, True), (13, 192, True), (64, 192, True), (65, 192, False),
                          (20, 96, False)]:
         seed = fresh_seed()
         x, w, scale, bias = make_case(m, 101, k, torch.bfloat16, with_bias, seed)

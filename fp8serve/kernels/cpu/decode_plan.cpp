@@ -34,6 +34,7 @@ enum class Kind {
   kFp8Linear,        // out, x, w, scale[, bias]
   kDenseGemv,        // out, x, w[, bias]
   kFp8GemvPacked,    // out, x, codes_packed, scale[, bias]; n
+  kAmxFp8Linear,     // out, x, w, scale[, bias] (amx_fp8_linear.cpp)
   kAttention,        // out, query, key_cache, value_cache, block_tables, seq_lens; kv_format; q_scale, out_scale
   kRmsNorm,          // out, x, weight; eps
   kFusedAddRmsNorm,  // x, residual, weight; eps
@@ -56,6 +57,7 @@ constexpr KindInfo kKinds[] = {
     {"fp8_linear", Kind::kFp8Linear, 4, 5, 0, 0},
     {"dense_gemv", Kind::kDenseGemv, 3, 4, 0, 0},
     {"fp8_gemv_packed", Kind::kFp8GemvPacked, 4, 5, 1, 0},
+    {"amx_fp8_linear", Kind::kAmxFp8Linear, 4, 5, 0, 0},
     {"attention", Kind::kAttention, 6, 6, 1, 2},
     {"rms_norm", Kind::kRmsNorm, 3, 3, 0, 1},
     {"fused_add_rms_norm", Kind::kFusedAddRmsNorm, 3, 3, 0, 1},
@@ -79,6 +81,8 @@ struct Ops {
   }
   c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, OptTensor)> fp8_linear =
       find<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, OptTensor)>("fp8serve::fp8_linear_out");
+  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, OptTensor)> amx_fp8_linear =
+      find<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, OptTensor)>("fp8serve::amx_fp8_linear_out");
   c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, at::Tensor, OptTensor)> dense_gemv =
       find<void(at::Tensor, at::Tensor, at::Tensor, OptTensor)>("fp8serve::dense_gemv_out");
   c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, OptTensor)> fp8_gemv_packed =
@@ -162,6 +166,7 @@ class DecodePlan : public torch::CustomClassHolder {
       auto& t = s.t;
       switch (s.kind) {
         case Kind::kFp8Linear: o.fp8_linear.call(t[0], t[1], t[2], t[3], optional_at(t, 4)); break;
+        case Kind::kAmxFp8Linear: o.amx_fp8_linear.call(t[0], t[1], t[2], t[3], optional_at(t, 4)); break;
         case Kind::kDenseGemv: o.dense_gemv.call(t[0], t[1], t[2], optional_at(t, 3)); break;
         case Kind::kFp8GemvPacked:
           o.fp8_gemv_packed.call(t[0], t[1], t[2], t[3], s.i[0], optional_at(t, 4));
