@@ -176,7 +176,7 @@ def paged_attention_decode(
         raise ValueError("paged_attention_decode is a CPU kernel")
     ops_by_path = {"best": ops.paged_attention_decode, "avx512": ops.paged_attention_decode_avx512,
                    "avx2": ops.paged_attention_decode_avx2, "scalar": ops.paged_attention_decode_scalar,
-                   "bf16dot": ops.paged_attention_decode_bf16dot}
+                   "bf16dot": ops.paged_attention_decode_bf16dot, "amx": ops.paged_attention_decode_amx}
     if path not in ops_by_path:
         raise ValueError(f"unknown path {path!r}; expected one of {list(ops_by_path)}")
     if cascade not in CASCADE_MODES:
@@ -192,6 +192,8 @@ def paged_attention_decode(
         raise RuntimeError("this build of the kernels has no AVX-512 tiles")
     if path == "bf16dot" and not decode_bf16_dot_available():
         raise RuntimeError("this build of the kernels has no bf16 dot-product tiles (AVX512-BF16 and AVX512-VBMI)")
+    if path == "amx" and not decode_amx_available():
+        raise RuntimeError("this process has no AMX decode tiles (an AMX build, and the OS's grant of the tile state)")
     ops.paged_attention_decode_cascade(out, q, key_cache, value_cache, block_tables.contiguous(),
                                        seq_lens.contiguous(), KV_FORMATS[kv_format], float(out_scale),
                                        _DECODE_PATHS[path], CASCADE_MODES[cascade])
@@ -199,7 +201,7 @@ def paged_attention_decode(
 
 
 # paged_attention.cpp's Path and CascadeMode numbers.
-_DECODE_PATHS = {"scalar": 0, "avx2": 1, "best": 2, "avx512": 3, "bf16dot": 4}
+_DECODE_PATHS = {"scalar": 0, "avx2": 1, "best": 2, "avx512": 3, "bf16dot": 4, "amx": 5}
 CASCADE_MODES = {"off": 0, "auto": 1, "always": 2}
 
 
@@ -210,6 +212,14 @@ def decode_bf16_dot_available() -> bool:
     ops = load_cpu_ops()
     return (ops is not None and hasattr(ops, "paged_attention_has_bf16_dot")
             and bool(ops.paged_attention_has_bf16_dot()))
+
+
+def decode_amx_available() -> bool:
+    """Whether the decode attention runs its AMX tiles in this process (an
+    AMX build and the OS's grant of the tile data state): FP8 caches with a
+    bf16 query take them (path "amx", what the engine's bf16 models run)."""
+    ops = load_cpu_ops()
+    return ops is not None and hasattr(ops, "paged_attention_has_amx") and bool(ops.paged_attention_has_amx())
 
 
 def paged_attention_decode_ref(query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale):

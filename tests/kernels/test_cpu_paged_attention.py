@@ -29,6 +29,7 @@ from fp8serve.kernels.cpu_ops import (
     E4M3_DECODE_MULTIPLIER,
     KV_FORMATS,
     KV_STORAGE_DTYPES,
+    decode_amx_available,
     decode_bf16_dot_available,
     paged_attention_decode,
     paged_attention_decode_ref,
@@ -333,9 +334,10 @@ def test_fused_entry_scales_and_converts(ops, seed, kv_format, dtype):
     assert not query.is_contiguous()
     out = ops.paged_attention_decode_fused(query, case.key_cache, case.value_cache, case.block_tables,
                                            case.seq_lens, KV_FORMATS[kv_format], q_scale, case.out_scale)
-    # A bf16 query on an FP8 cache takes the bf16 dot-product tiles (where built).
-    path = "bf16dot" if dtype == torch.bfloat16 and kv_format.startswith("fp8") and decode_bf16_dot_available() \
-        else "best"
+    # A bf16 query on an FP8 cache takes the AMX tiles, else the bf16 dot-product tiles (where built).
+    path = "best"
+    if dtype == torch.bfloat16 and kv_format.startswith("fp8") and decode_bf16_dot_available():
+        path = "amx" if decode_amx_available() else "bf16dot"
     expected = paged_attention_decode(query.float() * q_scale, case.key_cache, case.value_cache,
                                       case.block_tables, case.seq_lens, kv_format, case.out_scale, path=path)
     assert out.dtype == dtype and out.shape == (n, h, d)
@@ -361,6 +363,9 @@ def test_fused_entry_scales_and_converts(ops, seed, kv_format, dtype):
 # ------------------------------------------------------------ bf16 dot-product tiles
 
 needs_bf16_dot = pytest.mark.skipif(not decode_bf16_dot_available(), reason="built without AVX512-BF16/VBMI")
+# The tiles that take bf16 weights for V: vdpbf16ps, or AMX tiles (same decode, same roundings).
+DOT_PATHS = ["bf16dot",
+             pytest.param("amx", marks=pytest.mark.skipif(not decode_amx_available(), reason="no AMX decode tiles"))]
 FP8_FORMATS = ["fp8_e4m3", "fp8_e5m2"]
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significant bits, round to nearest even
 
@@ -425,16 +430,18 @@ def test_bf16_dot_decodes_every_code_exactly(ops, kv_format):
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("path", DOT_PATHS)
 @pytest.mark.parametrize("kv_layout", KV_CACHE_LAYOUTS)
-@pytest.mark.parametrize("group", [1, 3, 4, 8])  # 4: Llama-3-8B and Mixtral (32 heads, 8 kv heads)
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 12])  # 4: Llama-3-8B, Mixtral; 12: slices of 8 and 4 heads
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("kv_format", FP8_FORMATS)
-def test_bf16_dot_within_its_rounding_of_the_reference(ops, seed, kv_format, head_size, group, kv_layout):
-    """The bf16 tiles against the float64 reference on the same codes: within
-    the bound of bf16_dot_bounds, with the query rounded to bf16 in the
-    reference (only the weights' rounding left) and with the exact query."""
+def test_bf16_dot_within_its_rounding_of_the_reference(ops, seed, kv_format, head_size, group, kv_layout, path):
+    """The bf16 tiles (vdpbf16ps or AMX) against the float64 reference on the
+    same codes: within the bound of bf16_dot_bounds, with the query rounded to
+    bf16 in the reference (only the weights' rounding left) and with the exact
+    query."""
     case = Case(seed, kv_format, head_size, num_kv_heads=2, group=group, seq_lens=SEQ_LENS, kv_layout=kv_layout)
-    out = case.run("bf16dot").double()
+    out = case.run(path).double()
     ref = case.reference_same_codes().double()
     ref_rounded_q = paged_attention_decode_ref(case.kernel_query.bfloat16().float(), case.key_cache,
                                                case.value_cache, case.block_tables, case.seq_lens,
@@ -450,12 +457,13 @@ def test_bf16_dot_within_its_rounding_of_the_reference(ops, seed, kv_format, hea
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("path", DOT_PATHS)
 @pytest.mark.parametrize("kv_format", FP8_FORMATS)
-def test_bf16_dot_single_token_returns_its_value_row(ops, seed, kv_format):
+def test_bf16_dot_single_token_returns_its_value_row(ops, seed, kv_format, path):
     """With one token the weight is exactly 1: the output is the decoded V row
     times out_scale, exactly (checks the V interleave and its un-permuting)."""
     case = Case(seed, kv_format, 64, num_kv_heads=3, group=3, seq_lens=[1] * 5)
-    out = case.run("bf16dot")
+    out = case.run(path)
     slots = case.block_tables[:, 0] * case.block_size  # token 0 of each sequence's first block
     v = fp8_decoded(case, "v").reshape(-1, 3, 64)[slots].repeat_interleave(3, 1)  # [5, 9, 64], exact in float32
     expected = v.float() * torch.tensor(case.out_scale, dtype=torch.float32)  # the kernel's one rounding
@@ -463,8 +471,9 @@ def test_bf16_dot_single_token_returns_its_value_row(ops, seed, kv_format):
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("path", DOT_PATHS)
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_bf16_dot_context_splits_and_long_calls(ops, seed, num_threads):
+def test_bf16_dot_context_splits_and_long_calls(ops, seed, num_threads, path):
     """Split contexts (merged afterwards), tiles of 64 tokens ending inside a
     block, and a call over 8192 tokens, on one thread and two."""
     before = torch.get_num_threads()
@@ -472,7 +481,7 @@ def test_bf16_dot_context_splits_and_long_calls(ops, seed, num_threads):
     try:
         for seq_lens in ([1000], [3, 200, 17] * 6, [4100, 4093, 33]):
             case = Case(seed, "fp8_e4m3", 64, num_kv_heads=3, group=3, seq_lens=seq_lens)
-            err = (case.run("bf16dot").double() - case.reference_same_codes().double()).abs().max().item()
+            err = (case.run(path).double() - case.reference_same_codes().double()).abs().max().item()
             bound = bf16_dot_bounds(case)[1] + TOL_SAME_CODES["fp8_e4m3"]
             assert err <= bound, f"seed={seed} lens={seq_lens[:3]}..: {err:.2e} > {bound:.2e}"
     finally:
@@ -480,13 +489,44 @@ def test_bf16_dot_context_splits_and_long_calls(ops, seed, num_threads):
 
 
 @needs_bf16_dot
-def test_bf16_dot_path_leaves_what_it_does_not_cover_to_the_float32_tiles(ops, seed):
+@pytest.mark.parametrize("path", DOT_PATHS)
+def test_bf16_dot_path_leaves_what_it_does_not_cover_to_the_float32_tiles(ops, seed, path):
     """16/32-bit caches and head sizes other than 64 and 128 run the float32
-    tiles on the "bf16dot" path: the same result as "best", bit for bit."""
+    tiles on the "bf16dot" and "amx" paths: the same result as "best", bit for bit."""
     for kv_format, head_size in (("bfloat16", 64), ("float32", 64), ("fp8_e4m3", 80), ("fp8_e5m2", 48),
                                  ("fp8_e4m3", 32)):
         case = Case(seed, kv_format, head_size, num_kv_heads=2, group=3, seq_lens=[1, 37, 130])
-        assert torch.equal(case.run("bf16dot"), case.run("best")), f"{kv_format} head_size={head_size}"
+        assert torch.equal(case.run(path), case.run("best")), f"{kv_format} head_size={head_size}"
+
+
+@pytest.mark.skipif(not decode_amx_available(), reason="no AMX decode tiles")
+@pytest.mark.parametrize("kv_format", FP8_FORMATS)
+def test_amx_tiles_agree_with_the_bf16_dot_tiles(ops, seed, kv_format):
+    """The AMX tiles round the query and the weights as the vdpbf16ps tiles do;
+    only the float32 sums' order differs, so the two differ by at most the
+    weights' rounding (bf16_dot_bounds with the rounded query), at every tile
+    edge (15-17, 63-65 tokens) and for 8 heads in one slice."""
+    for group in (3, 8):
+        case = Case(seed, kv_format, 128, num_kv_heads=2, group=group, seq_lens=[1, 15, 16, 17, 63, 64, 65, 200])
+        amx, dot = case.run("amx").double(), case.run("bf16dot").double()
+        bound_rounded_q, _ = bf16_dot_bounds(case)
+        slack = TOL_SAME_CODES[kv_format] * dot.abs().max().item()
+        err = (amx - dot).abs().max().item()
+        assert err <= bound_rounded_q + slack, f"seed={seed} group={group}: {err:.2e} > {bound_rounded_q:.2e}"
+
+
+def test_amx_availability_follows_the_cpu(ops):
+    from fp8serve.utils.platform import cpu_flags
+
+    if os.environ.get("FP8SERVE_CPU_MARCH") or not ops.has_avx512():
+        pytest.skip("not a native AVX-512 build")
+    # Where the OS grants the tile state (Linux 5.16+), as on every AMX machine these kernels ran on.
+    expected = {"amx_bf16", "amx_tile", "avx512_bf16", "avx512vbmi"} <= cpu_flags()
+    assert decode_amx_available() == expected
+    if not expected:
+        case = Case(0, "fp8_e4m3", 64, num_kv_heads=1, group=1, seq_lens=[3])
+        with pytest.raises(RuntimeError, match="no AMX decode tiles"):
+            case.run("amx")
 
 
 def test_bf16_dot_availability_follows_the_cpu(ops):
@@ -499,7 +539,7 @@ def test_bf16_dot_availability_follows_the_cpu(ops):
 
 # ------------------------------------------------------------ cascade attention
 
-CASCADE_PATHS = ["best", "avx512", "avx2", "scalar", "bf16dot"]
+CASCADE_PATHS = ["best", "avx512", "avx2", "scalar", "bf16dot", "amx"]
 
 
 def share_blocks(case: Case, members: list[int], num_blocks: int) -> None:
@@ -552,6 +592,8 @@ def test_cascade_matches_references(ops, seed, kv_format, head_size, group, path
         pytest.skip("this build has no AVX-512 tiles")
     if path == "bf16dot" and not decode_bf16_dot_available():
         pytest.skip("built without AVX512-BF16/VBMI")
+    if path == "amx" and not decode_amx_available():
+        pytest.skip("no AMX decode tiles")
     case = shared_case(seed, kv_format, head_size, group)
     calls = ops.cascade_attention_stats()[0]
     out = paged_attention_decode(case.kernel_query, case.key_cache, case.value_cache, case.block_tables,
@@ -559,7 +601,7 @@ def test_cascade_matches_references(ops, seed, kv_format, head_size, group, path
     assert ops.cascade_attention_stats()[0] == calls + 1
     assert out.shape == case.q.shape and out.dtype == torch.float32
     ref = case.reference_same_codes()
-    if path == "bf16dot" and kv_format.startswith("fp8"):
+    if path in ("bf16dot", "amx") and kv_format.startswith("fp8"):
         bound_rounded_q, _ = bf16_dot_bounds(case)
         ref_rounded_q = paged_attention_decode_ref(case.kernel_query.bfloat16().float(), case.key_cache,
                                                    case.value_cache, case.block_tables, case.seq_lens,

@@ -68,6 +68,7 @@
 
 #include "cpu_vendor.h"
 #include "e4m3_direct.h"
+#include "amx_tiles.h"
 #include "fp8_bf16_lut.h"
 #include "kv_layout.h"
 #include "prefetch_level.h"
@@ -681,8 +682,8 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 // ------------------------------------------------------- bf16 dot-product path
 //
 // For FP8 caches and a bf16 query (a bf16 model: the query is bf16 already),
-// on CPUs with AVX512-BF16 and AVX512-VBMI (Zen 4, Sapphire Rapids): the
-// codes become bf16 instead of float32 and the products are vdpbf16ps pairs
+// on CPUs with AVX512-BF16 and AVX512-VBMI (Zen 4; CPUs with AMX take the
+// AMX tiles below, which share this decode): the codes become bf16 instead of float32 and the products are vdpbf16ps pairs
 // (two multiply-adds per lane, float32 sums), about half the instructions of
 // the float32 tiles for the same K/V. The FP8 tiles
 // above are bound by that arithmetic, not by their reads (benchmarks/results/
@@ -746,6 +747,42 @@ inline void unpermute_bf16_dot_acc(float* acc, int64_t n) {
   }
 }
 
+// The online softmax of one tile of n <= kBf16DotTileTokens tokens, scores
+// s[g][t], for the tiles whose V products take bf16 weights: raises the
+// running max, adds the weights to the running sum and leaves them in pp as
+// bf16 pairs (p[2j], p[2j+1]), zeros past n. The sum is over the rounded
+// weights, so the output stays a convex combination of V rows.
+template <int G>
+inline void softmax_bf16_pairs(const float (*s)[kBf16DotTileTokens], int64_t n, HeadState st, int64_t hs,
+                               uint32_t (*pp)[kBf16DotTileTokens / 2]) {
+  constexpr int kVecs = kBf16DotTileTokens / 16;
+  __mmask16 valid[kVecs];
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t left = n - 16 * i;
+    valid[i] = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << left) - 1u);
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int g = 0; g < G; ++g) {
+    __m512 sv[kVecs];
+    __m512 mx = neg_inf;
+    for (int i = 0; i < kVecs; ++i) {
+      sv[i] = _mm512_mask_loadu_ps(neg_inf, valid[i], s[g] + 16 * i);
+      mx = _mm512_max_ps(mx, sv[i]);
+    }
+    const float m_new = std::max(st.m[g], _mm512_reduce_max_ps(mx));
+    raise_running_max(st, g, m_new, hs);
+    const __m512 vm = _mm512_set1_ps(st.m[g]);
+    __m512 rsum = _mm512_setzero_ps();
+    for (int i = 0; i < kVecs; ++i) {
+      const __m512 p = _mm512_maskz_mov_ps(valid[i], exp512(_mm512_sub_ps(sv[i], vm)));
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(p);  // past n: 0
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + 8 * i), b);
+      rsum = _mm512_add_ps(rsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+    }
+    st.l[g] += _mm512_reduce_add_ps(rsum);
+  }
+}
+
 // One tile of n <= kBf16DotTileTokens tokens for G query heads sharing one kv
 // head; head_size = 64 * NC.
 template <int64_t F, int G, int NC>
@@ -791,32 +828,7 @@ void tile_bf16_dot_nc(const uint8_t* const* krows, const uint8_t* const* vrows, 
     }
   }
 
-  constexpr int kVecs = kBf16DotTileTokens / 16;
-  __mmask16 valid[kVecs];
-  for (int i = 0; i < kVecs; ++i) {
-    const int64_t left = n - 16 * i;
-    valid[i] = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << left) - 1u);
-  }
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int g = 0; g < G; ++g) {
-    __m512 sv[kVecs];
-    __m512 mx = neg_inf;
-    for (int i = 0; i < kVecs; ++i) {
-      sv[i] = _mm512_mask_loadu_ps(neg_inf, valid[i], s[g] + 16 * i);
-      mx = _mm512_max_ps(mx, sv[i]);
-    }
-    const float m_new = std::max(st.m[g], _mm512_reduce_max_ps(mx));
-    raise_running_max(st, g, m_new, hs);
-    const __m512 vm = _mm512_set1_ps(st.m[g]);
-    __m512 rsum = _mm512_setzero_ps();
-    for (int i = 0; i < kVecs; ++i) {
-      const __m512 p = _mm512_maskz_mov_ps(valid[i], exp512(_mm512_sub_ps(sv[i], vm)));
-      const __m256i b = (__m256i)_mm512_cvtneps_pbh(p);  // past n: 0
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g] + 8 * i), b);
-      rsum = _mm512_add_ps(rsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-    }
-    st.l[g] += _mm512_reduce_add_ps(rsum);
-  }
+  softmax_bf16_pairs<G>(s, n, st, hs, pp);
 
   // Weighted V per 64-element chunk: the rows of tokens 2j and 2j+1
   // interleaved byte by byte, so after bf16_from_codes64 each 32-bit lane
@@ -871,6 +883,212 @@ void tile_bf16_dot(const uint8_t* const* krows, const uint8_t* const* vrows, int
 
 #endif  // FP8SERVE_BF16_DOT
 
+// ----------------------------------------------------------------- AMX path
+//
+// FP8 caches with a bf16 query on CPUs with AMX (Sapphire Rapids and later):
+// the bf16 dot-product tiles' decode (the same byte tables, the same lane
+// order, the same units and roundings), with the products on AMX tiles
+// instead of vdpbf16ps. Why: on the 2-vCPU Xeon with AMX those tiles read
+// FP8 at 13.5-15 GB/s against the bf16 cache's 26-28 (the same time per
+// token), bound by their instructions: three scores' horizontal sums and a
+// weight broadcast per token and head, besides the decode.
+//
+// Per tile of kBf16DotTileTokens tokens and one kv head:
+//   S = K Q^T per 16 tokens: K's decoded rows are the A operand as they are
+//     (a row per token, 32 bf16 of one half of a 64-element chunk), Q^T the B
+//     operand (head-element pairs down, the group's heads across), built once
+//     per tile; tile rows come out a token each, a column per head, and
+//     store_score_columns turns the columns into each head's scores;
+//   the online softmax as in tile_bf16_dot_nc (p rounded to bf16, pairs);
+//   O += P V per 64-element chunk: P (a row per head, token pairs across) is
+//     the A operand, V's rows of two tokens interleaved byte by byte and
+//     decoded (tile_bf16_dot_nc's V pairs) the B operand, one B tile per
+//     16 of the chunk's elements; the accumulators are the heads' running
+//     sums in HeadState (tile loads and stores; rows are heads), in
+//     unpermute_bf16_dot_acc's order.
+// Tile registers (configure_amx_decode_tiles): 0 scores, 1 K, 2 Q^T, 3 and 6
+// P (first and second 32 tokens), 4 and 5 accumulators, 7 V.
+//
+// Measured on that Xeon (SmolLM2's 9 heads over 3 kv heads, head size 64,
+// e4m3, hot, 2 threads): 1.28-1.36x the bf16 dot-product tiles at 16-64
+// sequences of 512-2048 tokens, FP8 at 0.65-0.72x the bf16 cache's time;
+// one sequence of 512 tokens ~1.05x (the call's fixed costs). Removing one
+// part at a time (64 x 512): the score products, the gathers that were
+// store_score_columns' first form, the K decode, the V decode, the P V
+// products and the softmax each took 8-16% of the call, none dominant; the
+// loop with all of them removed (prefetches, Q^T, bookkeeping) still took
+// 48%. Tried and dropped: all 64 tokens' K decoded before their score
+// products, two score tiles and two K tiles in flight (0.82-1.10x of this
+// form: the tile unit's latency is not what bounds it).
+#if defined(FP8SERVE_BF16_DOT) && defined(FP8SERVE_AMX)
+#define FP8SERVE_AMX_DECODE 1
+
+static_assert(kBf16DotTileTokens == 64, "the AMX tiles take 64 tokens: four score tiles, two P tiles");
+
+// Shapes for a slice of g query heads; once per thread before a slice of a
+// new size (run_item), since other AMX kernels leave their own configuration.
+inline void configure_amx_decode_tiles(int64_t g) {
+  fp8serve_amx::TileConfig c;
+  const uint8_t rows16 = 16, rows_g = static_cast<uint8_t>(g);
+  const uint16_t full = 64, heads = static_cast<uint16_t>(4 * g);
+  c.rows[0] = rows16, c.colsb[0] = heads;  // S: 16 tokens x g heads, float32
+  c.rows[1] = rows16, c.colsb[1] = full;   // K: 16 tokens x 32 bf16
+  c.rows[2] = rows16, c.colsb[2] = heads;  // Q^T: 16 element pairs x g heads
+  c.rows[3] = rows_g, c.colsb[3] = full;   // P: g heads x 16 token pairs
+  c.rows[6] = rows_g, c.colsb[6] = full;
+  c.rows[4] = rows_g, c.colsb[4] = full;   // O: g heads x 16 elements, float32
+  c.rows[5] = rows_g, c.colsb[5] = full;
+  c.rows[7] = rows16, c.colsb[7] = full;   // V: 16 token pairs x 16 elements
+  asm volatile("" : : "r"(&c) : "memory");  // see fp8serve_amx::configure_16x64
+  _tile_loadconfig(&c);
+}
+
+// Stores tile 0 (16 tokens' scores, a row per token and a column per head)
+// and copies head g's column into s[g][t0, t0 + 16). Up to 4 heads the rows
+// are stored packed (4 G bytes each, 16 G floats in G vectors) and a column
+// is one or two two-source permutes: the gather (one per head, rows 64 bytes
+// apart) took ~12% of a call at 64 x 512 tokens with 3 heads.
+template <int G>
+inline void store_score_columns(float* sbuf, float (*s)[kBf16DotTileTokens], int64_t t0) {
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  if constexpr (G <= 4) {
+    _tile_stored(0, sbuf, 4 * G);
+    __m512 z[4];
+    for (int v = 0; v < 4; ++v) z[v] = _mm512_load_ps(sbuf + 16 * std::min(v, G - 1));
+    for (int g = 0; g < G; ++g) {
+      // Element g + G r of the packed rows; permutes read the index's low 5 bits.
+      const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(g), _mm512_mullo_epi32(iota, _mm512_set1_epi32(G)));
+      __m512 col = _mm512_permutex2var_ps(z[0], idx, z[1]);
+      if constexpr (G > 2) {
+        const __mmask16 upper = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32));
+        col = _mm512_mask_blend_ps(upper, col, _mm512_permutex2var_ps(z[2], idx, z[3]));
+      }
+      _mm512_store_ps(&s[g][t0], col);
+    }
+  } else {
+    _tile_stored(0, sbuf, 64);
+    const __m512i column = _mm512_mullo_epi32(iota, _mm512_set1_epi32(16));
+    for (int g = 0; g < G; ++g) _mm512_store_ps(&s[g][t0], _mm512_i32gather_ps(column, sbuf + g, 4));
+  }
+}
+
+// One tile of n <= kBf16DotTileTokens tokens for G query heads sharing one kv
+// head; head_size = 64 * NC.
+template <int64_t F, int G, int NC>
+void tile_amx_nc(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
+                 const float* q, HeadState st, NextRows next) {
+  constexpr int64_t hs = 64 * NC;
+  constexpr int64_t kPairs = kBf16DotTileTokens / 2;
+  const ByteLut lut = load_byte_lut<F>();
+  const fp8serve_prefetch::Level level = fp8serve_prefetch::level();
+  alignas(64) uint16_t kbuf[NC][2][16][32];    // 16 tokens' K, [chunk][a or b][token][element]
+  alignas(64) uint32_t qt[NC][2][16][16];      // Q^T: [chunk][a or b][element pair][head]
+  alignas(64) float sbuf[16 * 16];             // one S tile: [token][head]
+  alignas(64) float s[G][kBf16DotTileTokens];  // scores
+  alignas(64) uint32_t pp[G][kPairs];          // bf16 weight pairs (p[2j], p[2j+1])
+  alignas(64) uint32_t vbuf[4][kPairs][16];    // V pairs of one chunk: [16 elements][pair][lane]
+
+  // Q^T in bf16, in K's lane order (tile_bf16_dot_nc's query, transposed).
+  {
+    const __m512i ia = query_order_index(0), ib = query_order_index(1);
+    alignas(64) uint32_t qg[2][16];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NC; ++c) {
+        const float* qc = q + g * hs + 64 * c;
+        const __m512i q0 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qc + 16), _mm512_loadu_ps(qc));
+        const __m512i q1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qc + 48), _mm512_loadu_ps(qc + 32));
+        _mm512_store_si512(qg[0], _mm512_permutex2var_epi16(q0, ia, q1));
+        _mm512_store_si512(qg[1], _mm512_permutex2var_epi16(q0, ib, q1));
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 16; ++k) qt[c][h][k][g] = qg[h][k];
+      }
+  }
+
+  // Scores, 16 tokens per S tile.
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - t0);
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t t = t0 + r;
+      if (t < next.n) prefetch_row_pair(next, t, level);
+      const uint8_t* row = krows[t] + head_off;
+      for (int c = 0; c < NC; ++c) {
+        __m512i ka, kb;
+        bf16_from_codes64(_mm512_loadu_si512(row + 64 * c), lut, ka, kb);
+        _mm512_store_si512(kbuf[c][0][r], ka);
+        _mm512_store_si512(kbuf[c][1][r], kb);
+      }
+    }
+    // Rows past n: zeros (finite), their scores are masked below.
+    for (int64_t r = m; r < 16; ++r)
+      for (int c = 0; c < NC; ++c) {
+        _mm512_store_si512(kbuf[c][0][r], _mm512_setzero_si512());
+        _mm512_store_si512(kbuf[c][1][r], _mm512_setzero_si512());
+      }
+    _tile_zero(0);
+    for (int c = 0; c < NC; ++c)
+      for (int h = 0; h < 2; ++h) {
+        _tile_loadd(1, kbuf[c][h], 64);
+        _tile_loadd(2, qt[c][h], 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+    store_score_columns<G>(sbuf, s, t0);
+  }
+
+  softmax_bf16_pairs<G>(s, n, st, hs, pp);
+
+  // P V: the pairs of tokens past n (weights 0) must still be finite.
+  const int64_t pairs = (n + 1) / 2;
+  const bool two = pairs > 16;  // a second 16-pair step
+  const int64_t filled = two ? kPairs : 16;
+  _tile_loadd(3, pp[0], sizeof(pp[0]));
+  if (two) _tile_loadd(6, pp[0] + 16, sizeof(pp[0]));
+  for (int c = 0; c < NC; ++c) {
+    for (int64_t j = 0; j < pairs; ++j) {
+      const uint8_t* r0 = vrows[2 * j] + head_off + 64 * c;
+      const uint8_t* r1 = 2 * j + 1 < n ? vrows[2 * j + 1] + head_off + 64 * c : r0;  // its weight is 0
+      const __m512i x0 = _mm512_loadu_si512(r0), x1 = _mm512_loadu_si512(r1);
+      __m512i v0, v1, v2, v3;
+      bf16_from_codes64(_mm512_unpacklo_epi8(x0, x1), lut, v0, v1);
+      bf16_from_codes64(_mm512_unpackhi_epi8(x0, x1), lut, v2, v3);
+      _mm512_store_si512(vbuf[0][j], v0);
+      _mm512_store_si512(vbuf[1][j], v1);
+      _mm512_store_si512(vbuf[2][j], v2);
+      _mm512_store_si512(vbuf[3][j], v3);
+    }
+    for (int64_t j = pairs; j < filled; ++j)
+      for (int e = 0; e < 4; ++e) _mm512_store_si512(vbuf[e][j], _mm512_setzero_si512());
+    // Four accumulators of 16 elements, two in flight at a time.
+    float* a = st.acc + 64 * c;
+    constexpr int64_t ld = hs * sizeof(float);
+    for (int e = 0; e < 4; e += 2) {
+      _tile_loadd(4, a + 16 * e, ld);
+      _tile_loadd(5, a + 16 * (e + 1), ld);
+      _tile_loadd(7, vbuf[e][0], 64);
+      _tile_dpbf16ps(4, 3, 7);
+      _tile_loadd(7, vbuf[e + 1][0], 64);
+      _tile_dpbf16ps(5, 3, 7);
+      if (two) {
+        _tile_loadd(7, vbuf[e][16], 64);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(7, vbuf[e + 1][16], 64);
+        _tile_dpbf16ps(5, 6, 7);
+      }
+      _tile_stored(4, a + 16 * e, ld);
+      _tile_stored(5, a + 16 * (e + 1), ld);
+    }
+  }
+}
+
+// head_size 64 or 128 (TileTable::pick checks).
+template <int64_t F, int G>
+void tile_amx(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
+              int64_t head_size, const float* q, HeadState st, NextRows next) {
+  if (head_size == 64) tile_amx_nc<F, G, 1>(krows, vrows, n, head_off, q, st, next);
+  else tile_amx_nc<F, G, 2>(krows, vrows, n, head_off, q, st, next);
+}
+
+#endif  // FP8SERVE_AMX_DECODE
+
 // ------------------------------------------------------------------- schedule
 
 using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, int64_t, int64_t, const float*,
@@ -878,9 +1096,10 @@ using TileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, i
 
 // Which tiles run: the portable scalar code, the AVX2 tiles, the AVX-512
 // tiles (head_size % 16 == 0; tests), the best for the call (AVX-512 where
-// built and the call is large enough, else AVX2), or the bf16 dot-product
-// tiles where they apply and "best" elsewhere (bf16 queries).
-enum Path : int { kScalarPath = 0, kAvx2Path = 1, kBestPath = 2, kAvx512Path = 3, kBf16DotPath = 4 };
+// built and the call is large enough, else AVX2), the bf16 dot-product
+// tiles where they apply and "best" elsewhere, or the AMX tiles where they
+// apply and the bf16 dot-product path elsewhere (bf16 queries).
+enum Path : int { kScalarPath = 0, kAvx2Path = 1, kBestPath = 2, kAvx512Path = 3, kBf16DotPath = 4, kAmxPath = 5 };
 
 inline bool bf16_dot_head_size(int64_t head_size) { return head_size == 64 || head_size == 128; }
 
@@ -911,6 +1130,7 @@ struct TileTable {
   TileFn avx2_direct[3][kMaxGroupSlice + 1] = {};  // same, e4m3 through e4m3_direct8 (AMD)
   TileFn avx512[kMaxGroupSlice + 1] = {};  // [g], head_size % 16 == 0 only
   TileFn bf16dot[kMaxGroupSlice + 1] = {};  // same, FP8 formats and bf16_dot_head_size only
+  TileFn amx[kMaxGroupSlice + 1] = {};  // same, where the process may use AMX tiles
   TileTable() {
 #ifdef FP8SERVE_AVX2
     fill_avx2_classes<F, false>(avx2);
@@ -938,14 +1158,30 @@ struct TileTable {
       bf16dot[8] = tile_bf16_dot<F, 8>;
     }
 #endif
+#ifdef FP8SERVE_AMX_DECODE
+    if constexpr (F == kE4M3 || F == kE5M2) {
+      if (fp8serve_amx::permitted()) {
+        amx[1] = tile_amx<F, 1>;
+        amx[2] = tile_amx<F, 2>;
+        amx[3] = tile_amx<F, 3>;
+        amx[4] = tile_amx<F, 4>;
+        amx[5] = tile_amx<F, 5>;
+        amx[6] = tile_amx<F, 6>;
+        amx[7] = tile_amx<F, 7>;
+        amx[8] = tile_amx<F, 8>;
+      }
+    }
+#endif
   }
   // nullptr: use the scalar tile. direct_ok: the AVX2 e4m3 tiles may decode
   // through e4m3_direct8 (direct_e4m3_cpu() and this thread keeps denormals).
   const TileFn* pick(int path, int64_t head_size, bool direct_ok) const {
     if (path == kScalarPath || avx2[0][1] == nullptr || head_size % 8 != 0) return nullptr;
-    // The bf16 path where it applies; other formats and head sizes take "best".
-    if (path == kBf16DotPath && bf16dot[1] != nullptr && bf16_dot_head_size(head_size)) return bf16dot;
-    const bool wants_avx512 = path == kBestPath || path == kAvx512Path || path == kBf16DotPath;
+    // The AMX or bf16 path where it applies; other formats and head sizes take "best".
+    const bool bf16_path = path == kBf16DotPath || path == kAmxPath;
+    if (path == kAmxPath && amx[1] != nullptr && bf16_dot_head_size(head_size)) return amx;
+    if (bf16_path && bf16dot[1] != nullptr && bf16_dot_head_size(head_size)) return bf16dot;
+    const bool wants_avx512 = path == kBestPath || path == kAvx512Path || bf16_path;
     if (wants_avx512 && avx512[1] != nullptr && head_size % 16 == 0) return avx512;
     const int c = avx2_head_size_class(head_size);
     return direct_ok && avx2_direct[c][1] != nullptr ? avx2_direct[c] : avx2[c];
@@ -993,8 +1229,13 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
   std::fill(acc, acc + p.num_heads * hs, 0.f);
 
   int64_t tile_tokens = kTileTokens;
+#ifdef FP8SERVE_AMX_DECODE
+  // The AMX tiles' configuration is for slices of this many heads (0: none yet).
+  int64_t amx_rows = 0;
+#endif
 #ifdef FP8SERVE_BF16_DOT
-  if (vector_path && tiles == table.bf16dot) tile_tokens = kBf16DotTileTokens;
+  const bool bf16_pairs = vector_path && (tiles == table.bf16dot || tiles == table.amx);
+  if (bf16_pairs) tile_tokens = kBf16DotTileTokens;
 #endif
   const uint8_t *krows[2][kBf16DotTileTokens], *vrows[2][kBf16DotTileTokens];
   int cur = 0;
@@ -1022,6 +1263,9 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
         if (vector_path) {
           // The first slice of the head prefetches the next tile's rows of it.
           const NextRows next{krows[cur ^ 1], vrows[cur ^ 1], g0 == 0 ? next_n : 0, head_off, p.row_bytes};
+#ifdef FP8SERVE_AMX_DECODE
+          if (tiles == table.amx && gs != amx_rows) configure_amx_decode_tiles(gs), amx_rows = gs;
+#endif
           tiles[gs](krows[cur], vrows[cur], n, head_off, hs, q + qh * hs, st, next);
         } else {
           tile_scalar<F>(krows[cur], vrows[cur], n, head_off, hs, gs, q + qh * hs, st);
@@ -1031,8 +1275,11 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
     cur ^= 1;
     n = next_n;
   }
+#ifdef FP8SERVE_AMX_DECODE
+  if (amx_rows != 0) _tile_release();
+#endif
 #ifdef FP8SERVE_BF16_DOT
-  if (vector_path && tiles == table.bf16dot) unpermute_bf16_dot_acc(acc, p.num_heads * hs);
+  if (bf16_pairs) unpermute_bf16_dot_acc(acc, p.num_heads * hs);
 #endif
   if (vector_path && tiles == table.avx2_direct[avx2_head_size_class(hs)])
     for (int64_t i = 0; i < p.num_heads * hs; ++i) acc[i] *= kDirectAccFix;
@@ -1158,7 +1405,8 @@ void decode_impl(const Problem& p, int path, const PrefixResults* prefix) {
 // caches, head size 64 or 128, an AVX512-BF16 build; see TileTable::pick).
 inline bool bf16_dot_tiles(int path, int64_t kv_format, int64_t head_size) {
 #ifdef FP8SERVE_BF16_DOT
-  return path == kBf16DotPath && (kv_format == kE4M3 || kv_format == kE5M2) && bf16_dot_head_size(head_size);
+  return (path == kBf16DotPath || path == kAmxPath) && (kv_format == kE4M3 || kv_format == kE5M2) &&
+         bf16_dot_head_size(head_size);
 #else
   static_cast<void>(path), static_cast<void>(kv_format), static_cast<void>(head_size);
   return false;
@@ -1425,6 +1673,21 @@ void paged_attention_decode_bf16dot(at::Tensor out, at::Tensor query, at::Tensor
 #endif
 }
 
+// Same contract, the AMX tiles for FP8 caches with head size 64 or 128
+// (others as paged_attention_decode_bf16dot); the query is rounded to bf16.
+// Needs an AMX build and the process's permission to use the tiles
+// (paged_attention_has_amx).
+void paged_attention_decode_amx(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
+#ifdef FP8SERVE_AMX_DECODE
+  TORCH_CHECK(fp8serve_amx::permitted(), "the kernel may not use AMX tiles: the OS refused the tile data state");
+  paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
+                                  kAmxPath);
+#else
+  TORCH_CHECK(false, "this build of the kernels has no AMX decode tiles (AMX-BF16, AVX512-BF16 and AVX512-VBMI)");
+#endif
+}
+
 // Same contract, always the portable scalar path (what non-AVX2 builds run).
 void paged_attention_decode_scalar(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                    at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale) {
@@ -1475,7 +1738,7 @@ at::Tensor paged_attention_decode_fused_impl(at::Tensor query, at::Tensor key_ca
   // A bf16 query loses nothing more worth speaking of when its scaled copy is
   // rounded to bf16 again: FP8 caches take the bf16 dot-product tiles then.
   paged_attention_decode_dispatch(outf, qf, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
-                                  dt == at::kBFloat16 ? kBf16DotPath : kBestPath, cascade);
+                                  dt == at::kBFloat16 ? kAmxPath : kBestPath, cascade);
   if (dt == at::kFloat) return outf;
   at::Tensor out = out_arg != nullptr ? *out_arg : at::empty({n, h, d}, query.options());
   const float* op = outf.data_ptr<float>();
@@ -1506,12 +1769,12 @@ at::Tensor paged_attention_decode_fused_cascade(at::Tensor query, at::Tensor key
 }
 
 // paged_attention_decode's contract on the tiles of `path` (0 scalar, 1 AVX2,
-// 2 best, 3 AVX-512, 4 bf16 dot products; see Path) with cascade attention's
+// 2 best, 3 AVX-512, 4 bf16 dot products, 5 AMX; see Path) with cascade attention's
 // mode given: tests keep the prefix phase right on every path.
 void paged_attention_decode_cascade(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                     at::Tensor block_tables, at::Tensor seq_lens, int64_t kv_format, double out_scale,
                                     int64_t path, int64_t cascade) {
-  TORCH_CHECK(path >= kScalarPath && path <= kBf16DotPath, "path must be 0-4, got ", path);
+  TORCH_CHECK(path >= kScalarPath && path <= kAmxPath, "path must be 0-5, got ", path);
   TORCH_CHECK(cascade >= kCascadeOff && cascade <= kCascadeAlways, "cascade must be 0, 1 or 2, got ", cascade);
   paged_attention_decode_dispatch(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format, out_scale,
                                   static_cast<int>(path), cascade);
@@ -1623,6 +1886,16 @@ bool has_bf16_dot() {
 #endif
 }
 
+// Whether the decode attention runs its AMX tiles in this process (an AMX
+// build, and the OS granted the tile data state).
+bool has_amx_decode() {
+#ifdef FP8SERVE_AMX_DECODE
+  return fp8serve_amx::permitted();
+#else
+  return false;
+#endif
+}
+
 // The cache level (1 or 2) the kernels' software prefetches target on this CPU (prefetch_level.h).
 int64_t prefetch_level() { return static_cast<int64_t>(fp8serve_prefetch::level()); }
 
@@ -1634,6 +1907,7 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("paged_attention_decode_avx512", &paged_attention_decode_avx512);
   m.def("paged_attention_decode_scalar", &paged_attention_decode_scalar);
   m.def("paged_attention_decode_bf16dot", &paged_attention_decode_bf16dot);
+  m.def("paged_attention_decode_amx", &paged_attention_decode_amx);
   m.def("paged_attention_decode_fused", &paged_attention_decode_fused);
   m.def(
       "paged_attention_decode_fused_out(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
@@ -1650,6 +1924,7 @@ TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
   m.def("paged_attention_has_bf16_dot", &has_bf16_dot);
+  m.def("paged_attention_has_amx", &has_amx_decode);
   m.def("fp8_codes_to_bf16", &fp8_codes_to_bf16);
   m.def("prefetch_level", &prefetch_level);
 }
