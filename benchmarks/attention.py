@@ -64,7 +64,13 @@ from fp8serve.attention.backends.cpu_paged import CpuPagedBackend
 from fp8serve.attention.backends.torch_sdpa import TorchSDPABackend
 from fp8serve.attention.kv_cache_spec import KVCacheSpec, storage_rows
 from fp8serve.attention.metadata import AttentionMetadata
-from fp8serve.kernels.cpu_ops import E4M3_DECODE_MULTIPLIER, KV_FORMATS, decode_bf16_dot_available, load_cpu_ops
+from fp8serve.kernels.cpu_ops import (
+    E4M3_DECODE_MULTIPLIER,
+    KV_FORMATS,
+    decode_amx_available,
+    decode_bf16_dot_available,
+    load_cpu_ops,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BANDWIDTH_BUFFER_BYTES = 256 << 20
@@ -127,11 +133,11 @@ class DecodeCase:
         # The op itself, as the engine's backend calls it: the Python wrapper's
         # argument checks cost ~10 us, a quarter of a batch-1 call, and the
         # baseline column calls its op directly too.
-        # A bf16 query: the tiles the engine's fused entry takes for it (the bf16
-        # dot-product tiles for FP8 caches, where built; "best" otherwise).
+        # A bf16 query: the tiles the engine's fused entry takes for it (for FP8
+        # caches the AMX tiles, else the bf16 dot-product tiles, where built;
+        # "best" otherwise).
         ops = load_cpu_ops()
-        bf16_op = ops.paged_attention_decode_bf16dot if decode_bf16_dot_available() else ops.paged_attention_decode
-        op = op or (bf16_op if self.query_dtype == torch.bfloat16 else ops.paged_attention_decode)
+        op = op or getattr(ops, bf16_query_op_name() if self.query_dtype == torch.bfloat16 else "paged_attention_decode")
         out = torch.empty_like(self.kernel_query)
         op(out, self.kernel_query, self.kv_cache[0], self.kv_cache[1], self.block_tables, self.seq_lens,
            KV_FORMATS[self.kv_dtype], self.out_scale)
@@ -140,6 +146,13 @@ class DecodeCase:
     def backend_step(self, backend):
         return backend.forward(self.query, self.key, self.value, self.kv_cache, self.md,
                                softmax_scale=self.softmax_scale, k_scale=K_SCALE, v_scale=V_SCALE)
+
+
+def bf16_query_op_name() -> str:
+    """The op whose tiles a bf16 query takes in the engine (see DecodeCase.kernel)."""
+    if decode_amx_available():
+        return "paged_attention_decode_amx"
+    return "paged_attention_decode_bf16dot" if decode_bf16_dot_available() else "paged_attention_decode"
 
 
 def time_cold(cases: list[DecodeCase], flush: torch.Tensor, rounds: int, op=None) -> float:
@@ -245,16 +258,22 @@ def main() -> None:
     baseline, base_label = None, ""
     if args.baseline_lib and args.baseline_rev:
         p.error("give --baseline-lib or --baseline-rev, not both")
-    # The baseline build's op of the same name as the kernel column's (DecodeCase.kernel): with a bf16
-    # query, the bf16 dot-product tiles where built, so both columns time the same tiles.
-    op_name = ("paged_attention_decode_bf16dot" if args.query_dtype == torch.bfloat16 and decode_bf16_dot_available()
-               else "paged_attention_decode")
+    # The baseline build's op of the same name as the kernel column's (DecodeCase.kernel), so both
+    # columns time what the engine runs; a build from before the AMX tiles times its bf16 dot-product
+    # tiles instead (what the engine ran there).
+    op_name = bf16_query_op_name() if args.query_dtype == torch.bfloat16 else "paged_attention_decode"
+
+    def baseline_op(ns_ops):
+        if op_name == "paged_attention_decode_amx" and not hasattr(ns_ops, op_name):
+            return ns_ops.paged_attention_decode_bf16dot
+        return getattr(ns_ops, op_name)
+
     if args.baseline_rev:
         ops_at_rev = build_kernel_at_rev(args.baseline_rev, "paged_attention.cpp", args.baseline_namespace)
-        baseline, base_label = getattr(ops_at_rev, op_name), f"baseline ({args.baseline_rev})"
+        baseline, base_label = baseline_op(ops_at_rev), f"baseline ({args.baseline_rev})"
     elif args.baseline_lib:
         torch.ops.load_library(args.baseline_lib)
-        baseline = getattr(getattr(torch.ops, args.baseline_namespace), op_name)
+        baseline = baseline_op(getattr(torch.ops, args.baseline_namespace))
         base_label = "baseline"
     elif args.query_dtype == torch.bfloat16:
         # What a float32 query (model) runs on the same data: the speedup column
@@ -281,8 +300,9 @@ def main() -> None:
     emit(f"- shapes: {args.num_heads} heads, {args.num_kv_heads} kv heads, head size {args.head_size}, "
          f"block size {args.block_size}; "
          + ("float32 query and compute" if args.query_dtype == torch.float32 else
-            "bf16 query (the kernel converts it to float32; FP8 caches take the bf16 dot-product tiles: "
-            + ("built" if decode_bf16_dot_available() else "NOT built here, so the float32 tiles") + ")"))
+            "bf16 query (the kernel converts it to float32; FP8 caches take "
+            + ("the AMX tiles" if decode_amx_available() else "the bf16 dot-product tiles" if
+               decode_bf16_dot_available() else "the float32 tiles (no bf16 dot-product tiles built here)") + ")"))
     # Bandwidth is measured before and after the attention cells; the
     # percentages use the best of the two (a shared CPU disturbs one or the
     # other; the better one is closer to the machine's limit).

@@ -11,6 +11,8 @@ import torch
 
 from benchmark_scripts import loaded_script
 
+from fp8serve.kernels.cpu_ops import decode_amx_available, decode_bf16_dot_available
+
 
 def test_baseline_lib_and_rev_are_exclusive(ops, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["attention.py", "--baseline-lib", "/tmp/x.so", "--baseline-rev", "HEAD",
@@ -79,16 +81,23 @@ def test_rejects_bad_cold_arguments(bad, message, monkeypatch, capsys):
 
 def test_bf16_query_times_the_bf16_tiles_against_the_float32_tiles(ops, monkeypatch, capsys):
     """--query-dtype bfloat16: the engine's bf16-compute decode (a bf16 query;
-    FP8 caches on the bf16 dot-product tiles where built) with the float32
-    tiles as the baseline column."""
+    FP8 caches on the AMX tiles, else the bf16 dot-product tiles, where built)
+    with the float32 tiles as the baseline column."""
     monkeypatch.setattr(sys, "argv", ["attention.py", "--batch-sizes", "2", "--context-lens", "40",
                                       "--kv-dtypes", "bfloat16,fp8_e4m3", "--min-time", "0.01", "--repeats", "1",
                                       "--skip-reference", "--cold-flush-mib", "0", "--query-dtype", "bfloat16",
                                       "--no-save"])
     with loaded_script("attention.py") as script:
         script.main()
+        op_name = script.bf16_query_op_name()
     out = capsys.readouterr().out
     assert "bf16 query" in out
+    tiles = ("the AMX tiles" if decode_amx_available() else "the bf16 dot-product tiles"
+             if decode_bf16_dot_available() else "the float32 tiles")
+    assert f"FP8 caches take {tiles}" in out
+    assert op_name == ("paged_attention_decode_amx" if decode_amx_available() else
+                                          "paged_attention_decode_bf16dot" if decode_bf16_dot_available() else
+                                          "paged_attention_decode")
     header = next(ln for ln in out.splitlines() if ln.startswith("| kv dtype | batch"))
     assert "| float32 tiles ms | speedup |" in header
     rows = [ln for ln in out.splitlines() if ln.startswith(("| bfloat16 | 2 | 40 |", "| fp8_e4m3 | 2 | 40 |"))]
