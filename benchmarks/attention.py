@@ -137,7 +137,8 @@ class DecodeCase:
         # caches the AMX tiles, else the bf16 dot-product tiles, where built;
         # "best" otherwise).
         ops = load_cpu_ops()
-        op = op or getattr(ops, bf16_query_op_name() if self.query_dtype == torch.bfloat16 else "paged_attention_decode")
+        name = bf16_query_op_name() if self.query_dtype == torch.bfloat16 else "paged_attention_decode"
+        op = op or getattr(ops, name)
         out = torch.empty_like(self.kernel_query)
         op(out, self.kernel_query, self.kv_cache[0], self.kv_cache[1], self.block_tables, self.seq_lens,
            KV_FORMATS[self.kv_dtype], self.out_scale)

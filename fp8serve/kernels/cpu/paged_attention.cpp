@@ -683,7 +683,8 @@ void tile_avx512(const uint8_t* const* krows, const uint8_t* const* vrows, int64
 //
 // For FP8 caches and a bf16 query (a bf16 model: the query is bf16 already),
 // on CPUs with AVX512-BF16 and AVX512-VBMI (Zen 4; CPUs with AMX take the
-// AMX tiles below, which share this decode): the codes become bf16 instead of float32 and the products are vdpbf16ps pairs
+// AMX tiles below, which share this decode): the codes become bf16 instead
+// of float32 and the products are vdpbf16ps pairs
 // (two multiply-adds per lane, float32 sums), about half the instructions of
 // the float32 tiles for the same K/V. The FP8 tiles
 // above are bound by that arithmetic, not by their reads (benchmarks/results/
@@ -910,14 +911,18 @@ void tile_bf16_dot(const uint8_t* const* krows, const uint8_t* const* vrows, int
 // P (first and second 32 tokens), 4 and 5 accumulators, 7 V.
 //
 // Measured on that Xeon (SmolLM2's 9 heads over 3 kv heads, head size 64,
-// e4m3, hot, 2 threads): 1.28-1.36x the bf16 dot-product tiles at 16-64
-// sequences of 512-2048 tokens, FP8 at 0.65-0.72x the bf16 cache's time;
-// one sequence of 512 tokens ~1.05x (the call's fixed costs). Removing one
-// part at a time (64 x 512): the score products, the gathers that were
+// 2 threads; benchmarks/results/attention_amx_decode_2026-12-06_xeon_amx.md):
+// 1.28-1.36x the bf16 dot-product tiles hot and 1.17-1.31x cold at 16-64
+// sequences of 512-2048 tokens, FP8 at 0.65-0.78x the bf16 cache's time hot;
+// one sequence of 512 tokens ~1.0x (the call's fixed costs). Inside engine
+// decode steps, where K/V come from memory at ~14 GB/s, much less: 1.028x a
+// step at 16 sequences of ~410 tokens (kernel_ab_engine.py). Removing one
+// part at a time (64 x 512, hot): the score products, the gathers that were
 // store_score_columns' first form, the K decode, the V decode, the P V
 // products and the softmax each took 8-16% of the call, none dominant; the
 // loop with all of them removed (prefetches, Q^T, bookkeeping) still took
-// 48%. Tried and dropped: all 64 tokens' K decoded before their score
+// 48%, at ~33 GB/s of prefetched K/V. Moving the next tile's prefetches (V
+// rows during the V products, or to L2) changed nothing beyond noise. Tried and dropped: all 64 tokens' K decoded before their score
 // products, two score tiles and two K tiles in flight (0.82-1.10x of this
 // form: the tile unit's latency is not what bounds it).
 #if defined(FP8SERVE_BF16_DOT) && defined(FP8SERVE_AMX)
