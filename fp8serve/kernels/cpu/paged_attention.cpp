@@ -874,13 +874,18 @@ void tile_bf16_dot_nc(const uint8_t* const* krows, const uint8_t* const* vrows, 
   }
 }
 
-// head_size 64 or 128 (TileTable::pick checks).
-template <int64_t F, int G>
-void tile_bf16_dot(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
-                   int64_t head_size, const float* q, HeadState st, NextRows next) {
-  if (head_size == 64) tile_bf16_dot_nc<F, G, 1>(krows, vrows, n, head_off, q, st, next);
-  else tile_bf16_dot_nc<F, G, 2>(krows, vrows, n, head_off, q, st, next);
+// A tile for head size 64 or 128 (TileTable::pick checks) from its two forms
+// with the head size fixed (64-element chunks: 1 or 2).
+using ChunkTileFn = void (*)(const uint8_t* const*, const uint8_t* const*, int64_t, int64_t, const float*, HeadState,
+                             NextRows);
+template <ChunkTileFn Tile64, ChunkTileFn Tile128>
+void tile_by_head_size(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
+                       int64_t head_size, const float* q, HeadState st, NextRows next) {
+  (head_size == 64 ? Tile64 : Tile128)(krows, vrows, n, head_off, q, st, next);
 }
+
+template <int64_t F, int G>
+constexpr auto tile_bf16_dot = tile_by_head_size<tile_bf16_dot_nc<F, G, 1>, tile_bf16_dot_nc<F, G, 2>>;
 
 #endif  // FP8SERVE_BF16_DOT
 
@@ -1084,13 +1089,8 @@ void tile_amx_nc(const uint8_t* const* krows, const uint8_t* const* vrows, int64
   }
 }
 
-// head_size 64 or 128 (TileTable::pick checks).
 template <int64_t F, int G>
-void tile_amx(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t n, int64_t head_off,
-              int64_t head_size, const float* q, HeadState st, NextRows next) {
-  if (head_size == 64) tile_amx_nc<F, G, 1>(krows, vrows, n, head_off, q, st, next);
-  else tile_amx_nc<F, G, 2>(krows, vrows, n, head_off, q, st, next);
-}
+constexpr auto tile_amx = tile_by_head_size<tile_amx_nc<F, G, 1>, tile_amx_nc<F, G, 2>>;
 
 #endif  // FP8SERVE_AMX_DECODE
 
