@@ -114,6 +114,7 @@ constexpr int64_t kBf16DotTileTokens = 64;
 // A context is split only into pieces of at least this many tokens: a split
 // costs one partial result (num_heads * (head_size + 2) floats) and its merge.
 constexpr int64_t kMinSplitTokens = 64;
+constexpr int64_t kAmxMinSplitTokens = 256;  // the AMX tiles' (see decode_impl)
 // Largest GQA group handled in registers at once; bigger groups go in slices.
 constexpr int kMaxGroupSlice = 8;
 
@@ -1322,7 +1323,16 @@ void decode_impl(const Problem& p, int path, const PrefixResults* prefix) {
   const int64_t target_items = 4 * num_threads;
   int64_t split_tokens = max_len;
   if (p.num_seqs < target_items && num_threads > 1) {
-    split_tokens = std::max(kMinSplitTokens, (total_tokens + target_items - 1) / target_items);
+    int64_t min_split = kMinSplitTokens;
+#ifdef FP8SERVE_AMX_DECODE
+    // The AMX tiles' fixed costs per item (tile configuration, Q^T per tile,
+    // the first tile's prefetch burst, the partial and its merge) outweigh
+    // 64-token pieces: one sequence of 512 tokens took the same ~20 us on one
+    // thread as on two in pieces of 64.
+    if (path == kAmxPath && (F == kE4M3 || F == kE5M2) && bf16_dot_head_size(hs) && fp8serve_amx::permitted())
+      min_split = kAmxMinSplitTokens;
+#endif
+    split_tokens = std::max(min_split, (total_tokens + target_items - 1) / target_items);
     split_tokens = (split_tokens + kTileTokens - 1) / kTileTokens * kTileTokens;
   }
   std::vector<WorkItem> items;
