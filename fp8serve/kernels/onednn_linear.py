@@ -12,7 +12,8 @@ decode linears read from memory it ran 1.18-1.33x F.linear at 16-64 rows, and
 dense_gemv stays faster up to its 32 rows. Numbers and command:
 benchmarks/results/linear_backends_2026-11-30_zen4.md.
 
-Intel CPUs keep F.linear: not measured there.
+Intel CPUs keep F.linear for float32 (plain oneDNN not measured faster
+there; packed copies only for 16-bit weights, below).
 
 Weights packed once. For plain weights oneDNN reorders the weight into its
 blocked layout on every call; `torch.ops.mkldnn._reorder_linear_weight` does
@@ -28,9 +29,20 @@ workload (64 x 512 -> 128) ran 1.01-1.15x as fast end to end
 The packed copy is opaque (only oneDNN reads it) while dense_gemv reads the
 plain weight at small batches (faster there), so packing costs a second copy
 of every linear weight of the compute dtype: `pack_weights` makes it only
-where that copy fits in a quarter of the memory available, on AMD CPUs
-without AMX (with AMX, amx_linear serves the bf16 decode batches; Intel is
-not measured). FP8SERVE_ONEDNN_PACKED_WEIGHTS=0 turns it off.
+where that copy fits in a quarter of the memory available: on AMD CPUs
+without AMX for every weight of the compute dtype, elsewhere (Intel) only
+for 16-bit weights held under float32 compute (narrow_weights.py), which
+without a copy are upcast on every GEMM-sized call (.to() plus a cat: ~36
+ms of a 512-token prefill of the default model). On the 2-vCPU Xeon with AMX
+(stop 69) those copies gave the float32 engine (16-bit weights, FP8 KV)
+1.17-1.27x output tok/s offline (64 x 512 -> 128; prefill 1.11-1.24x) and
+one 512-token prefill 1.07x (same process, alternating engines, 8 of 8
+rounds). Copies of float32 weights there: that prefill 1.04x, but offline
+0.93-0.97x, and hot GEMMs at 256-8192 rows 0.94-1.04x F.linear (1.13x once):
+not made. With AMX, amx_linear serves the bf16 decode batches, and packed
+bf16 GEMMs at 512 rows ran 0.68-1.19x F.linear per shape: not made either
+(benchmarks/results/onednn_packed_float32_2026-12-06_xeon_amx.md).
+FP8SERVE_ONEDNN_PACKED_WEIGHTS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -141,13 +153,23 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
 
 
-def _packing_wanted() -> bool:
+def _weight_dtypes_to_pack(compute_dtype: torch.dtype, widen: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]:
+    """The weight dtypes whose layers get packed copies under `compute_dtype`
+    (`widen`: 16-bit dtypes held under float32 compute)."""
+    candidates = (compute_dtype, *widen)
     wanted = env_switch(PACKED_WEIGHTS_ENV)
     if wanted is not None:
-        return wanted
+        return candidates if wanted else ()
     from fp8serve.kernels import amx_linear_ops
 
-    return is_amd_cpu() and not amx_linear_ops.is_available()
+    if is_amd_cpu() and not amx_linear_ops.is_available():
+        return candidates
+    # Other CPUs (Intel): only 16-bit weights under float32 compute, which
+    # without a copy are upcast on every GEMM-sized call. float32 weights keep
+    # F.linear (packed measured 0.94-1.04x at 256-8192 rows hot, 0.93-0.97x
+    # offline), and with AMX amx_linear serves the bf16 decode batches (packed
+    # bf16 GEMMs at 512 rows measured 0.68-1.19x F.linear per shape).
+    return tuple(widen) if compute_dtype == torch.float32 else ()
 
 
 def _served_by_bf16_tiled_gemm(layer: nn.Module, compute_dtype: torch.dtype) -> bool:
@@ -171,11 +193,12 @@ def pack_weights(model: nn.Module, compute_dtype: torch.dtype, widen: tuple[torc
     bytes packed (0 when nothing was)."""
     if compute_dtype not in PACKABLE_DTYPES:
         return 0
+    dtypes = _weight_dtypes_to_pack(compute_dtype, widen)
     layers = [m for m in model.modules()
               if hasattr(m, "weight_packed") and isinstance(getattr(m, "weight", None), torch.Tensor)
-              and m.weight.dtype in (compute_dtype, *widen) and m.weight.dim() == 2 and m.weight.device.type == "cpu"
+              and m.weight.dtype in dtypes and m.weight.dim() == 2 and m.weight.device.type == "cpu"
               and not _served_by_bf16_tiled_gemm(m, compute_dtype)]
-    if not layers or not _packing_wanted() or not packing_available(compute_dtype):
+    if not layers or not packing_available(compute_dtype):
         return 0
     name = str(compute_dtype).removeprefix("torch.")
     # A tied LM head shares its embedding's weight: count each weight once.

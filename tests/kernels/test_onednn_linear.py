@@ -225,14 +225,47 @@ def test_float32_compute_packs_only_float32_weights(monkeypatch):
     assert onednn_linear.pack_weights(tiny_bf16_model(), torch.float16) == 0  # not a packable dtype
 
 
-def test_pack_weights_auto_is_amd_without_amx(monkeypatch):
+def test_pack_weights_auto_is_every_dtype_on_amd_without_amx_and_16_bit_under_float32_elsewhere(monkeypatch):
     from fp8serve.kernels import amx_linear_ops
 
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     monkeypatch.delenv(onednn_linear.PACKED_WEIGHTS_ENV, raising=False)
-    for amd, amx, wanted in ((True, False, True), (True, True, False), (False, False, False)):
+    for amd, amx, everything in ((True, False, True), (True, True, False), (False, False, False),
+                                 (False, True, False)):
         monkeypatch.setattr(onednn_linear, "is_amd_cpu", lambda amd=amd: amd)
         monkeypatch.setattr(amx_linear_ops, "is_available", lambda amx=amx: amx)
-        assert onednn_linear._packing_wanted() is wanted, (amd, amx)
+        expected = (bf16,) if everything else ()
+        assert onednn_linear._weight_dtypes_to_pack(bf16, ()) == expected, (amd, amx)
+        expected = (f32, bf16) if everything else (bf16,)
+        assert onednn_linear._weight_dtypes_to_pack(f32, (bf16,)) == expected, (amd, amx)
+        assert onednn_linear._weight_dtypes_to_pack(f32, ()) == ((f32,) if everything else ()), (amd, amx)
+    for setting, expected in (("0", ()), ("1", (f32, f16))):
+        monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, setting)
+        assert onednn_linear._weight_dtypes_to_pack(f32, (f16,)) == expected
+
+
+@needs_onednn
+def test_intel_packs_only_16_bit_weights_under_float32_by_default(monkeypatch, seed):
+    """Without the setting, on an Intel CPU: a float32 engine's 16-bit weights
+    (held narrow) get float32 packed copies, its float32 weights and a bf16
+    engine's weights none."""
+    if not onednn_linear.packing_available(torch.float32):
+        pytest.skip("this torch cannot pack float32 weights for oneDNN")
+    from fp8serve.kernels import amx_linear_ops
+    from fp8serve.layers.linear import Linear
+
+    monkeypatch.delenv(onednn_linear.PACKED_WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(onednn_linear, "is_amd_cpu", lambda: False)
+    monkeypatch.setattr(amx_linear_ops, "is_available", lambda: True)
+    model = tiny_bf16_model()
+    assert onednn_linear.pack_weights(model, torch.float32) == 0 and model.f32.weight_packed is None
+    assert onednn_linear.pack_weights(model, torch.bfloat16) == 0 and model.qkv.weight_packed is None
+    g = torch.Generator().manual_seed(seed)
+    layer = Linear(64, 40, params_dtype=torch.float32)
+    layer.weight = torch.nn.Parameter((torch.randn(40, 64, generator=g) * 0.1).to(torch.bfloat16),
+                                      requires_grad=False)
+    assert onednn_linear.pack_weights(torch.nn.Sequential(layer), torch.float32, widen=(torch.bfloat16,)) == 40 * 64 * 4
+    assert layer.weight_packed is not None and layer.weight_packed.dtype == torch.float32
 
 
 def test_pack_weights_bad_setting_is_a_clear_error(monkeypatch):
