@@ -30,18 +30,18 @@ The packed copy is opaque (only oneDNN reads it) while dense_gemv reads the
 plain weight at small batches (faster there), so packing costs a second copy
 of every linear weight of the compute dtype: `pack_weights` makes it only
 where that copy fits in a quarter of the memory available: on AMD CPUs
-without AMX for every weight of the compute dtype, elsewhere (Intel) only
-for 16-bit weights held under float32 compute (narrow_weights.py), which
-without a copy are upcast on every GEMM-sized call (.to() plus a cat: ~36
-ms of a 512-token prefill of the default model). On the 2-vCPU Xeon with AMX
-(stop 69) those copies gave the float32 engine (16-bit weights, FP8 KV)
+without AMX for every weight of the compute dtype; elsewhere (Intel) for
+bf16 weights under bf16 compute where AMX runs the GEMMs (the copies serve
+calls of up to AMX_BF16_PACKED_MAX_ROWS rows, below) and for 16-bit weights
+held under float32 compute (narrow_weights.py), which without a copy are
+upcast on every GEMM-sized call (.to() plus a cat: ~36 ms of a 512-token
+prefill of the default model). On the 2-vCPU Xeon with AMX (stop 69) the
+latter gave the float32 engine (16-bit weights, FP8 KV)
 1.17-1.27x output tok/s offline (64 x 512 -> 128; prefill 1.11-1.24x) and
 one 512-token prefill 1.07x (same process, alternating engines, 8 of 8
 rounds). Copies of float32 weights there: that prefill 1.04x, but offline
 0.93-0.97x, and hot GEMMs at 256-8192 rows 0.94-1.04x F.linear (1.13x once):
-not made. With AMX, amx_linear serves the bf16 decode batches, and packed
-bf16 GEMMs at 512 rows ran 0.68-1.19x F.linear per shape: not made either
-(benchmarks/results/onednn_packed_float32_2026-12-06_xeon_amx.md).
+not made (benchmarks/results/onednn_packed_float32_2026-12-06_xeon_amx.md).
 FP8SERVE_ONEDNN_PACKED_WEIGHTS=0 turns it off.
 """
 
@@ -106,8 +106,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `packed` (the layer's weight as `pack_weight` made it) for inputs of its dtype:
     the GEMM for calls that no decode kernel (dense_gemv, amx_linear,
     fp8_linear) took. A weight narrower than x (16-bit under float32 compute)
-    without a packed copy is upcast UPCAST_ROWS rows at a time."""
-    if packed is not None and x.dtype == packed.dtype:
+    without a packed copy is upcast UPCAST_ROWS rows at a time. On CPUs with
+    AMX, bf16 calls of more than AMX_BF16_PACKED_MAX_ROWS rows take F.linear
+    on the plain weight."""
+    if packed is not None and x.dtype == packed.dtype and (
+            x.dtype != torch.bfloat16 or x.numel() <= AMX_BF16_PACKED_MAX_ROWS * x.shape[-1]
+            or not _amx_linear_available()):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if weight.dtype != x.dtype:
         # A weight stored narrower than the activations (16-bit under float32
@@ -123,6 +127,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # ------------------------------------------------------------------ packed weights
 PACKED_WEIGHTS_ENV = "FP8SERVE_ONEDNN_PACKED_WEIGHTS"
+# With AMX, packed bf16 copies serve calls of up to this many rows. The
+# default model's shapes on the 2-vCPU Xeon (hot, GFLOP/s F.linear / packed):
+# 1.39-1.80x at 64-256 rows (e.g. gate_up 1086 / 1775 at 64, 1956 / 2680 at
+# 256); from 384 rows on either one dips by up to 1.8x at some shape and row
+# count (o_proj 2424 / 1591 at 512, qkv 2386 / 1548 at 768, o_proj 1537 /
+# 3016 at 1024): F.linear there, as before. Prefill steps of one prompt,
+# alternating engines: 1.28x at 128 tokens, 1.19x at 256
+# (benchmarks/results/onednn_packed_float32_2026-12-06_xeon_amx.md).
+AMX_BF16_PACKED_MAX_ROWS = 256
+
+
+def _amx_linear_available() -> bool:
+    from fp8serve.kernels import amx_linear_ops  # it imports cpu_ops, which imports nothing of this module
+
+    return amx_linear_ops.is_available()
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -164,12 +183,14 @@ def _weight_dtypes_to_pack(compute_dtype: torch.dtype, widen: tuple[torch.dtype,
 
     if is_amd_cpu() and not amx_linear_ops.is_available():
         return candidates
-    # Other CPUs (Intel): only 16-bit weights under float32 compute, which
-    # without a copy are upcast on every GEMM-sized call. float32 weights keep
-    # F.linear (packed measured 0.94-1.04x at 256-8192 rows hot, 0.93-0.97x
-    # offline), and with AMX amx_linear serves the bf16 decode batches (packed
-    # bf16 GEMMs at 512 rows measured 0.68-1.19x F.linear per shape).
-    return tuple(widen) if compute_dtype == torch.float32 else ()
+    # Other CPUs (Intel): 16-bit weights under float32 compute, which without a
+    # copy are upcast on every GEMM-sized call, and bf16 weights under bf16
+    # compute where AMX runs the packed GEMMs (up to AMX_BF16_PACKED_MAX_ROWS
+    # rows). float32 weights keep F.linear (packed measured 0.94-1.04x at
+    # 256-8192 rows hot, 0.93-0.97x offline).
+    if compute_dtype == torch.float32:
+        return tuple(widen)
+    return (compute_dtype,) if compute_dtype == torch.bfloat16 and amx_linear_ops.is_available() else ()
 
 
 def _served_by_bf16_tiled_gemm(layer: nn.Module, compute_dtype: torch.dtype) -> bool:

@@ -52,4 +52,4 @@ class UnquantizedLinearMethod(LinearMethod):
         gemv_rows = cpu_ops.dense_gemv_max_rows(x_dtype, layer.weight.dtype)
         return (1, gemv_rows + 1, amx_linear_ops.MIN_ROWS, amx_linear_ops.MAX_ROWS + 1,
                 cpu_ops.GEMV_PACKED_MIN_ROWS, cpu_ops.GEMV_PACKED_MAX_ROWS + 1,
-                cpu_ops.BF16_TILED_GEMM_MIN_ROWS)
+                cpu_ops.BF16_TILED_GEMM_MIN_ROWS, onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1)

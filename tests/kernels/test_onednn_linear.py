@@ -225,7 +225,7 @@ def test_float32_compute_packs_only_float32_weights(monkeypatch):
     assert onednn_linear.pack_weights(tiny_bf16_model(), torch.float16) == 0  # not a packable dtype
 
 
-def test_pack_weights_auto_is_every_dtype_on_amd_without_amx_and_16_bit_under_float32_elsewhere(monkeypatch):
+def test_pack_weights_auto_is_every_dtype_on_amd_without_amx_else_16_bit_under_float32_and_bf16_on_amx(monkeypatch):
     from fp8serve.kernels import amx_linear_ops
 
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -234,7 +234,7 @@ def test_pack_weights_auto_is_every_dtype_on_amd_without_amx_and_16_bit_under_fl
                                  (False, True, False)):
         monkeypatch.setattr(onednn_linear, "is_amd_cpu", lambda amd=amd: amd)
         monkeypatch.setattr(amx_linear_ops, "is_available", lambda amx=amx: amx)
-        expected = (bf16,) if everything else ()
+        expected = (bf16,) if everything or amx else ()  # with AMX: bf16 calls of up to 256 rows
         assert onednn_linear._weight_dtypes_to_pack(bf16, ()) == expected, (amd, amx)
         expected = (f32, bf16) if everything else (bf16,)
         assert onednn_linear._weight_dtypes_to_pack(f32, (bf16,)) == expected, (amd, amx)
@@ -245,10 +245,11 @@ def test_pack_weights_auto_is_every_dtype_on_amd_without_amx_and_16_bit_under_fl
 
 
 @needs_onednn
-def test_intel_packs_only_16_bit_weights_under_float32_by_default(monkeypatch, seed):
+@pytest.mark.parametrize("amx", [True, False])
+def test_intel_packs_16_bit_weights_under_float32_and_bf16_with_amx_by_default(monkeypatch, seed, amx):
     """Without the setting, on an Intel CPU: a float32 engine's 16-bit weights
-    (held narrow) get float32 packed copies, its float32 weights and a bf16
-    engine's weights none."""
+    (held narrow) get float32 packed copies, its float32 weights none; a bf16
+    engine's weights get bf16 copies where the CPU has AMX."""
     if not onednn_linear.packing_available(torch.float32):
         pytest.skip("this torch cannot pack float32 weights for oneDNN")
     from fp8serve.kernels import amx_linear_ops
@@ -256,16 +257,57 @@ def test_intel_packs_only_16_bit_weights_under_float32_by_default(monkeypatch, s
 
     monkeypatch.delenv(onednn_linear.PACKED_WEIGHTS_ENV, raising=False)
     monkeypatch.setattr(onednn_linear, "is_amd_cpu", lambda: False)
-    monkeypatch.setattr(amx_linear_ops, "is_available", lambda: True)
+    monkeypatch.setattr(amx_linear_ops, "is_available", lambda: amx)
     model = tiny_bf16_model()
     assert onednn_linear.pack_weights(model, torch.float32) == 0 and model.f32.weight_packed is None
-    assert onednn_linear.pack_weights(model, torch.bfloat16) == 0 and model.qkv.weight_packed is None
+    if amx and onednn_linear.packing_available(torch.bfloat16):
+        assert onednn_linear.pack_weights(model, torch.bfloat16) == model.qkv.weight.nbytes + model.head.weight.nbytes
+        assert model.qkv.weight_packed.dtype == torch.bfloat16
+    else:
+        assert onednn_linear.pack_weights(model, torch.bfloat16) == 0 and model.qkv.weight_packed is None
     g = torch.Generator().manual_seed(seed)
     layer = Linear(64, 40, params_dtype=torch.float32)
     layer.weight = torch.nn.Parameter((torch.randn(40, 64, generator=g) * 0.1).to(torch.bfloat16),
                                       requires_grad=False)
     assert onednn_linear.pack_weights(torch.nn.Sequential(layer), torch.float32, widen=(torch.bfloat16,)) == 40 * 64 * 4
     assert layer.weight_packed is not None and layer.weight_packed.dtype == torch.float32
+
+
+@needs_onednn
+@pytest.mark.parametrize("amx", [True, False])
+def test_packed_bf16_serves_up_to_256_rows_with_amx(monkeypatch, seed, amx):
+    """With AMX a packed bf16 copy serves calls of up to AMX_BF16_PACKED_MAX_ROWS
+    rows (the packed GEMM's bits) and F.linear on the plain weight the rest;
+    without AMX the copy serves every call. A float32 copy of a 16-bit weight
+    serves every call either way."""
+    if not onednn_linear.packing_available(torch.bfloat16):
+        pytest.skip("this torch cannot pack bf16 weights for oneDNN")
+    monkeypatch.setattr(onednn_linear, "_amx_linear_available", lambda: amx)
+    limit = onednn_linear.AMX_BF16_PACKED_MAX_ROWS
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(96, generator=g).bfloat16()
+    packed = onednn_linear.pack_weight(w)
+    for shape in ((limit, 64), (limit + 1, 64), (2, (limit + 1) // 2, 64), (3, 64)):
+        x = torch.randn(*shape, generator=g).bfloat16()
+        rows = x.numel() // 64
+        out = onednn_linear.linear(x, w, bias, packed=packed)
+        by_packed = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        expected = by_packed if (rows <= limit or not amx) else F.linear(x, w, bias)
+        assert torch.equal(out, expected), (shape, amx)
+        ref = x.double() @ w.double().t() + bias.double()
+        torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+    wide = onednn_linear.pack_weight(w.float())
+    x = torch.randn(limit + 5, 64, generator=g)
+    assert torch.equal(onednn_linear.linear(x, w, packed=wide),
+                       torch.ops.mkldnn._linear_pointwise(x, wide, None, "none", [], ""))
+
+
+def test_unquantized_row_breakpoints_include_the_packed_bf16_limit():
+    from fp8serve.layers.linear import Linear
+
+    layer = Linear(64, 32, params_dtype=torch.bfloat16)
+    assert onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1 in layer.quant_method.row_breakpoints(layer, torch.bfloat16)
 
 
 def test_pack_weights_bad_setting_is_a_clear_error(monkeypatch):
