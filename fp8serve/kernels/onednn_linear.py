@@ -12,8 +12,8 @@ decode linears read from memory it ran 1.18-1.33x F.linear at 16-64 rows, and
 dense_gemv stays faster up to its 32 rows. Numbers and command:
 benchmarks/results/linear_backends_2026-11-30_zen4.md.
 
-Intel CPUs keep F.linear for float32 (plain oneDNN not measured faster
-there; packed copies only for 16-bit weights, below).
+Intel CPUs keep F.linear for float32 weights (plain oneDNN not measured
+faster there, nor packed copies of them: below).
 
 Weights packed once. For plain weights oneDNN reorders the weight into its
 blocked layout on every call; `torch.ops.mkldnn._reorder_linear_weight` does
@@ -133,7 +133,7 @@ PACKED_WEIGHTS_ENV = "FP8SERVE_ONEDNN_PACKED_WEIGHTS"
 # 256); from 384 rows on either one dips by up to 1.8x at some shape and row
 # count (o_proj 2424 / 1591 at 512, qkv 2386 / 1548 at 768, o_proj 1537 /
 # 3016 at 1024): F.linear there, as before. Prefill steps of one prompt,
-# alternating engines: 1.28x at 128 tokens, 1.19x at 256
+# alternating engines: 1.31x at 128 tokens, 1.17x at 256, 1.01x at 512
 # (benchmarks/results/onednn_packed_float32_2026-12-06_xeon_amx.md).
 AMX_BF16_PACKED_MAX_ROWS = 256
 
@@ -142,6 +142,8 @@ def _amx_linear_available() -> bool:
     from fp8serve.kernels import amx_linear_ops  # it imports cpu_ops, which imports nothing of this module
 
     return amx_linear_ops.is_available()
+
+
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
 

@@ -331,7 +331,8 @@ class Fp8LinearMethod(LinearMethod):
 
     def row_breakpoints(self, layer, x_dtype: torch.dtype) -> tuple[int, ...]:
         # Every row bound `apply` and fp8_linear_ops consult: the packed codes (1-512
-        # rows), the fused kernel's rows, AMX's rows (amx_fp8_linear, or the dequantize + GEMM path).
+        # rows), the fused kernel's rows, AMX's rows (amx_fp8_linear, or the dequantize + GEMM path),
+        # and the rows a dequantized weight's packed bf16 copy serves (onednn_linear.linear).
         fused = fp8_linear_ops.max_fused_rows(x_dtype) if x_dtype in (torch.float32, torch.bfloat16) else 0
         return (1, 2, cpu_ops.FP8_GEMV_PACKED_MAX_ROWS + 1, fused + 1, amx_linear_ops.MIN_ROWS,
-                amx_linear_ops.MIN_FP8_ROWS, amx_linear_ops.MAX_ROWS + 1)
+                amx_linear_ops.MIN_FP8_ROWS, amx_linear_ops.MAX_ROWS + 1, onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1)

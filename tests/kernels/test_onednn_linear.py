@@ -303,11 +303,16 @@ def test_packed_bf16_serves_up_to_256_rows_with_amx(monkeypatch, seed, amx):
                        torch.ops.mkldnn._linear_pointwise(x, wide, None, "none", [], ""))
 
 
-def test_unquantized_row_breakpoints_include_the_packed_bf16_limit():
+def test_row_breakpoints_include_the_packed_bf16_limit():
+    """Both linear methods that can reach `onednn_linear.linear` with a packed
+    copy list the row count where its choice changes (prefill recordings must
+    not serve both sides of it)."""
     from fp8serve.layers.linear import Linear
+    from fp8serve.quantization.fp8_linear import Fp8LinearMethod
 
     layer = Linear(64, 32, params_dtype=torch.bfloat16)
     assert onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1 in layer.quant_method.row_breakpoints(layer, torch.bfloat16)
+    assert onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1 in Fp8LinearMethod.row_breakpoints(None, layer, torch.bfloat16)
 
 
 def test_pack_weights_bad_setting_is_a_clear_error(monkeypatch):
