@@ -1,7 +1,8 @@
 """bf16 linear layers for decode batches on AMX tiles: a thin wrapper over
 `cpu/amx_linear.cpp` and where it runs.
 
-`applies(x, weight)` picks it for bf16 activations and weights at 8-64 rows,
+`applies(x, weight, packed)` picks it for bf16 activations and weights at 8-64
+rows (8-32 where the layer has oneDNN's packed bf16 copy: MAX_ROWS_WITH_PACKED),
 from `benchmarks/dense_gemv.py` (the default model's 120 decode linears, 270 MB
 of bf16 weights on 2 MiB pages, read from memory every pass; 2-vCPU Xeon with
 AMX; benchmarks/results/dense_gemv_2026-11-30.md, stop 12), ms per pass:
@@ -26,6 +27,14 @@ import torch
 from fp8serve.kernels.cpu_ops import load_cpu_ops
 
 MIN_ROWS, MAX_ROWS = 8, 64
+# Where the layer has a packed bf16 copy (onednn_linear.pack_weights: AMX CPUs),
+# oneDNN's packed GEMM takes the calls past this many rows. The default model's
+# 120 decode linears from memory, 2-vCPU Xeon (stop 69), ms per pass amx_linear
+# / packed: 8 rows 9.35 / 11.89, 16 9.77 / 12.32, 32 12.26 / 14.31 (the
+# weight-block pairs of run_blocks), 33 15.79 / 14.05, 48 15.74 / 14.77, 56
+# 19.29 / 15.27, 64 19.50 / 15.82: 1.03-1.26x for packed at 33-64 rows, where
+# amx_linear runs three or four C tiles per weight block and no pairs.
+MAX_ROWS_WITH_PACKED = 32
 
 
 @functools.cache
@@ -35,9 +44,12 @@ def is_available() -> bool:
     return ops is not None and hasattr(ops, "amx_linear") and bool(ops.amx_linear_available())
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> bool:
+    """Whether amx_linear serves this call; `packed`: the layer's oneDNN copy
+    (onednn_linear), which serves bf16 calls past MAX_ROWS_WITH_PACKED rows."""
+    max_rows = MAX_ROWS if packed is None or packed.dtype != torch.bfloat16 else MAX_ROWS_WITH_PACKED
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.dim() == 2 and weight.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS
+            and x.dim() == 2 and weight.dim() == 2 and MIN_ROWS <= x.shape[0] <= max_rows
             and x.shape[1] % 32 == 0 and x.stride(1) == 1 and weight.is_contiguous() and is_available())
 
 

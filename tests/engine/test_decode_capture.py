@@ -169,7 +169,7 @@ def test_replays_with_packed_bf16_weights_equal_eager(ops, llama_dir, seed, monk
         pytest.skip("this torch cannot pack bf16 weights for oneDNN")
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
     monkeypatch.setattr(cpu_ops, "dense_gemv_applies", lambda x, w: False)
-    monkeypatch.setattr(amx_linear_ops, "applies", lambda x, w: False)
+    monkeypatch.setattr(amx_linear_ops, "applies", lambda x, w, packed=None: False)
     packed_calls = []
     real = onednn_linear.linear
     monkeypatch.setattr(onednn_linear, "linear",

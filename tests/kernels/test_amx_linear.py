@@ -82,6 +82,37 @@ def test_linear_layers_use_it_for_8_to_64_bf16_rows(seed, monkeypatch):
     assert calls == [8, 64]
 
 
+def test_linear_layers_with_a_packed_copy_use_it_for_8_to_32_bf16_rows(seed, monkeypatch):
+    """With oneDNN's packed bf16 copy (faster past 32 rows) amx_linear keeps 8-32
+    rows and the packed GEMM takes 33 on; both within bf16 rounding of float64."""
+    from fp8serve.kernels import onednn_linear
+    from fp8serve.quantization.unquantized import UnquantizedLinearMethod
+
+    if not onednn_linear.packing_available(torch.bfloat16):
+        pytest.skip("this torch cannot pack bf16 weights for oneDNN")
+    limit = amx_linear_ops.MAX_ROWS_WITH_PACKED
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter((torch.randn(64, 128, generator=g) * 0.1).bfloat16(), requires_grad=False)
+    layer.register_buffer("weight_gemv_packed", None, persistent=False)
+    layer.register_buffer("weight_packed", onednn_linear.pack_weight(layer.weight), persistent=False)
+    calls = []
+    real = amx_linear_ops.amx_linear
+    monkeypatch.setattr(amx_linear_ops, "amx_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    for m in (8, limit, limit + 1, 64):
+        x = torch.randn(m, 128, generator=g).bfloat16()
+        out = UnquantizedLinearMethod().apply(layer, x, None)
+        assert _bf16_close(out, x.double() @ layer.weight.double().t()) <= 1.0, f"seed={seed} m={m}"
+        if m > limit:
+            assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(x, layer.weight_packed, None, "none", [], ""))
+    assert calls == [8, limit]
+    assert limit + 1 in UnquantizedLinearMethod().row_breakpoints(layer, torch.bfloat16)
+    # A float32 copy (of a 16-bit weight under float32 compute) leaves bf16 calls to amx_linear up to 64 rows.
+    x = torch.randn(64, 128, generator=g).bfloat16()
+    assert amx_linear_ops.applies(x, layer.weight, onednn_linear.pack_weight(layer.weight.float()))
+    assert not amx_linear_ops.applies(x, layer.weight, layer.weight_packed)
+
+
 @pytest.mark.parametrize("m", [8, 16, 17, 50, 64])
 @pytest.mark.parametrize("n", [16, 37, 49152])
 def test_float_out_is_the_bf16_result_widened(seed, m, n):
