@@ -52,6 +52,17 @@ def test_matches_float64(m, n, k, with_bias):
                         f"M={m} N={n} K={k}")
 
 
+@pytest.mark.parametrize("m", [3, 4, 5, 16, 19, 20, 36])
+def test_rows_packed_together_give_the_bits_of_rows_alone(m):
+    """Blocks of 4+ activation rows are packed by a register transpose, smaller ones by scatters
+    (transpose16.h): a row's output must not depend on which (nor on its neighbours)."""
+    seed = fresh_seed()
+    x, w, scale, bias = make(m, 80, 1536, True, seed)
+    together = amx_linear_ops.amx_fp8_linear(x, w, scale, bias)
+    alone = torch.cat([amx_linear_ops.amx_fp8_linear(x[i:i + 1], w, scale, bias) for i in range(m)])
+    assert torch.equal(together, alone), f"seed={seed} m={m}"
+
+
 def test_every_code_decodes_exactly():
     """Each of the 254 non-NaN codes (subnormals, both zeros) as the only nonzero weight of a row
     against x = 1 in that column: the output is the code's value times the scale, rounded once."""

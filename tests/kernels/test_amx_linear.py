@@ -40,6 +40,18 @@ def test_matches_float64_and_torch(seed, m, k, n):
     assert _bf16_close(out, F.linear(x, w, bias).double()) <= 2.0, f"seed={seed}: differs from torch's by > 1 ulp"
 
 
+@pytest.mark.parametrize("m", [3, 4, 5, 16, 19, 20, 36])
+def test_rows_packed_together_give_the_bits_of_rows_alone(seed, m):
+    """Blocks of 4+ activation rows are packed by a register transpose, smaller ones by scatters
+    (transpose16.h): a row's output must not depend on which (nor on its neighbours)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 1536, generator=g).bfloat16()
+    w = (torch.randn(80, 1536, generator=g) * 0.05).bfloat16()
+    together = amx_linear_ops.amx_linear(x, w)
+    alone = torch.cat([amx_linear_ops.amx_linear(x[i:i + 1], w) for i in range(m)])
+    assert torch.equal(together, alone), f"seed={seed} m={m}"
+
+
 def test_without_bias_and_with_float32_bias(seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(12, 96, generator=g).bfloat16()

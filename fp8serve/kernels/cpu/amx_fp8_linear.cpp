@@ -39,6 +39,7 @@
 
 #include "amx_tiles.h"
 #include "fp8_bf16_lut.h"
+#include "transpose16.h"
 #include "vec16.h"
 
 #if defined(FP8SERVE_AMX) && defined(FP8SERVE_FP8_BF16_LUT) && defined(FP8SERVE_VEC16)
@@ -66,26 +67,45 @@ constexpr int pair_of(int h, int r) { return 8 * (r / 4) + 4 * h + r % 4; }
 // xb[((mb * KC + kc) * 16 + r) * 32 + m * 2 + e], kc = 2 g + h (group g of 64
 // columns, half h), = x[mb * 16 + m][64 g + 2 pair_of(h, r) + e], zero where
 // mb * 16 + m >= M. Each half is a 16 x 16 transpose of 32-bit pairs: one
-// permute picks row m's 16 pairs of it, one scatter puts them down column m.
+// permute picks row m's 16 pairs of it, then the transpose in registers for
+// blocks of kTransposeMinRows rows or more (transpose16.h), one scatter down
+// column m per row below that.
 void pack_x_lut_order(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t MB, uint16_t* xb) {
   const int64_t KC = K / 32;
-  std::memset(xb, 0, MB * KC * 16 * 32 * sizeof(uint16_t));
   uint32_t* xb32 = reinterpret_cast<uint32_t*>(xb);
   const __m512i down_column = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
   alignas(64) int32_t idx[2][16];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < 16; ++r) idx[h][r] = pair_of(h, r);
-  const __m512i pick0 = _mm512_load_si512(idx[0]), pick1 = _mm512_load_si512(idx[1]);
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t mb = m / 16, mm = m % 16;
-    const uint16_t* row = x + m * ldx;
-    for (int64_t g = 0; g < K / 64; ++g) {
-      const __m512i p0 = _mm512_loadu_si512(row + 64 * g), p1 = _mm512_loadu_si512(row + 64 * g + 32);
-      _mm512_i32scatter_epi32(xb32 + (mb * KC + 2 * g) * 256 + mm, down_column,
-                              _mm512_permutex2var_epi32(p0, pick0, p1), 4);
-      _mm512_i32scatter_epi32(xb32 + (mb * KC + 2 * g + 1) * 256 + mm, down_column,
-                              _mm512_permutex2var_epi32(p0, pick1, p1), 4);
+  const __m512i pick[2] = {_mm512_load_si512(idx[0]), _mm512_load_si512(idx[1])};
+  for (int64_t mb = 0; mb < MB; ++mb) {
+    const int64_t rows = std::min<int64_t>(16, M - 16 * mb);
+    const uint16_t* x0 = x + 16 * mb * ldx;
+    uint32_t* blk = xb32 + mb * KC * 256;
+    if (rows >= fp8serve_transpose::kTransposeMinRows) {
+      for (int64_t g = 0; g < K / 64; ++g)
+        for (int h = 0; h < 2; ++h) {
+          __m512i r[16];
+          for (int64_t m = 0; m < 16; ++m) {
+            const uint16_t* row = x0 + m * ldx + 64 * g;
+            r[m] = m < rows ? _mm512_permutex2var_epi32(_mm512_loadu_si512(row), pick[h], _mm512_loadu_si512(row + 32))
+                            : _mm512_setzero_si512();
+          }
+          fp8serve_transpose::transpose16x16_epi32(r);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_si512(blk + (2 * g + h) * 256 + 16 * i, r[i]);
+        }
+      continue;
+    }
+    std::memset(blk, 0, KC * 256 * sizeof(uint32_t));
+    for (int64_t m = 0; m < rows; ++m) {
+      const uint16_t* row = x0 + m * ldx;
+      for (int64_t g = 0; g < K / 64; ++g) {
+        const __m512i p0 = _mm512_loadu_si512(row + 64 * g), p1 = _mm512_loadu_si512(row + 64 * g + 32);
+        for (int h = 0; h < 2; ++h)
+          _mm512_i32scatter_epi32(blk + (2 * g + h) * 256 + m, down_column, _mm512_permutex2var_epi32(p0, pick[h], p1),
+                                  4);
+      }
     }
   }
 }

@@ -21,7 +21,10 @@
 // Result: 11.7 ms for those 270 MB at 16 rows (F.linear 21.4), 24.2 at 64
 // (27.8); see kernels/amx_linear_ops.py for the table and where it is used.
 // Packing x with one scatter per 16 pairs (instead of element by element)
-// took 24 / 32 rows from 17.2 / 22.7 to 14.5 / 15.1 ms.
+// took 24 / 32 rows from 17.2 / 22.7 to 14.5 / 15.1 ms; a register transpose
+// per 16 rows instead of the scatters (transpose16.h) then gave that pass
+// 1.02x at 16 rows, 1.06x at 64, and engine decode steps at batch 16 1.014x
+// (results/amx_pack_transpose_2026-12-07_xeon_amx.md).
 //
 // AMX multiplies bf16 pairs exactly and accumulates in float32 (denormal
 // inputs read as zero, as AVX512-BF16 does); the summation order differs from
@@ -41,6 +44,7 @@
 #include <vector>
 
 #include "scalar_convert.h"
+#include "transpose16.h"
 #include "vec16.h"
 
 #include "amx_tiles.h"
@@ -61,21 +65,32 @@ void configure_tiles() { fp8serve_amx::configure_16x64({0, 1, 2, 3, 4, 5, 6, 7})
 
 // x [M, K] bf16 -> B tiles: xb[((mb * KC + kc) * 16 + r) * 32 + m * 2 + e] =
 // x[mb * 16 + m][kc * 32 + 2 r + e], zero where mb * 16 + m >= M. Seen as
-// 32-bit pairs, each (mb, kc) block is a 16 x 16 transpose: row m's 16 pairs
-// of chunk kc go down column m, one scatter each.
+// 32-bit pairs, each (mb, kc) block is a 16 x 16 transpose of row m's 16
+// pairs of chunk kc: in registers for blocks of kTransposeMinRows rows or
+// more (transpose16.h), one scatter down column m per row below that.
 void pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t MB, uint16_t* xb) {
   const int64_t KC = K / 32;
-  std::memset(xb, 0, MB * KC * 16 * 32 * sizeof(uint16_t));
   uint32_t* xb32 = reinterpret_cast<uint32_t*>(xb);
   const __m512i down_column = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t mb = m / 16, mm = m % 16;
-    const uint16_t* row = x + m * ldx;
-    for (int64_t kc = 0; kc < KC; ++kc) {
-      const __m512i pairs = _mm512_loadu_si512(row + kc * 32);
-      _mm512_i32scatter_epi32(xb32 + (mb * KC + kc) * 256 + mm, down_column, pairs, 4);
+  for (int64_t mb = 0; mb < MB; ++mb) {
+    const int64_t rows = std::min<int64_t>(16, M - 16 * mb);
+    const uint16_t* x0 = x + 16 * mb * ldx;
+    uint32_t* blk = xb32 + mb * KC * 256;
+    if (rows >= fp8serve_transpose::kTransposeMinRows) {
+      for (int64_t kc = 0; kc < KC; ++kc) {
+        __m512i r[16];
+        for (int64_t m = 0; m < 16; ++m)
+          r[m] = m < rows ? _mm512_loadu_si512(x0 + m * ldx + kc * 32) : _mm512_setzero_si512();
+        fp8serve_transpose::transpose16x16_epi32(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(blk + kc * 256 + 16 * i, r[i]);
+      }
+      continue;
     }
+    std::memset(blk, 0, KC * 256 * sizeof(uint32_t));
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t kc = 0; kc < KC; ++kc)
+        _mm512_i32scatter_epi32(blk + kc * 256 + m, down_column, _mm512_loadu_si512(x0 + m * ldx + kc * 32), 4);
   }
 }
 
