@@ -512,6 +512,18 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
 # 3-10 ran 1.05-1.27x with it (1.14x at 8); at 2 rows the linears alone still run
 # 0.89-0.91x dense_gemv (bf16_tiled_gemm_min_rows_2026-12-06_zen2_stop66.md).
 BF16_TILED_GEMM_MIN_ROWS = 3
+# The rows it serves where the layer also has oneDNN's packed float32 copy
+# (Intel CPUs: gemv_packing.float32_packing_keeps_onednn). Measured on an Intel
+# Xeon (Ice Lake: AVX-512 with one 512-bit FMA port, no bf16 arithmetic;
+# benchmarks/results/bf16_tiled_gemm_2026-12-07_icelake.md), the default
+# model's 120 decode linears read from memory, ABBA rounds, three runs:
+# 0.83-1.00x dense_gemv at 3-4 rows, 1.13x at 6, 1.12-1.19x at 8, 1.19-1.33x
+# at 16; against oneDNN 1.02-1.23x at 24, 0.99-1.09x at 32, 0.87-0.91x at
+# 40-64 and 0.57-0.90x at 256 (16-lane tiles ran no faster than these 8-lane
+# ones on that core). Whole decode steps (FP8 cache, ~512 tokens) followed at
+# 8-16 rows (0.98-1.19x at 8, 1.16-1.26x at 16) but not at 24-32 (0.93-1.00x),
+# so oneDNN keeps those.
+BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN = (8, 16)
 
 
 @functools.cache
@@ -521,11 +533,23 @@ def bf16_tiled_gemm_built() -> bool:
     return ops is not None and hasattr(ops, "bf16_tiled_gemm_available") and bool(ops.bf16_tiled_gemm_available())
 
 
-def bf16_tiled_gemm_applies(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+def bf16_tiled_gemm_rows(onednn_packed: torch.Tensor | None) -> tuple[int, int | None]:
+    """(fewest, most) rows `bf16_tiled_gemm` serves on a layer with its packed
+    copy (most None: no bound): every batch of BF16_TILED_GEMM_MIN_ROWS or more
+    where it is the layer's only GEMM copy, BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN
+    where `onednn_packed` (the layer's `weight_packed`) is there for the rest."""
+    return BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN if onednn_packed is not None else (BF16_TILED_GEMM_MIN_ROWS, None)
+
+
+def bf16_tiled_gemm_applies(x: torch.Tensor, packed: torch.Tensor | None,
+                            onednn_packed: torch.Tensor | None = None) -> bool:
     """Whether `bf16_tiled_gemm` serves x against a layer's packed copy
-    (`weight_gemv_packed`, None where the engine made none)."""
-    return (packed is not None and x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
-            and x.shape[0] >= BF16_TILED_GEMM_MIN_ROWS and bf16_tiled_gemm_built())
+    (`weight_gemv_packed`, None where the engine made none); `onednn_packed`:
+    the layer's `weight_packed` (bf16_tiled_gemm_rows)."""
+    if packed is None or x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+        return False
+    lo, hi = bf16_tiled_gemm_rows(onednn_packed)
+    return lo <= x.shape[0] and (hi is None or x.shape[0] <= hi) and bf16_tiled_gemm_built()
 
 
 def bf16_tiled_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,7 +33,12 @@ decode linears ran 1.09-1.29x as fast as dense_gemv at 12-32 rows and
 1.12-1.57x as fast as oneDNN's packed float32 copy at 48-256
 (benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md), and 1.09-1.18x at
 256-2048 (bf16_tiled_gemm_prefill_2026-12-06_zen2.md), so
-`float32_packing_applies` on AMD CPUs without AVX-512.
+`float32_packing_applies` on AMD CPUs without AVX-512. On an Intel Ice Lake
+Xeon (AVX-512, no bf16 arithmetic: float32 compute) the decode linears ran
+1.12-1.33x dense_gemv at 8-16 rows and decode steps 0.98-1.26x, but oneDNN's
+AVX-512 GEMM kept up at 24-32 rows and won from 40 on: there the layers get
+the copy for batches of 8-16 rows and keep oneDNN's float32 copy for the rest
+(`float32_packing_keeps_onednn`).
 
 The packed copy sits beside the plain weight (the embedding lookup of a tied
 LM head, linear layers' batches of 1-12 and every other path read the plain
@@ -43,7 +48,9 @@ bf16 linear weight: `pack_gemv_weights` makes it only on AMD CPUs without AMX
 (with AMX, amx_linear serves the bf16 decode batches; Intel is not measured)
 and only where the copies fit in a quarter of the memory available.
 FP8SERVE_GEMV_PACKED_WEIGHTS=0 turns it off, =1 forces it wherever the
-kernel is built.
+kernel is built, with bf16_tiled_gemm serving every float32 batch of 3 or
+more rows (on Intel, auto keeps oneDNN's float32 copy for the batches above
+16 rows: float32_packing_keeps_onednn).
 """
 
 from __future__ import annotations
@@ -198,9 +205,12 @@ def float32_packing_applies() -> bool:
     """Whether bf16 linear weights under float32 compute get a packed copy for
     bf16_tiled_gemm (cpu/bf16_tiled_gemm.cpp): where the kernels were built
     with it, on AMD CPUs without AVX-512 (measured on an AVX2-only Zen 2 EPYC;
-    AVX-512 builds keep oneDNN's 16-lane GEMM, as for fp8_tiled_gemm), or as
-    FP8SERVE_GEMV_PACKED_WEIGHTS says."""
-    from fp8serve.kernels import cpu_ops
+    AMD's AVX-512 builds keep oneDNN's 16-lane GEMM, as for fp8_tiled_gemm)
+    and on Intel CPUs with AVX-512 and no AMX (measured on an Ice Lake Xeon,
+    for decode batches beside oneDNN's copy: float32_packing_keeps_onednn), or
+    as FP8SERVE_GEMV_PACKED_WEIGHTS says. Intel CPUs without AVX-512 are not
+    measured."""
+    from fp8serve.kernels import amx_linear_ops, cpu_ops
     from fp8serve.utils.platform import cpu_flags
 
     wanted = env_switch(PACKED_WEIGHTS_ENV)  # a bad value is an error on any build
@@ -208,7 +218,25 @@ def float32_packing_applies() -> bool:
         return False
     if wanted is not None:
         return wanted
-    return is_amd_cpu() and "avx512f" not in cpu_flags()
+    if is_amd_cpu():
+        return "avx512f" not in cpu_flags()
+    return "avx512f" in cpu_flags() and not amx_linear_ops.is_available()
+
+
+def float32_packing_keeps_onednn() -> bool:
+    """Whether layers packed for bf16_tiled_gemm under float32 compute also
+    keep oneDNN's packed float32 copy, which then takes the batches above
+    cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN (and bf16_tiled_gemm those
+    rows alone): on Intel CPUs, where oneDNN's GEMM ran 1.1-1.75x as fast as
+    bf16_tiled_gemm at 40-256 rows and whole decode steps did not gain at
+    24-32 (Ice Lake Xeon,
+    benchmarks/results/bf16_tiled_gemm_2026-12-07_icelake.md); not on AMD,
+    where bf16_tiled_gemm was the faster at every size measured, nor where
+    FP8SERVE_GEMV_PACKED_WEIGHTS=1 forces the copies (AMD's arrangement on
+    any CPU: bf16_tiled_gemm for every batch of its rows)."""
+    if env_switch(PACKED_WEIGHTS_ENV):
+        return False
+    return not is_amd_cpu()
 
 
 def _pack_for_float32_compute(model: nn.Module) -> int:
@@ -235,7 +263,12 @@ def _pack_for_float32_compute(model: nn.Module) -> int:
     if not copy_fits(total, "bf16_tiled_gemm: weights", logger):
         return 0
     count = pack_each_weight_once(layers, "weight_gemv_packed", pack_gemv_weight)
-    logger.info("bf16_tiled_gemm: packed %d bf16 weights once for float32 batches of %d or more rows "
-                "(%.0f MiB, another copy)", count, cpu_ops.BF16_TILED_GEMM_MIN_ROWS, total / 2**20)
+    if float32_packing_keeps_onednn():
+        lo, hi = cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN
+        rows = f"{lo}-{hi} rows (oneDNN's float32 copy takes larger batches)"
+    else:
+        rows = f"{cpu_ops.BF16_TILED_GEMM_MIN_ROWS} or more rows"
+    logger.info("bf16_tiled_gemm: packed %d bf16 weights once for float32 batches of %s (%.0f MiB, another copy)",
+                count, rows, total / 2**20)
     return total
 

@@ -198,9 +198,14 @@ def _weight_dtypes_to_pack(compute_dtype: torch.dtype, widen: tuple[torch.dtype,
 def _served_by_bf16_tiled_gemm(layer: nn.Module, compute_dtype: torch.dtype) -> bool:
     # Under float32 compute a bf16 layer with a packed copy for bf16_tiled_gemm
     # (gemv_packing, which runs first) sends every GEMM-sized batch there
-    # (cpu_ops.BF16_TILED_GEMM_MIN_ROWS and up): a float32 copy, twice the
-    # bytes of the weight, would never be read.
-    return compute_dtype == torch.float32 and getattr(layer, "weight_gemv_packed", None) is not None
+    # (cpu_ops.BF16_TILED_GEMM_MIN_ROWS and up) on AMD: a float32 copy, twice
+    # the bytes of the weight, would never be read. On Intel it serves decode
+    # batches only and the float32 copy takes the rest
+    # (gemv_packing.float32_packing_keeps_onednn).
+    from fp8serve.kernels import gemv_packing
+
+    return (compute_dtype == torch.float32 and getattr(layer, "weight_gemv_packed", None) is not None
+            and not gemv_packing.float32_packing_keeps_onednn())
 
 
 def pack_weights(model: nn.Module, compute_dtype: torch.dtype, widen: tuple[torch.dtype, ...] = ()) -> int:

@@ -63,8 +63,8 @@ class LMHead(nn.Module):
         if cpu_ops.dense_gemv_packed_applies(hidden_states, self.weight_gemv_packed, cpu_ops.LM_HEAD_PACKED_MIN_ROWS):
             return cpu_ops.dense_gemv_packed(hidden_states, self.weight_gemv_packed, self.weight.shape[0],
                                              float_out=True)
-        if cpu_ops.bf16_tiled_gemm_applies(hidden_states, self.weight_gemv_packed):
-            # A bf16 head under float32 compute, 12 rows or more (gemv_packing.py).
+        if cpu_ops.bf16_tiled_gemm_applies(hidden_states, self.weight_gemv_packed, self.weight_packed):
+            # A bf16 head under float32 compute (gemv_packing.py; rows: cpu_ops.bf16_tiled_gemm_rows).
             return cpu_ops.bf16_tiled_gemm(hidden_states, self.weight_gemv_packed, self.weight.shape[0])
         if cpu_ops.dense_gemv_applies(hidden_states, self.weight):
             return cpu_ops.dense_gemv(hidden_states, self.weight).float()
@@ -98,7 +98,7 @@ class LMHead(nn.Module):
             return lambda rows: cpu_ops.dense_gemv_packed(
                 hidden_states, gemv_packing.pack_gemv_weight(self.weight.index_select(0, rows), huge_pages=False),
                 rows.numel(), float_out=True)
-        if cpu_ops.bf16_tiled_gemm_applies(hidden_states, self.weight_gemv_packed):
+        if cpu_ops.bf16_tiled_gemm_applies(hidden_states, self.weight_gemv_packed, self.weight_packed):
             # Likewise: each output sums its own weight row along k in one order.
             return lambda rows: cpu_ops.bf16_tiled_gemm(
                 hidden_states, gemv_packing.pack_gemv_weight(self.weight.index_select(0, rows), huge_pages=False),

@@ -28,9 +28,10 @@ class UnquantizedLinearMethod(LinearMethod):
         if cpu_ops.dense_gemv_packed_applies(x, layer.weight_gemv_packed):
             # bf16 decode at batch 13-256 on the packed copy, where the engine made one (gemv_packing.py).
             return cpu_ops.dense_gemv_packed(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
-        if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed):
-            # float32 x of 3 or more rows (decode batches, prefills) on a bf16 weight's packed copy
-            # (AVX2: gemv_packing.py); such a layer has no float32 copy for oneDNN.
+        if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed, layer.weight_packed):
+            # float32 x on a bf16 weight's packed copy (gemv_packing.py): every batch of 3 or more rows
+            # (decode batches, prefills) where the layer has no float32 copy for oneDNN (AMD), decode
+            # batches of 8-16 rows where it has one (Intel).
             return cpu_ops.bf16_tiled_gemm(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.dense_gemv_applies(x, layer.weight):
             return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at small batch: memory-bound GEMV
@@ -45,7 +46,7 @@ class UnquantizedLinearMethod(LinearMethod):
         if (amx_linear_ops.applies(x, layer.weight, layer.weight_packed)
                 or cpu_ops.dense_gemv_packed_applies(x, layer.weight_gemv_packed)):
             return None
-        if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed):
+        if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed, layer.weight_packed):
             return cpu_ops.bf16_tiled_gemm_silu_and_mul(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         return None
 
@@ -55,4 +56,5 @@ class UnquantizedLinearMethod(LinearMethod):
         return (1, gemv_rows + 1, amx_linear_ops.MIN_ROWS, amx_linear_ops.MAX_ROWS + 1,
                 amx_linear_ops.MAX_ROWS_WITH_PACKED + 1,
                 cpu_ops.GEMV_PACKED_MIN_ROWS, cpu_ops.GEMV_PACKED_MAX_ROWS + 1,
-                cpu_ops.BF16_TILED_GEMM_MIN_ROWS, onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1)
+                cpu_ops.BF16_TILED_GEMM_MIN_ROWS, cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN[0],
+                cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN[1] + 1, onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1)

@@ -244,16 +244,66 @@ def test_layers_with_the_copy_get_no_float32_copy(monkeypatch):
         assert model.f32.weight_packed is not None
 
 
-def test_auto_is_amd_without_avx512(monkeypatch):
+def test_auto_is_amd_without_avx512_and_intel_with_it_and_no_amx(monkeypatch):
+    """Where the copy is made by default, and whether oneDNN keeps its float32
+    copy beside it (Intel) or not (AMD, and wherever =1 forces the copies)."""
+    from fp8serve.kernels import amx_linear_ops
+
     monkeypatch.delenv(gemv_packing.PACKED_WEIGHTS_ENV, raising=False)
-    for amd, flags, wanted in ((True, {"avx2"}, True), (True, {"avx2", "avx512f"}, False), (False, {"avx2"}, False)):
+    cases = ((True, {"avx2"}, False, True), (True, {"avx2", "avx512f"}, False, False),
+             (False, {"avx2"}, False, False), (False, {"avx2", "avx512f"}, False, True),
+             (False, {"avx2", "avx512f"}, True, False))
+    for amd, flags, amx, wanted in cases:
         monkeypatch.setattr(gemv_packing, "is_amd_cpu", lambda amd=amd: amd)
         monkeypatch.setattr("fp8serve.utils.platform.cpu_flags", lambda flags=flags: flags)
-        assert gemv_packing.float32_packing_applies() is wanted, (amd, flags)
+        monkeypatch.setattr(amx_linear_ops, "is_available", lambda amx=amx: amx)
+        assert gemv_packing.float32_packing_applies() is wanted, (amd, flags, amx)
+        assert gemv_packing.float32_packing_keeps_onednn() is (not amd), (amd, flags, amx)
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    assert gemv_packing.float32_packing_applies() is True
+    assert gemv_packing.float32_packing_keeps_onednn() is False
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "0")
     assert gemv_packing.float32_packing_applies() is False
     model = tiny_bf16_model()
     assert gemv_packing.pack_gemv_weights(model, torch.float32) == 0 and model.qkv.weight_gemv_packed is None
+
+
+def test_on_intel_decode_batches_run_it_and_larger_ones_keep_onednns_copy(monkeypatch):
+    """Intel with AVX-512 and no AMX, auto: the bf16 linears and the LM head
+    get the packed copy and keep oneDNN's float32 copy; batches of
+    BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN rows run bf16_tiled_gemm (its bits),
+    fewer and more rows do not; both bounds are row breakpoints."""
+    from fp8serve.kernels import amx_linear_ops, onednn_linear
+
+    if not onednn_linear.packing_available(torch.float32):
+        pytest.skip("oneDNN cannot pack float32 weights here")
+    monkeypatch.delenv(gemv_packing.PACKED_WEIGHTS_ENV, raising=False)
+    monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
+    monkeypatch.setattr(gemv_packing, "is_amd_cpu", lambda: False)
+    monkeypatch.setattr("fp8serve.utils.platform.cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.setattr(amx_linear_ops, "is_available", lambda: False)
+    model = tiny_bf16_model()
+    assert gemv_packing.pack_gemv_weights(model, torch.float32) > 0
+    assert onednn_linear.pack_weights(model, torch.float32, widen=(torch.bfloat16,)) > 0
+    lo, hi = cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN
+    for layer in (model.qkv, model.head):
+        assert layer.weight_gemv_packed is not None and layer.weight_packed is not None
+    breakpoints = model.qkv.quant_method.row_breakpoints(model.qkv, torch.float32)
+    assert lo in breakpoints and hi + 1 in breakpoints
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    calls = []
+    real = cpu_ops.bf16_tiled_gemm
+    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
+                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    for m in (lo - 1, lo, hi, hi + 1, 3 * hi):
+        x = torch.randn(m, 32, generator=g)
+        for name, layer in (("qkv", model.qkv), ("head", model.head)):
+            out = layer(x)
+            assert_close(out, x, layer.weight, None, seed, f"{name} M={m}")
+            if lo <= m <= hi:
+                assert torch.equal(out, real(x, layer.weight_gemv_packed, layer.weight.shape[0])), f"seed={seed}"
+    assert calls == [lo, lo, hi, hi], calls
 
 
 def test_bad_setting_is_a_clear_error(monkeypatch):
