@@ -187,6 +187,16 @@ def merged_linear(output_sizes, w, bias):
     return layer
 
 
+def record_tiled_calls(monkeypatch):
+    """([rows of each bf16_tiled_gemm call], the real op): the op as the
+    layers reach it (cpu_ops.bf16_tiled_gemm), wrapped to record its rows."""
+    calls = []
+    real = cpu_ops.bf16_tiled_gemm
+    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
+                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    return calls, real
+
+
 def test_float32_compute_packs_the_bf16_linears_and_head(monkeypatch):
     """Under float32 compute the bf16 linear layers and the bf16 LM head (50
     rows: 4 blocks of 16) get the packed copy; float32 layers do not."""
@@ -211,10 +221,7 @@ def test_linear_layers_send_their_rows_to_it(monkeypatch, with_bias):
     assert gemv_packing.pack_gemv_weights(model, torch.float32) > 0
     lo = cpu_ops.BF16_TILED_GEMM_MIN_ROWS
     assert lo in layer.quant_method.row_breakpoints(layer, torch.float32)
-    calls = []
-    real = cpu_ops.bf16_tiled_gemm
-    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
-                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    calls, real = record_tiled_calls(monkeypatch)
     for m in (lo - 1, lo, 256, 257, 600):
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(seed + m))
         out = layer(x)
@@ -292,10 +299,7 @@ def test_on_intel_decode_batches_run_it_and_larger_ones_keep_onednns_copy(monkey
     assert lo in breakpoints and hi + 1 in breakpoints
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    calls = []
-    real = cpu_ops.bf16_tiled_gemm
-    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
-                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    calls, real = record_tiled_calls(monkeypatch)
     for m in (lo - 1, lo, hi, hi + 1, 3 * hi):
         x = torch.randn(m, 32, generator=g)
         for name, layer in (("qkv", model.qkv), ("head", model.head)):
@@ -333,10 +337,7 @@ def test_lm_head_runs_it_and_its_greedy_screen_agrees(monkeypatch):
     head = model.head
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    calls = []
-    real = cpu_ops.bf16_tiled_gemm
-    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm",
-                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    calls, real = record_tiled_calls(monkeypatch)
     vocab_rows = torch.tensor([3, 0, 49, 17])
     lo = cpu_ops.BF16_TILED_GEMM_MIN_ROWS
     for m in (lo - 1, lo, 40):
