@@ -514,13 +514,13 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
 BF16_TILED_GEMM_MIN_ROWS = 3
 # The rows it serves where the layer also has oneDNN's packed float32 copy
 # (Intel CPUs: gemv_packing.float32_packing_keeps_onednn). Measured on an Intel
-# Xeon (Ice Lake: AVX-512 with one 512-bit FMA port, no bf16 arithmetic;
+# Xeon (Ice Lake: AVX-512, no bf16 arithmetic;
 # benchmarks/results/bf16_tiled_gemm_2026-12-07_icelake.md), the default
 # model's 120 decode linears read from memory, ABBA rounds, three runs:
 # 0.83-1.00x dense_gemv at 3-4 rows, 1.13x at 6, 1.12-1.19x at 8, 1.19-1.33x
 # at 16; against oneDNN 1.02-1.23x at 24, 0.99-1.09x at 32, 0.87-0.91x at
-# 40-64 and 0.57-0.90x at 256 (16-lane tiles ran no faster than these 8-lane
-# ones on that core). Whole decode steps (FP8 cache, ~512 tokens) followed at
+# 40-64 and 0.57-0.90x at 256 (a 16-lane form of the tiles ran no faster
+# than these 8-lane ones: they are not FMA-bound there). Whole decode steps (FP8 cache, ~512 tokens) followed at
 # 8-16 rows (0.98-1.19x at 8, 1.16-1.26x at 16) but not at 24-32 (0.93-1.00x),
 # so oneDNN keeps those.
 BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN = (8, 16)
