@@ -516,14 +516,13 @@ BF16_TILED_GEMM_MIN_ROWS = 3
 # (Intel CPUs: gemv_packing.float32_packing_keeps_onednn). Measured on an Intel
 # Xeon (Ice Lake: AVX-512, no bf16 arithmetic;
 # benchmarks/results/bf16_tiled_gemm_2026-12-07_icelake.md), the default
-# model's 120 decode linears read from memory, ABBA rounds, three runs:
-# 0.83-1.00x dense_gemv at 3-4 rows, 1.13x at 6, 1.12-1.19x at 8, 1.19-1.33x
-# at 16; against oneDNN 1.02-1.23x at 24, 0.99-1.09x at 32, 0.87-0.91x at
-# 40-64 and 0.57-0.90x at 256 (a 16-lane form of the tiles ran no faster
-# than these 8-lane ones: they are not FMA-bound there). Whole decode steps (FP8 cache, ~512 tokens) followed at
-# 8-16 rows (0.98-1.19x at 8, 1.16-1.26x at 16) but not at 24-32 (0.93-1.00x),
-# so oneDNN keeps those.
-BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN = (8, 16)
+# model's 120 decode linears read from memory, ABBA rounds: with the AVX-512
+# builds' two-panel tiles 0.98x dense_gemv at 3 rows, 1.20x at 8, 1.42-1.54x at
+# 12-16; against oneDNN 1.52x at 24, 1.34x at 32, 1.17x at 64, 0.82x at 256.
+# Whole decode steps (FP8 cache, ~512 tokens, against dense_gemv up to 16 rows
+# and oneDNN above): 1.19x at batch 8, 1.62x at 16, 1.42x at 24; 32 and up
+# were not measured in engine steps, so oneDNN keeps them.
+BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN = (8, 24)
 
 
 @functools.cache

@@ -34,10 +34,11 @@ decode linears ran 1.09-1.29x as fast as dense_gemv at 12-32 rows and
 (benchmarks/results/bf16_tiled_gemm_2026-12-05_zen2.md), and 1.09-1.18x at
 256-2048 (bf16_tiled_gemm_prefill_2026-12-06_zen2.md), so
 `float32_packing_applies` on AMD CPUs without AVX-512. On an Intel Ice Lake
-Xeon (AVX-512, no bf16 arithmetic: float32 compute) the decode linears ran
-1.12-1.33x dense_gemv at 8-16 rows and decode steps 0.98-1.26x, but oneDNN's
-AVX-512 GEMM kept up at 24-32 rows and won from 40 on: there the layers get
-the copy for batches of 8-16 rows and keep oneDNN's float32 copy for the rest
+Xeon (AVX-512, no bf16 arithmetic: float32 compute), with two panels per
+16-lane tile, the decode linears ran 1.20-1.54x dense_gemv at 8-16 rows and
+1.52x oneDNN at 24, and decode steps 1.19-1.62x at batches 8-24, but oneDNN's
+AVX-512 GEMM wins at prefill sizes (1.22x at 256 rows): there the layers get
+the copy for batches of 8-24 rows and keep oneDNN's float32 copy for the rest
 (`float32_packing_keeps_onednn`).
 
 The packed copy sits beside the plain weight (the embedding lookup of a tied
@@ -50,7 +51,7 @@ and only where the copies fit in a quarter of the memory available.
 FP8SERVE_GEMV_PACKED_WEIGHTS=0 turns it off, =1 forces it wherever the
 kernel is built, with bf16_tiled_gemm serving every float32 batch of 3 or
 more rows (on Intel, auto keeps oneDNN's float32 copy for the batches above
-16 rows: float32_packing_keeps_onednn).
+24 rows: float32_packing_keeps_onednn).
 """
 
 from __future__ import annotations
@@ -227,9 +228,9 @@ def float32_packing_keeps_onednn() -> bool:
     """Whether layers packed for bf16_tiled_gemm under float32 compute also
     keep oneDNN's packed float32 copy, which then takes the batches above
     cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN (and bf16_tiled_gemm those
-    rows alone): on Intel CPUs, where oneDNN's GEMM ran 1.1-1.75x as fast as
-    bf16_tiled_gemm at 40-256 rows and whole decode steps did not gain at
-    24-32 (Ice Lake Xeon,
+    rows alone): on Intel CPUs, where oneDNN's GEMM ran 1.22x as fast as
+    bf16_tiled_gemm at 256 rows and decode steps above 24 rows were not
+    measured (Ice Lake Xeon,
     benchmarks/results/bf16_tiled_gemm_2026-12-07_icelake.md); not on AMD,
     where bf16_tiled_gemm was the faster at every size measured, nor where
     FP8SERVE_GEMV_PACKED_WEIGHTS=1 forces the copies (AMD's arrangement on

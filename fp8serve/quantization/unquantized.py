@@ -31,7 +31,7 @@ class UnquantizedLinearMethod(LinearMethod):
         if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed, layer.weight_packed):
             # float32 x on a bf16 weight's packed copy (gemv_packing.py): every batch of 3 or more rows
             # (decode batches, prefills) where the layer has no float32 copy for oneDNN (AMD), decode
-            # batches of 8-16 rows where it has one (Intel).
+            # batches of 8-24 rows where it has one (Intel).
             return cpu_ops.bf16_tiled_gemm(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.dense_gemv_applies(x, layer.weight):
             return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at small batch: memory-bound GEMV
