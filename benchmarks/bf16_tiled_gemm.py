@@ -31,8 +31,10 @@ the engine can take, side by side.
 4. Engine (--engine-batches, --engine-prefills): two engines on the model, one
    loaded with FP8SERVE_GEMV_PACKED_WEIGHTS=0 (no packed bf16 copies:
    dense_gemv, and oneDNN on a packed float32 copy above its rows), one with
-   the setting as given (auto: bf16_tiled_gemm from 3 rows, decode batches
-   and prefills, where gemv_packing.float32_packing_applies), alternating
+   the setting as given (auto: bf16_tiled_gemm where
+   gemv_packing.float32_packing_applies, from 3 rows on AVX2 AMD CPUs, decode
+   batches and prefills, and for gemv_packing.float32_rows_beside_onednn
+   beside oneDNN's float32 copy on AVX-512 CPUs), alternating
    (ABBA): decode steps of each batch over ~--decode-context tokens (greedy,
    or sampled at --engine-temperature, which reads the whole LM head),
    and prefill steps of each cell (sequences x prompt tokens in one step,

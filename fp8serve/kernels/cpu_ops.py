@@ -523,6 +523,14 @@ BF16_TILED_GEMM_MIN_ROWS = 3
 # and oneDNN above): 1.19x at batch 8, 1.62x at 16, 1.42x at 24; 32 and up
 # were not measured in engine steps, so oneDNN keeps them.
 BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN = (8, 24)
+# The same on AMD CPUs with AVX-512 (gemv_packing.float32_rows_beside_onednn).
+# Measured on a Zen 4 EPYC (2 vCPUs, AVX512-BF16: float32 compute only where
+# asked for, --dtype float32; benchmarks/results/bf16_tiled_gemm_2026-12-07_zen4.md):
+# the 120 decode linears from memory 1.22-1.34x dense_gemv at 8-32 rows,
+# 1.25x oneDNN at 32, 1.16x at 64, 0.96x at 256; whole decode steps (FP8
+# cache, ~512 tokens) 1.12-1.23x at batches 8-48, against dense_gemv up to 32
+# rows and oneDNN above.
+BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN_AMD = (8, 64)
 
 
 @functools.cache
@@ -535,9 +543,14 @@ def bf16_tiled_gemm_built() -> bool:
 def bf16_tiled_gemm_rows(onednn_packed: torch.Tensor | None) -> tuple[int, int | None]:
     """(fewest, most) rows `bf16_tiled_gemm` serves on a layer with its packed
     copy (most None: no bound): every batch of BF16_TILED_GEMM_MIN_ROWS or more
-    where it is the layer's only GEMM copy, BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN
-    where `onednn_packed` (the layer's `weight_packed`) is there for the rest."""
-    return BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN if onednn_packed is not None else (BF16_TILED_GEMM_MIN_ROWS, None)
+    where it is the layer's only GEMM copy, this CPU's rows beside oneDNN
+    (gemv_packing.float32_rows_beside_onednn) where `onednn_packed` (the
+    layer's `weight_packed`) is there for the rest."""
+    if onednn_packed is None:
+        return BF16_TILED_GEMM_MIN_ROWS, None
+    from fp8serve.kernels import gemv_packing
+
+    return gemv_packing.float32_rows_beside_onednn()
 
 
 def bf16_tiled_gemm_applies(x: torch.Tensor, packed: torch.Tensor | None,

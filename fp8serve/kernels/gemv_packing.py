@@ -39,7 +39,10 @@ Xeon (AVX-512, no bf16 arithmetic: float32 compute), with two panels per
 1.52x oneDNN at 24, and decode steps 1.19-1.62x at batches 8-24, but oneDNN's
 AVX-512 GEMM wins at prefill sizes (1.22x at 256 rows): there the layers get
 the copy for batches of 8-24 rows and keep oneDNN's float32 copy for the rest
-(`float32_packing_keeps_onednn`).
+(`float32_packing_keeps_onednn`). AMD CPUs with AVX-512 do the same for 8-64
+rows (a Zen 4 EPYC under --dtype float32: the decode linears 1.19-1.37x
+dense_gemv at 8-32 rows and 1.11-1.16x oneDNN at 64, 0.94-0.96x at 256;
+decode steps 1.12-1.23x at batches 8-64: `float32_rows_beside_onednn`).
 
 The packed copy sits beside the plain weight (the embedding lookup of a tied
 LM head, linear layers' batches of 1-12 and every other path read the plain
@@ -50,8 +53,8 @@ bf16 linear weight: `pack_gemv_weights` makes it only on AMD CPUs without AMX
 and only where the copies fit in a quarter of the memory available.
 FP8SERVE_GEMV_PACKED_WEIGHTS=0 turns it off, =1 forces it wherever the
 kernel is built, with bf16_tiled_gemm serving every float32 batch of 3 or
-more rows (on Intel, auto keeps oneDNN's float32 copy for the batches above
-24 rows: float32_packing_keeps_onednn).
+more rows (on AVX-512 CPUs, auto keeps oneDNN's float32 copy for the batches
+past float32_rows_beside_onednn: float32_packing_keeps_onednn).
 """
 
 from __future__ import annotations
@@ -205,12 +208,12 @@ def pack_gemv_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
 def float32_packing_applies() -> bool:
     """Whether bf16 linear weights under float32 compute get a packed copy for
     bf16_tiled_gemm (cpu/bf16_tiled_gemm.cpp): where the kernels were built
-    with it, on AMD CPUs without AVX-512 (measured on an AVX2-only Zen 2 EPYC;
-    AMD's AVX-512 builds keep oneDNN's 16-lane GEMM, as for fp8_tiled_gemm)
-    and on Intel CPUs with AVX-512 and no AMX (measured on an Ice Lake Xeon,
-    for decode batches beside oneDNN's copy: float32_packing_keeps_onednn), or
-    as FP8SERVE_GEMV_PACKED_WEIGHTS says. Intel CPUs without AVX-512 are not
-    measured."""
+    with it, on AMD CPUs (without AVX-512 for every batch, measured on an
+    AVX2-only Zen 2 EPYC; with AVX-512 for decode batches beside oneDNN's
+    copy, measured on a Zen 4 EPYC: float32_packing_keeps_onednn) and on
+    Intel CPUs with AVX-512 and no AMX (measured on an Ice Lake Xeon, beside
+    oneDNN's copy too), or as FP8SERVE_GEMV_PACKED_WEIGHTS says. Intel CPUs
+    without AVX-512 are not measured."""
     from fp8serve.kernels import amx_linear_ops, cpu_ops
     from fp8serve.utils.platform import cpu_flags
 
@@ -220,24 +223,37 @@ def float32_packing_applies() -> bool:
     if wanted is not None:
         return wanted
     if is_amd_cpu():
-        return "avx512f" not in cpu_flags()
+        return True
     return "avx512f" in cpu_flags() and not amx_linear_ops.is_available()
 
 
 def float32_packing_keeps_onednn() -> bool:
     """Whether layers packed for bf16_tiled_gemm under float32 compute also
-    keep oneDNN's packed float32 copy, which then takes the batches above
-    cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN (and bf16_tiled_gemm those
-    rows alone): on Intel CPUs, where oneDNN's GEMM ran 1.22x as fast as
-    bf16_tiled_gemm at 256 rows and decode steps above 24 rows were not
-    measured (Ice Lake Xeon,
-    benchmarks/results/bf16_tiled_gemm_2026-12-07_icelake.md); not on AMD,
-    where bf16_tiled_gemm was the faster at every size measured, nor where
-    FP8SERVE_GEMV_PACKED_WEIGHTS=1 forces the copies (AMD's arrangement on
-    any CPU: bf16_tiled_gemm for every batch of its rows)."""
+    keep oneDNN's packed float32 copy, which then takes the batches past
+    float32_rows_beside_onednn (and bf16_tiled_gemm those rows alone): on
+    CPUs with AVX-512, where oneDNN's 16-lane GEMM ran 1.22x (Ice Lake Xeon,
+    benchmarks/results/bf16_tiled_gemm_2026-12-07_icelake.md) and 1.04x
+    (Zen 4 EPYC, bf16_tiled_gemm_2026-12-07_zen4.md) as fast as
+    bf16_tiled_gemm at 256 rows; not on AMD CPUs without it (AVX2: the tiles
+    were the faster at every size measured), nor where
+    FP8SERVE_GEMV_PACKED_WEIGHTS=1 forces the copies (that arrangement on any
+    CPU: bf16_tiled_gemm for every batch of its rows)."""
+    from fp8serve.utils.platform import cpu_flags
+
     if env_switch(PACKED_WEIGHTS_ENV):
         return False
-    return not is_amd_cpu()
+    return not is_amd_cpu() or "avx512f" in cpu_flags()
+
+
+def float32_rows_beside_onednn() -> tuple[int, int]:
+    """The batches (fewest, most rows) bf16_tiled_gemm serves on a layer that
+    keeps oneDNN's float32 copy for the others (float32_packing_keeps_onednn),
+    as measured in decode steps per vendor: cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN
+    (Intel, 8-24) and BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN_AMD (8-64)."""
+    from fp8serve.kernels import cpu_ops
+
+    return (cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN_AMD if is_amd_cpu()
+            else cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN)
 
 
 def _pack_for_float32_compute(model: nn.Module) -> int:
@@ -265,7 +281,7 @@ def _pack_for_float32_compute(model: nn.Module) -> int:
         return 0
     count = pack_each_weight_once(layers, "weight_gemv_packed", pack_gemv_weight)
     if float32_packing_keeps_onednn():
-        lo, hi = cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN
+        lo, hi = float32_rows_beside_onednn()
         rows = f"{lo}-{hi} rows (oneDNN's float32 copy takes larger batches)"
     else:
         rows = f"{cpu_ops.BF16_TILED_GEMM_MIN_ROWS} or more rows"

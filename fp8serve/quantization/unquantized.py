@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8serve.kernels import amx_linear_ops, cpu_ops, onednn_linear
+from fp8serve.kernels import amx_linear_ops, cpu_ops, gemv_packing, onednn_linear
 from fp8serve.quantization.base import LinearMethod, set_weight_loader
 from fp8serve.quantization.loaders import load_output_shard
 
@@ -30,8 +30,8 @@ class UnquantizedLinearMethod(LinearMethod):
             return cpu_ops.dense_gemv_packed(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed, layer.weight_packed):
             # float32 x on a bf16 weight's packed copy (gemv_packing.py): every batch of 3 or more rows
-            # (decode batches, prefills) where the layer has no float32 copy for oneDNN (AMD), decode
-            # batches of 8-24 rows where it has one (Intel).
+            # (decode batches, prefills) where the layer has no float32 copy for oneDNN (AVX2 AMD CPUs),
+            # decode batches (gemv_packing.float32_rows_beside_onednn) where it has one (AVX-512).
             return cpu_ops.bf16_tiled_gemm(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         if cpu_ops.dense_gemv_applies(x, layer.weight):
             return cpu_ops.dense_gemv(x, layer.weight, bias)  # decode at small batch: memory-bound GEMV
@@ -53,8 +53,9 @@ class UnquantizedLinearMethod(LinearMethod):
     def row_breakpoints(self, layer: nn.Module, x_dtype: torch.dtype) -> tuple[int, ...]:
         # Every row bound `apply` consults, whether or not its kernel serves this layer.
         gemv_rows = cpu_ops.dense_gemv_max_rows(x_dtype, layer.weight.dtype)
+        beside_onednn = gemv_packing.float32_rows_beside_onednn()
         return (1, gemv_rows + 1, amx_linear_ops.MIN_ROWS, amx_linear_ops.MAX_ROWS + 1,
                 amx_linear_ops.MAX_ROWS_WITH_PACKED + 1,
                 cpu_ops.GEMV_PACKED_MIN_ROWS, cpu_ops.GEMV_PACKED_MAX_ROWS + 1,
-                cpu_ops.BF16_TILED_GEMM_MIN_ROWS, cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN[0],
-                cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN[1] + 1, onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1)
+                cpu_ops.BF16_TILED_GEMM_MIN_ROWS, beside_onednn[0], beside_onednn[1] + 1,
+                onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1)

@@ -251,21 +251,26 @@ def test_layers_with_the_copy_get_no_float32_copy(monkeypatch):
         assert model.f32.weight_packed is not None
 
 
-def test_auto_is_amd_without_avx512_and_intel_with_it_and_no_amx(monkeypatch):
-    """Where the copy is made by default, and whether oneDNN keeps its float32
-    copy beside it (Intel) or not (AMD, and wherever =1 forces the copies)."""
+def test_auto_is_amd_and_intel_with_avx512_and_no_amx(monkeypatch):
+    """Where the copy is made by default, whether oneDNN keeps its float32
+    copy beside it (AVX-512 CPUs) or not (AVX2 AMD CPUs, and wherever =1
+    forces the copies), and the rows it then serves (by vendor)."""
     from fp8serve.kernels import amx_linear_ops
 
     monkeypatch.delenv(gemv_packing.PACKED_WEIGHTS_ENV, raising=False)
-    cases = ((True, {"avx2"}, False, True), (True, {"avx2", "avx512f"}, False, False),
-             (False, {"avx2"}, False, False), (False, {"avx2", "avx512f"}, False, True),
-             (False, {"avx2", "avx512f"}, True, False))
-    for amd, flags, amx, wanted in cases:
+    cases = ((True, {"avx2"}, False, True, False), (True, {"avx2", "avx512f"}, False, True, True),
+             (False, {"avx2"}, False, False, True), (False, {"avx2", "avx512f"}, False, True, True),
+             (False, {"avx2", "avx512f"}, True, False, True))
+    for amd, flags, amx, wanted, keeps in cases:
         monkeypatch.setattr(gemv_packing, "is_amd_cpu", lambda amd=amd: amd)
         monkeypatch.setattr("fp8serve.utils.platform.cpu_flags", lambda flags=flags: flags)
         monkeypatch.setattr(amx_linear_ops, "is_available", lambda amx=amx: amx)
         assert gemv_packing.float32_packing_applies() is wanted, (amd, flags, amx)
-        assert gemv_packing.float32_packing_keeps_onednn() is (not amd), (amd, flags, amx)
+        assert gemv_packing.float32_packing_keeps_onednn() is keeps, (amd, flags, amx)
+        assert gemv_packing.float32_rows_beside_onednn() == (
+            cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN_AMD if amd else cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN)
+    assert cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN == (8, 24)
+    assert cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN_AMD == (8, 64)
     monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
     assert gemv_packing.float32_packing_applies() is True
     assert gemv_packing.float32_packing_keeps_onednn() is False
@@ -275,24 +280,26 @@ def test_auto_is_amd_without_avx512_and_intel_with_it_and_no_amx(monkeypatch):
     assert gemv_packing.pack_gemv_weights(model, torch.float32) == 0 and model.qkv.weight_gemv_packed is None
 
 
-def test_on_intel_decode_batches_run_it_and_larger_ones_keep_onednns_copy(monkeypatch):
-    """Intel with AVX-512 and no AMX, auto: the bf16 linears and the LM head
-    get the packed copy and keep oneDNN's float32 copy; batches of
-    BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN rows run bf16_tiled_gemm (its bits),
-    fewer and more rows do not; both bounds are row breakpoints."""
+@pytest.mark.parametrize("amd", [False, True], ids=["intel", "amd"])
+def test_on_avx512_decode_batches_run_it_and_larger_ones_keep_onednns_copy(monkeypatch, amd):
+    """AVX-512 and no AMX, auto: the bf16 linears and the LM head get the
+    packed copy and keep oneDNN's float32 copy; batches of this vendor's rows
+    (BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN on Intel, ..._AMD on AMD) run
+    bf16_tiled_gemm (its bits), fewer and more rows do not; both bounds are
+    row breakpoints."""
     from fp8serve.kernels import amx_linear_ops, onednn_linear
 
     if not onednn_linear.packing_available(torch.float32):
         pytest.skip("oneDNN cannot pack float32 weights here")
     monkeypatch.delenv(gemv_packing.PACKED_WEIGHTS_ENV, raising=False)
     monkeypatch.setenv(onednn_linear.PACKED_WEIGHTS_ENV, "1")
-    monkeypatch.setattr(gemv_packing, "is_amd_cpu", lambda: False)
+    monkeypatch.setattr(gemv_packing, "is_amd_cpu", lambda: amd)
     monkeypatch.setattr("fp8serve.utils.platform.cpu_flags", lambda: {"avx2", "fma", "avx512f"})
     monkeypatch.setattr(amx_linear_ops, "is_available", lambda: False)
     model = tiny_bf16_model()
     assert gemv_packing.pack_gemv_weights(model, torch.float32) > 0
     assert onednn_linear.pack_weights(model, torch.float32, widen=(torch.bfloat16,)) > 0
-    lo, hi = cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN
+    lo, hi = cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN_AMD if amd else cpu_ops.BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN
     for layer in (model.qkv, model.head):
         assert layer.weight_gemv_packed is not None and layer.weight_packed is not None
     breakpoints = model.qkv.quant_method.row_breakpoints(model.qkv, torch.float32)
