@@ -526,10 +526,10 @@ BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN = (8, 24)
 # The same on AMD CPUs with AVX-512 (gemv_packing.float32_rows_beside_onednn).
 # Measured on a Zen 4 EPYC (2 vCPUs, AVX512-BF16: float32 compute only where
 # asked for, --dtype float32; benchmarks/results/bf16_tiled_gemm_2026-12-07_zen4.md):
-# the 120 decode linears from memory 1.22-1.34x dense_gemv at 8-32 rows,
-# 1.25x oneDNN at 32, 1.16x at 64, 0.96x at 256; whole decode steps (FP8
-# cache, ~512 tokens) 1.12-1.23x at batches 8-48, against dense_gemv up to 32
-# rows and oneDNN above.
+# the 120 decode linears from memory 1.19-1.37x dense_gemv at 8-32 rows,
+# 1.25-1.27x oneDNN at 32, 1.11-1.16x at 64, 0.99x at 128, 0.94-0.96x at 256
+# (two runs); whole decode steps (FP8 cache, ~512 tokens) 1.09-1.24x at
+# batches 8-64 (two runs), against dense_gemv up to 32 rows and oneDNN above.
 BF16_TILED_GEMM_ROWS_BESIDE_ONEDNN_AMD = (8, 64)
 
 

@@ -42,7 +42,7 @@ the copy for batches of 8-24 rows and keep oneDNN's float32 copy for the rest
 (`float32_packing_keeps_onednn`). AMD CPUs with AVX-512 do the same for 8-64
 rows (a Zen 4 EPYC under --dtype float32: the decode linears 1.19-1.37x
 dense_gemv at 8-32 rows and 1.11-1.16x oneDNN at 64, 0.94-0.96x at 256;
-decode steps 1.12-1.23x at batches 8-64: `float32_rows_beside_onednn`).
+decode steps 1.09-1.24x at batches 8-64: `float32_rows_beside_onednn`).
 
 The packed copy sits beside the plain weight (the embedding lookup of a tied
 LM head, linear layers' batches of 1-12 and every other path read the plain
