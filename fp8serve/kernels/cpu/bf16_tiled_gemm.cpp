@@ -151,44 +151,7 @@ __attribute__((always_inline)) inline void tile(const float* __restrict a, const
     }
   }
   for (; k < K; k += 2) pair(k, 0, kSets > 1 ? 1 : 0);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int s = 1; s < kSets; ++s) {
-      lo[0][r] = _mm256_add_ps(lo[0][r], lo[s][r]);
-      hi[0][r] = _mm256_add_ps(hi[0][r], hi[s][r]);
-    }
-  }
-  // The bias is read in the stores, not added to the accumulators first: that
-  // (through a zero-padded copy of it) made GCC's code 1.28x slower (ABBA).
-  if (nvalid == kNr) {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      float* cr = c + r * ldc;
-      if (kAccumulate) {
-        lo[0][r] = _mm256_add_ps(lo[0][r], _mm256_loadu_ps(cr));
-        hi[0][r] = _mm256_add_ps(hi[0][r], _mm256_loadu_ps(cr + 8));
-      }
-      if (bias) {
-        lo[0][r] = _mm256_add_ps(lo[0][r], _mm256_loadu_ps(bias));
-        hi[0][r] = _mm256_add_ps(hi[0][r], _mm256_loadu_ps(bias + 8));
-      }
-      _mm256_storeu_ps(cr, lo[0][r]);
-      _mm256_storeu_ps(cr + 8, hi[0][r]);
-    }
-    return;
-  }
-  alignas(32) float t[R][kNr];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(t[r], lo[0][r]);
-    _mm256_store_ps(t[r] + 8, hi[0][r]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < nvalid; ++j) {
-      float v = kAccumulate ? c[r * ldc + j] + t[r][j] : t[r][j];
-      c[r * ldc + j] = bias ? v + bias[j] : v;
-    }
+  fp8serve_tiles::finish_tile8<R, kSets>(lo, hi, c, ldc, kAccumulate, bias, nvalid);
 }
 
 template <bool kAccumulate, bool kPrefetch>
@@ -314,24 +277,6 @@ void tile2_rows(int rows, const float* a, const uint16_t* b0, const uint16_t* b1
 }
 #endif  // __AVX512F__
 
-// packed[t][k][r] = x[m0 + t * kMr + r, k0 + k] (0 past row M) for `tiles`
-// tiles, k < kc.
-void pack_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t tiles, int64_t k0, int64_t kc,
-               float* packed) {
-  for (int64_t t = 0; t < tiles; ++t) {
-    float* d = packed + t * kc * kMr;
-    for (int r = 0; r < kMr; ++r) {
-      const int64_t m = m0 + t * kMr + r;
-      if (m < M) {
-        const float* src = x + m * K + k0;
-        for (int64_t k = 0; k < kc; ++k) d[k * kMr + r] = src[k];
-      } else {
-        for (int64_t k = 0; k < kc; ++k) d[k * kMr + r] = 0.f;
-      }
-    }
-  }
-}
-
 // One thread's share: row tiles [t0, t1) x panels [p0, p1), K in blocks of
 // kc_max (even): the first block stores its sums, later ones add theirs, the
 // bias comes with the last.
@@ -343,7 +288,7 @@ void run_share(const float* x, const uint16_t* w, const float* bias, float* out,
     const bool first = k0 == 0, last = k0 + kc == K;
     for (int64_t tb = t0; tb < t1; tb += kMcTiles) {
       const int64_t tiles = std::min(kMcTiles, t1 - tb);
-      pack_rows(x, M, K, tb * kMr, tiles, k0, kc, packed.data());
+      fp8serve_tiles::pack_rows<kMr>(x, M, K, tb * kMr, tiles, k0, kc, packed.data());
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kNr;
         const int nvalid = static_cast<int>(std::min<int64_t>(kNr, N - n0));
@@ -402,7 +347,7 @@ void run_gated_share(const float* x, const uint16_t* w, const float* bias, float
   alignas(32) float g[kMr][kNr], u[kMr][kNr];
   for (int64_t tb = t0; tb < t1; tb += kMcTiles) {
     const int64_t tiles = std::min(kMcTiles, t1 - tb);
-    pack_rows(x, M, K, tb * kMr, tiles, 0, K, packed.data());
+    fp8serve_tiles::pack_rows<kMr>(x, M, K, tb * kMr, tiles, 0, K, packed.data());
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* bg = w + p * K * kNr;
       const uint16_t* bu = w + (p + up_off) * K * kNr;

@@ -113,44 +113,7 @@ __attribute__((always_inline)) inline void tile(const float* __restrict a, const
     for (int s = 0; s < kSets; ++s) step(k + s, s);
   }
   for (; k < kc; ++k) step(k, 0);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int s = 1; s < kSets; ++s) {
-      lo[0][r] = _mm256_add_ps(lo[0][r], lo[s][r]);
-      hi[0][r] = _mm256_add_ps(hi[0][r], hi[s][r]);
-    }
-  }
-  if (nvalid == kNr) {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      float* cr = c + r * ldc;
-      if (accumulate) {
-        lo[0][r] = _mm256_add_ps(_mm256_loadu_ps(cr), lo[0][r]);
-        hi[0][r] = _mm256_add_ps(_mm256_loadu_ps(cr + 8), hi[0][r]);
-      }
-      if (bias) {
-        lo[0][r] = _mm256_add_ps(lo[0][r], _mm256_loadu_ps(bias));
-        hi[0][r] = _mm256_add_ps(hi[0][r], _mm256_loadu_ps(bias + 8));
-      }
-      _mm256_storeu_ps(cr, lo[0][r]);
-      _mm256_storeu_ps(cr + 8, hi[0][r]);
-    }
-    return;
-  }
-  alignas(32) float t[R][kNr];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(t[r], lo[0][r]);
-    _mm256_store_ps(t[r] + 8, hi[0][r]);
-  }
-  for (int r = 0; r < R; ++r) {
-    float* cr = c + r * ldc;
-    for (int j = 0; j < nvalid; ++j) {
-      float v = accumulate ? cr[j] + t[r][j] : t[r][j];
-      cr[j] = bias ? v + bias[j] : v;
-    }
-  }
+  fp8serve_tiles::finish_tile8<R, kSets>(lo, hi, c, ldc, accumulate, bias, nvalid);
 }
 
 void tile_rows(int rows, const float* a, const float* b, int64_t kc, float* c, int64_t ldc, bool accumulate,
@@ -221,23 +184,6 @@ void decode_panel(const uint8_t* w, int64_t K, int64_t n0, int nvalid, int64_t k
           j < nvalid ? _cvtsh_ss(fp8serve_e4m3::e4m3_to_half_bits(w[(n0 + j) * K + k0 + k])) * s8[j] : 0.f;
 }
 
-// packed[t][k][r] = x[m0 + t * kMr + r, k0 + k] (0 past row M) for `tiles` tiles.
-void pack_rows(const float* x, int64_t M, int64_t K, int64_t m0, int64_t tiles, int64_t k0, int64_t kc,
-               float* packed) {
-  for (int64_t t = 0; t < tiles; ++t) {
-    float* d = packed + t * kc * kMr;
-    for (int r = 0; r < kMr; ++r) {
-      const int64_t m = m0 + t * kMr + r;
-      if (m < M) {
-        const float* src = x + m * K + k0;
-        for (int64_t k = 0; k < kc; ++k) d[k * kMr + r] = src[k];
-      } else {
-        for (int64_t k = 0; k < kc; ++k) d[k * kMr + r] = 0.f;
-      }
-    }
-  }
-}
-
 // One thread's share: row tiles [t0, t1) x panels [p0, p1), all of K.
 void run_share(const float* x, const uint8_t* w, const float* scale, const float* bias, float* out, int64_t M,
                int64_t N, int64_t K, int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
@@ -250,7 +196,7 @@ void run_share(const float* x, const uint8_t* w, const float* scale, const float
     const bool last = kb == nkb - 1;
     for (int64_t tb = t0; tb < t1; tb += kMcTiles) {
       const int64_t tiles = std::min(kMcTiles, t1 - tb);
-      pack_rows(x, M, K, tb * kMr, tiles, k0, kc, packed.data());
+      fp8serve_tiles::pack_rows<kMr>(x, M, K, tb * kMr, tiles, k0, kc, packed.data());
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kNr;
         const int nvalid = static_cast<int>(std::min<int64_t>(kNr, N - n0));
@@ -293,7 +239,8 @@ void run_gated_share(const float* x, const uint8_t* w, const float* scale, const
     // K block kb's packed rows start at tiles * kMr * k0, laid out as run_share's.
     for (int64_t kb = 0; kb < nkb; ++kb) {
       const int64_t k0 = kb * kc_max;
-      pack_rows(x, M, K, tb * kMr, tiles, k0, std::min(kc_max, K - k0), packed.data() + tiles * kMr * k0);
+      fp8serve_tiles::pack_rows<kMr>(x, M, K, tb * kMr, tiles, k0, std::min(kc_max, K - k0),
+                                     packed.data() + tiles * kMr * k0);
     }
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t ng = p * kNr, nu = d + p * kNr;
