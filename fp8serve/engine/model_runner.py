@@ -33,6 +33,7 @@ from fp8serve.quantization.kv_scales import resolve_kv_scales
 from fp8serve.quantization.registry import get_quantization_config
 from fp8serve.sampling_params import SamplingParams
 from fp8serve.spec_decode.rejection_sampler import rejection_sample
+from fp8serve.utils.env_switch import env_switch
 from fp8serve.utils.huge_pages import pack_parameters_on_huge_pages
 from fp8serve.utils.malloc_tuning import tune_malloc
 from fp8serve.utils.memory import format_bytes
@@ -55,6 +56,17 @@ PREFILL_TOKENS_PER_FORWARD = 4096
 # 24 (after a cached prefix) 1.02-1.09x, 32 1.02-1.03x
 # (benchmarks/results/last_layer_pruning_2026-12-04_zen4*.md).
 MIN_MEAN_TOKENS_TO_PRUNE = 24
+# FP8SERVE_KV_CACHE_PREFAULT=1 writes every page of the KV cache at start-up
+# (AttentionBackend.allocate_kv_cache) instead of leaving each page to the
+# first step that writes it. On the 2-vCPU Zen 4 VM a page's first write cost
+# up to ~1.3 s per GiB where the host had taken back memory the guest freed
+# (a fresh 2 GiB buffer after 20 s idle), so the offline 64 x 512 -> 128 run
+# after 30 s idle gave 1.06-1.09x output tok/s with it, but load 3.9 s
+# against 1.5 s; back to back, 0.97-1.04x
+# (benchmarks/results/kv_prefault_2026-12-07_zen4.md). Off by default (auto,
+# 0): the default cache is a quarter of the memory, and start-up would grow
+# by seconds for pages a short job may never use.
+KV_CACHE_PREFAULT_ENV = "FP8SERVE_KV_CACHE_PREFAULT"
 
 
 @dataclass
@@ -203,7 +215,13 @@ class ModelRunner:
                 raise ConfigError(
                     f"--kv-cache-memory {format_bytes(budget)} is more than the {format_bytes(avail)} of memory "
                     f"available on this machine; give at most that (the default takes a quarter of it)")
-        caches = [self.backend.allocate_kv_cache(num_blocks, self.device) for _ in self.attn_layers]
+        prefault = env_switch(KV_CACHE_PREFAULT_ENV) is True
+        t0 = time.perf_counter()
+        caches = [self.backend.allocate_kv_cache(num_blocks, self.device, prefault=prefault)
+                  for _ in self.attn_layers]
+        if prefault:
+            logger.info("KV cache: every page written at start-up in %.1f s (%s=1), not by the first requests' "
+                        "steps", time.perf_counter() - t0, KV_CACHE_PREFAULT_ENV)
         for layer, cache in zip(self.attn_layers, caches):
             layer.bind(self.backend, cache)
         self.kv_caches = caches

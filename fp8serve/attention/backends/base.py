@@ -21,15 +21,22 @@ class AttentionBackend(ABC):
         self.spec = spec
         self.compute_dtype = compute_dtype
 
-    def allocate_kv_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+    def allocate_kv_cache(self, num_blocks: int, device: torch.device, prefault: bool = False) -> torch.Tensor:
         """`num_blocks` usable blocks plus one zeroed null block (id
         `num_blocks`) that padded and masked reads point at: a masked key has
         probability 0, but 0 * NaN from an unwritten slot would still poison
         the output. The rest is left unwritten (torch.empty), so the OS maps
-        pages only as blocks are used and start-up does not touch gigabytes."""
+        pages only as blocks are used and start-up does not touch gigabytes;
+        `prefault` zeroes all of it instead, so every page is mapped before
+        the first request (as vLLM's zeroed caches are): on a 2-vCPU VM the
+        first write to a page cost up to ~1.3 s per GiB, inside the steps of
+        the first requests that reach it (engine/model_runner.py)."""
         cache = self.spec.empty_layer(num_blocks + 1, device)  # spec.layer_shape, in spec.kv_layout's order
         advise_huge_pages(cache)  # before the first write, so pages are born huge
-        cache[:, num_blocks].zero_()
+        if prefault:
+            cache.zero_()
+        else:
+            cache[:, num_blocks].zero_()
         return cache
 
     @abstractmethod
