@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefill_inputs import packed_qkv_inputs
 from fp8serve.kernels.prefill_attention_ops import (
     _PATHS,
     amx_available,
@@ -29,16 +30,7 @@ def _paths(ops, head_size):
     return paths
 
 
-def _inputs(g, lens, num_heads, num_kv_heads, head_size, dtype, magnitude=2.0):
-    total = sum(lens)
-    # q, k and v as the model hands them over: strided views of one fused row.
-    qkv = torch.randn(total, (num_heads + 2 * num_kv_heads) * head_size, generator=g) * magnitude
-    qkv = qkv.to(dtype)
-    q = qkv[:, :num_heads * head_size].view(total, num_heads, head_size)
-    k = qkv[:, num_heads * head_size:(num_heads + num_kv_heads) * head_size].view(total, num_kv_heads, head_size)
-    v = qkv[:, (num_heads + num_kv_heads) * head_size:].view(total, num_kv_heads, head_size)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
-    return q, k, v, cu
+_inputs = packed_qkv_inputs  # (g, lens, num_heads, num_kv_heads, head_size, dtype, magnitude=2.0)
 
 
 @pytest.mark.parametrize("head_size", [64, 128])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefill_inputs import packed_qkv_inputs
 from fp8serve.kernels import prefill_attention_ops
 from fp8serve.kernels.prefill_attention_ops import prefill_attention, prefill_attention_ref, prefill_attention_sdpa
 
@@ -22,14 +23,7 @@ def amx(ops):
 
 
 def _inputs(g, lens, num_heads, num_kv_heads, head_size, magnitude=2.0):
-    total = sum(lens)
-    # q, k and v as the model hands them over: strided views of one fused bf16 row.
-    qkv = (torch.randn(total, (num_heads + 2 * num_kv_heads) * head_size, generator=g) * magnitude).bfloat16()
-    q = qkv[:, :num_heads * head_size].view(total, num_heads, head_size)
-    k = qkv[:, num_heads * head_size:(num_heads + num_kv_heads) * head_size].view(total, num_kv_heads, head_size)
-    v = qkv[:, (num_heads + num_kv_heads) * head_size:].view(total, num_kv_heads, head_size)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
-    return q, k, v, cu
+    return packed_qkv_inputs(g, lens, num_heads, num_kv_heads, head_size, torch.bfloat16, magnitude)
 
 
 @pytest.mark.parametrize("head_size", [64, 128])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from checkpoints import legacy_rope_config, load_hf_model, read_config, rewrite_config, write_tiny_llama
+from engine_runs import assert_greedy_batch_invariant
 from fp8serve.default_model import ensure_default_model
 from fp8serve.entrypoints.llm import LLM
 from fp8serve.sampling_params import SamplingParams
@@ -251,22 +252,9 @@ def test_preempted_sequences_resume_with_the_same_logits(tmp_path):
 
 # ---------------------------------------------------------------------------- batch invariance
 def assert_batch_invariant(model_dir, prompts, max_tokens: int, **llm_kwargs) -> None:
-    """Greedy tokens in a batch equal those of each prompt alone, unless the top two candidates
-    were within 1e-4 in logprob at the first step where they diverge (a float tie)."""
+    """assert_greedy_batch_invariant on a float32 LLM of `model_dir` (with `llm_kwargs`)."""
     llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, **llm_kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
-    batched = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, b in zip(prompts, batched):
-        alone = llm.generate([prompt], params, use_tqdm=False)[0]
-        b_ids, a_ids = b.outputs[0].token_ids, alone.outputs[0].token_ids
-        if b_ids == a_ids:
-            continue
-        step = next(i for i, (x, y) in enumerate(zip(b_ids, a_ids)) if x != y)
-        for out in (b, alone):
-            top2 = sorted((lp.logprob for lp in out.outputs[0].logprobs[step].values()), reverse=True)[:2]
-            assert top2[0] - top2[1] < 1e-4, (
-                f"batched and single runs diverge at step {step} ({b_ids[step]} vs {a_ids[step]}) "
-                f"although the top two logprobs differ by {top2[0] - top2[1]:.2e}")
+    assert_greedy_batch_invariant(llm, prompts, max_tokens)
 
 
 def test_greedy_tokens_do_not_depend_on_the_batch(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from checkpoints import checkpoint_tensor_names, load_hf_model, rewrite_config, write_tiny_mixtral
+from engine_runs import assert_greedy_batch_invariant
 from fp8serve.entrypoints.llm import LLM
 from fp8serve.sampling_params import SamplingParams
 
@@ -127,16 +128,4 @@ def test_greedy_tokens_do_not_depend_on_the_batch(mixtral_dir):
     were within 1e-4 in logprob at the first divergent step (a float tie the batch may flip)."""
     llm = LLM(str(mixtral_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
     prompts = _prompts((2, 9, 17, 30), seed=3)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
-    batched = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, b in zip(prompts, batched):
-        alone = llm.generate([prompt], params, use_tqdm=False)[0]
-        b_ids, a_ids = b.outputs[0].token_ids, alone.outputs[0].token_ids
-        if b_ids == a_ids:
-            continue
-        step = next(i for i, (x, y) in enumerate(zip(b_ids, a_ids)) if x != y)
-        for out in (b, alone):
-            top2 = sorted((lp.logprob for lp in out.outputs[0].logprobs[step].values()), reverse=True)[:2]
-            assert top2[0] - top2[1] < 1e-4, (
-                f"batched and single runs diverge at step {step} ({b_ids[step]} vs {a_ids[step]}) "
-                f"although the top two logprobs differ by {top2[0] - top2[1]:.2e}")
+    assert_greedy_batch_invariant(llm, prompts, 20)

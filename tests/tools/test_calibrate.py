@@ -9,6 +9,7 @@ import json
 import pytest
 
 from checkpoints import write_tiny_llama
+from cli_runs import count_fp8_layers_of_built_llms
 
 from fp8serve import LLM
 from fp8serve.calibration.observers import E4M3_MAX
@@ -123,19 +124,8 @@ def test_outputs_and_seq_len_are_checked_before_the_model_runs(calibrated, capsy
 def test_quantization_calibrates_the_fp8_weight_model_and_says_so(calibrated, capsys, monkeypatch):
     """-q fp8: the engine that runs the text has FP8 projections, so the amax are that model's, not the
     16-bit one's; the output says the weights were quantized at load and to serve the scales with the flag."""
-    import fp8serve.calibration.runner as runner
-
     model, text, root = calibrated
-    real_build_llm = runner.build_llm
-    num_fp8_layers = []
-
-    def build_llm(*args, **kwargs):
-        llm = real_build_llm(*args, **kwargs)
-        modules = llm.llm_engine.model_runner.model.modules()
-        num_fp8_layers.append(sum(getattr(m, "fp8_backend", None) is not None for m in modules))
-        return llm
-
-    monkeypatch.setattr(runner, "build_llm", build_llm)
+    num_fp8_layers = count_fp8_layers_of_built_llms(monkeypatch)
     outputs, amax = {}, {}
     for flags in ([], ["-q", "fp8"]):
         out_json = root / f"scales{''.join(flags)}.json"

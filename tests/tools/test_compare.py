@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from checkpoints import make_tokenizer, write_tiny_llama
+from cli_runs import count_fp8_layers_of_built_llms
 
 from fp8serve.calibration.kv_config import KVConfig
 from fp8serve.engine.tokenizer import load_tokenizer
@@ -146,18 +147,7 @@ def test_arguments_are_checked_before_any_model_loads(models, tmp_path, capsys, 
 def test_quantization_reaches_the_engines_it_is_given_for(models, tmp_path, monkeypatch):
     """-q fp8 for the MODEL without @SPEC, :q=fp8 in a SPEC: those engines, and only those, have FP8 projections,
     and the table says which configuration ran with them."""
-    import fp8serve
-
-    real_llm = fp8serve.LLM
-    num_fp8_layers = []
-
-    def llm(*args, **kwargs):
-        engine = real_llm(*args, **kwargs)
-        modules = engine.llm_engine.model_runner.model.modules()
-        num_fp8_layers.append(sum(getattr(m, "fp8_backend", None) is not None for m in modules))
-        return engine
-
-    monkeypatch.setattr(fp8serve, "LLM", llm)
+    num_fp8_layers = count_fp8_layers_of_built_llms(monkeypatch)
     a, _ = models
     out = tmp_path / "cmp.md"
     assert main(["compare", str(a), f"{a}@auto", f"{a}@fp8_e4m3:q=fp8", "-q", "fp8", "--max-tokens", "3",

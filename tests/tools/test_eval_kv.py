@@ -9,6 +9,7 @@ import json
 import pytest
 
 from checkpoints import write_tiny_llama
+from cli_runs import count_fp8_layers_of_built_llms
 
 from fp8serve.entrypoints.cli import main
 from fp8serve.errors import UserError
@@ -126,19 +127,8 @@ def test_quantization_applies_to_the_reference_and_every_configuration(setup, ca
     """-q fp8: every engine, the reference's included, has FP8 projections, so an unquantized KV cache is
     still exactly the reference (KL 0) and the numbers are the KV cache's cost on the FP8-weight model; the
     JSON and the table say so."""
-    import fp8serve.calibration.runner as runner
-
     model, text, _, _, root = setup
-    real_build_llm = runner.build_llm
-    num_fp8_layers = []
-
-    def build_llm(*args, **kwargs):
-        llm = real_build_llm(*args, **kwargs)
-        modules = llm.llm_engine.model_runner.model.modules()
-        num_fp8_layers.append(sum(getattr(m, "fp8_backend", None) is not None for m in modules))
-        return llm
-
-    monkeypatch.setattr(runner, "build_llm", build_llm)
+    num_fp8_layers = count_fp8_layers_of_built_llms(monkeypatch)
     docs, stdout = {}, {}
     for flags in ([], ["-q", "fp8"]):
         out_json = root / f"r{''.join(flags)}.json"
