@@ -488,6 +488,44 @@ def test_bf16_dot_context_splits_and_long_calls(ops, seed, num_threads, path):
         torch.set_num_threads(before)
 
 
+E4M3_ONE_TO_FOUR = torch.tensor([0x38, 0x40, 0x44, 0x48], dtype=torch.uint8)  # 1.0, 2.0, 3.0, 4.0
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("num_threads", [2, 3])
+def test_bf16_dot_thread_pieces_cut_across_sequences(ops, seed, num_threads):
+    """Few sequences on the bf16 dot-product tiles: the batch's tokens in one
+    piece per thread, cut inside a sequence wherever a piece ends (a short
+    sequence whole inside a piece, one cut twice, a piece ending on a sequence's
+    last token), alone and beside a shared prefix (cascade)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for seq_lens in ([5, 700, 64, 1, 1300], [2], [65], [999, 1, 1, 1000], [64, 64, 64]):
+            case = Case(seed, "fp8_e4m3", 64, num_kv_heads=3, group=3, seq_lens=seq_lens)
+            err = (case.run("bf16dot").double() - case.reference_same_codes().double()).abs().max().item()
+            bound = bf16_dot_bounds(case)[1] + TOL_SAME_CODES["fp8_e4m3"]
+            assert err <= bound, f"seed={seed} lens={seq_lens}: {err:.2e} > {bound:.2e}"
+            # Every token once: K codes 0 make every weight 1, and V values of 1-4 make
+            # every sum exact, so the output is V's mean to float32 rounding; a token
+            # missed or counted twice where a piece ends moves it by ~1/len.
+            case.key_cache.view(torch.uint8).zero_()
+            g = torch.Generator().manual_seed(seed)
+            picks = torch.randint(0, 4, case.value_cache.shape, generator=g)
+            case.value_cache.view(torch.uint8).copy_(E4M3_ONE_TO_FOUR[picks])
+            err = rel_err(case.run("bf16dot"), case.reference_same_codes())
+            assert err < 1e-6, f"seed={seed} lens={seq_lens}: uniform weights {err:.2e} from V's mean"
+        case = Case(seed, "fp8_e4m3", 64, num_kv_heads=3, group=3, seq_lens=[700, 740, 705, 33])
+        share_blocks(case, [0, 1, 2], 40)  # 640 tokens attended once, the rest split in pieces
+        out = paged_attention_decode(case.kernel_query, case.key_cache, case.value_cache, case.block_tables,
+                                     case.seq_lens, "fp8_e4m3", case.out_scale, path="bf16dot", cascade="always")
+        err = (out.double() - case.reference_same_codes().double()).abs().max().item()
+        bound = bf16_dot_bounds(case)[1] + TOL_SAME_CODES["fp8_e4m3"]
+        assert err <= bound, f"seed={seed} (cascade): {err:.2e} > {bound:.2e}"
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_bf16_dot
 @pytest.mark.parametrize("path", DOT_PATHS)
 def test_bf16_dot_path_leaves_what_it_does_not_cover_to_the_float32_tiles(ops, seed, path):

@@ -1302,6 +1302,8 @@ struct PrefixResults {
   const float* lse;      // [rows, num_heads]
 };
 
+inline bool bf16_dot_tiles(int path, int64_t kv_format, int64_t head_size);
+
 template <int64_t F>
 void decode_impl(const Problem& p, int path, const PrefixResults* prefix) {
   const int64_t hs = p.head_size, nh = p.num_heads;
@@ -1322,24 +1324,44 @@ void decode_impl(const Problem& p, int path, const PrefixResults* prefix) {
   // 22.1 vs 20.7 ms.
   const int64_t target_items = 4 * num_threads;
   int64_t split_tokens = max_len;
-  if (p.num_seqs < target_items && num_threads > 1) {
-    int64_t min_split = kMinSplitTokens;
+  const bool split = p.num_seqs < target_items && num_threads > 1;
+  // Whether run_item takes the AMX tiles (else, for a bf16 path on an FP8
+  // cache, the bf16 dot-product tiles).
 #ifdef FP8SERVE_AMX_DECODE
+  const bool amx_tiles =
+      path == kAmxPath && (F == kE4M3 || F == kE5M2) && bf16_dot_head_size(hs) && fp8serve_amx::permitted();
+#else
+  const bool amx_tiles = false;
+#endif
+  if (split) {
     // The AMX tiles' fixed costs per item (tile configuration, Q^T per tile,
     // the first tile's prefetch burst, the partial and its merge) outweigh
     // 64-token pieces: one sequence of 512 tokens took the same ~20 us on one
     // thread as on two in pieces of 64.
-    if (path == kAmxPath && (F == kE4M3 || F == kE5M2) && bf16_dot_head_size(hs) && fp8serve_amx::permitted())
-      min_split = kAmxMinSplitTokens;
-#endif
+    const int64_t min_split = amx_tiles ? kAmxMinSplitTokens : kMinSplitTokens;
     split_tokens = std::max(min_split, (total_tokens + target_items - 1) / target_items);
     split_tokens = (split_tokens + kTileTokens - 1) / kTileTokens * kTileTokens;
   }
+  // The bf16 dot-product tiles split the batch's tokens, taken in order, into
+  // one piece per thread instead (cut inside a sequence where a piece ends):
+  // their 64-token tiles made 4 items per thread mostly one- to four-tile
+  // items, each opening with a tile nothing prefetched and ending with a
+  // partial to merge. On the Zen 4 EPYC (2 threads, SmolLM2's heads, e4m3,
+  // attention.py against the previous build): batch 1-4 x 512-2048 1.01-1.14x
+  // hot, 1.01-1.08x cold; in engine decode steps (kernel_ab_engine.py, batch 1
+  // x 1024, batch 4 x 512) 1.003x and 1.03x, within the rounds' noise.
+  const bool thread_pieces = split && !amx_tiles && bf16_dot_tiles(path, F, hs);
+  const int64_t piece_tokens =
+      thread_pieces ? std::max(kMinSplitTokens, (total_tokens + num_threads - 1) / num_threads) : 0;
   std::vector<WorkItem> items;
   items.reserve(p.num_seqs + total_tokens / std::max<int64_t>(split_tokens, 1) + 1);
+  // Items [piece_start[k], piece_start[k + 1]) are piece k, which one worker
+  // takes whole; without thread_pieces every item is a piece.
+  std::vector<int64_t> piece_start{0};
   std::vector<int64_t> first_partial(p.num_seqs + 1, 0);  // seq b's partials: [first[b], first[b+1])
   int64_t num_partials = 0;
   std::vector<int64_t> prefix_partial;  // (seq, its slot) of each prefix result
+  int64_t pos = 0;                      // thread_pieces: the batch's tokens before this sequence's
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t len = p.seq_lens[b], begin = begin_of(b);
     first_partial[b] = num_partials;
@@ -1348,12 +1370,28 @@ void decode_impl(const Problem& p, int path, const PrefixResults* prefix) {
       prefix_partial.push_back(b);
       prefix_partial.push_back(num_partials++);
     }
+    if (thread_pieces) {
+      const int64_t n = len - begin;
+      const bool whole = begin == 0 && (n == 0 || pos / piece_tokens == (pos + n - 1) / piece_tokens);
+      for (int64_t t = begin; t < len || (whole && t == begin);) {
+        const int64_t at = pos + (t - begin), piece = at / piece_tokens;
+        if (piece + 1 > static_cast<int64_t>(piece_start.size()))
+          piece_start.push_back(static_cast<int64_t>(items.size()));
+        const int64_t end = std::min(len, t + (piece + 1) * piece_tokens - at);
+        items.push_back({b, t, end, whole ? -1 : num_partials++});
+        if (end == t) break;  // an empty sequence's one item
+        t = end;
+      }
+      pos += n;
+      continue;
+    }
     if (begin == 0 && len <= split_tokens) {
       items.push_back({b, 0, len, -1});
     } else {
       for (int64_t t = begin; t < len; t += split_tokens)
         items.push_back({b, t, std::min(len, t + split_tokens), num_partials++});
     }
+    for (int64_t i = piece_start.back(); i < static_cast<int64_t>(items.size()); ++i) piece_start.push_back(i + 1);
   }
   first_partial[p.num_seqs] = num_partials;
   // Partial results: [num_partials, num_heads, head_size + 2] (acc, then m and l).
@@ -1367,26 +1405,29 @@ void decode_impl(const Problem& p, int path, const PrefixResults* prefix) {
     std::fill(part + nh * hs + nh, part + nh * hs + 2 * nh, 1.f);
   }
 
-  std::atomic<int64_t> next_item{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::max<int64_t>(1, std::min(num_threads, num_items));
+  if (thread_pieces) piece_start.push_back(static_cast<int64_t>(items.size()));
+  std::atomic<int64_t> next_piece{0};
+  const int64_t num_pieces = static_cast<int64_t>(piece_start.size()) - 1;
+  const int64_t workers = std::max<int64_t>(1, std::min(num_threads, num_pieces));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // One buffer per worker per call, not per item.
     std::vector<float> state(nh * (hs + 2));
     float* acc = state.data();
     float* m = acc + nh * hs;
     float* l = m + nh;
-    for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-      const WorkItem& item = items[i];
-      run_item<F>(p, item, path, m, l, acc);
-      if (item.partial < 0) {
-        float* o = p.out + item.seq * nh * hs;
-        for (int64_t h = 0; h < nh; ++h) {
-          const float f = p.out_scale / l[h];
-          for (int64_t d = 0; d < hs; ++d) o[h * hs + d] = acc[h * hs + d] * f;
+    for (int64_t k; (k = next_piece.fetch_add(1, std::memory_order_relaxed)) < num_pieces;) {
+      for (int64_t i = piece_start[k]; i < piece_start[k + 1]; ++i) {
+        const WorkItem& item = items[i];
+        run_item<F>(p, item, path, m, l, acc);
+        if (item.partial < 0) {
+          float* o = p.out + item.seq * nh * hs;
+          for (int64_t h = 0; h < nh; ++h) {
+            const float f = p.out_scale / l[h];
+            for (int64_t d = 0; d < hs; ++d) o[h * hs + d] = acc[h * hs + d] * f;
+          }
+        } else {
+          std::memcpy(partials.get() + item.partial * partial_stride, state.data(), partial_stride * sizeof(float));
         }
-      } else {
-        std::memcpy(partials.get() + item.partial * partial_stride, state.data(), partial_stride * sizeof(float));
       }
     }
   });
