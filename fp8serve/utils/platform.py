@@ -93,16 +93,37 @@ def is_amd_cpu() -> bool:
     return cpu_vendor() == "AuthenticAMD"
 
 
-def _matmul_gflops(dtype: torch.dtype) -> float:
-    # The shape of one SmolLM2 MLP projection over a 256-token prefill.
-    x = torch.randn(256, 576).to(dtype)
-    w = torch.randn(1536, 576).to(dtype)
-    F.linear(x, w)
-    n = 5
+# Interleaved timing rounds behind `--dtype auto` on AVX512-BF16 CPUs without
+# AMX; each dtype's best round counts. A single timing of each (~6 ms of bf16
+# calls) once picked float32 for an engine on the Zen 4 EPYC, where bf16
+# measures ~2.5x float32 (398 vs 167 GFLOP/s): its prefill GEMMs ran at
+# float32's 200 GFLOP/s, 617 ms for 512 tokens against 315 ms at the next
+# start. A pause of a few ms in that timing is enough to flip the choice.
+MATMUL_TIMING_ROUNDS = 5
+
+
+def _matmul_gflops(x: torch.Tensor, w: torch.Tensor) -> float:
+    """GFLOP/s of three `F.linear(x, w)` calls (one round of the timing)."""
+    n = 3
     t = time.perf_counter()
     for _ in range(n):
         F.linear(x, w)
-    return 2 * 256 * 576 * 1536 * n / (time.perf_counter() - t) / 1e9
+    return 2 * x.shape[0] * x.shape[1] * w.shape[0] * n / (time.perf_counter() - t) / 1e9
+
+
+def _best_matmul_gflops(rounds: int = MATMUL_TIMING_ROUNDS) -> dict[torch.dtype, float]:
+    """Best GFLOP/s of float32 and bf16 `F.linear` over `rounds` alternating rounds."""
+    # The shape of one SmolLM2 MLP projection over a 256-token prefill.
+    x = torch.randn(256, 576)
+    w = torch.randn(1536, 576)
+    operands = {dtype: (x.to(dtype), w.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    for xd, wd in operands.values():
+        F.linear(xd, wd)  # first calls: oneDNN's primitive creation and allocations, not timed
+    best = dict.fromkeys(operands, 0.0)
+    for _ in range(rounds):
+        for dtype, (xd, wd) in operands.items():
+            best[dtype] = max(best[dtype], _matmul_gflops(xd, wd))
+    return best
 
 
 @functools.cache
@@ -111,7 +132,8 @@ def fastest_cpu_compute_dtype() -> torch.dtype:
 
     On AVX2-only CPUs bf16 matmul is emulated and ~8x slower than float32;
     with AMX it is several times faster. With AVX512-BF16 alone the answer
-    depends on the chip, so we time both (about 50 ms)."""
+    depends on the chip, so we time both (best of MATMUL_TIMING_ROUNDS
+    alternating rounds, about 60-100 ms)."""
     flags = cpu_flags()
     if not ({"amx_bf16", "avx512_bf16"} & flags):
         logger.info("dtype auto -> float32 (this CPU has no native bf16 matmul; float32 is faster here)")
@@ -121,7 +143,8 @@ def fastest_cpu_compute_dtype() -> torch.dtype:
         # no need to time it, and a timing on a busy machine could mislead.
         logger.info("dtype auto -> bfloat16 (this CPU has AMX bf16 matrix units)")
         return torch.bfloat16
-    f32, bf16 = _matmul_gflops(torch.float32), _matmul_gflops(torch.bfloat16)
+    best = _best_matmul_gflops()
+    f32, bf16 = best[torch.float32], best[torch.bfloat16]
     choice = torch.bfloat16 if bf16 > 1.2 * f32 else torch.float32
     logger.info("dtype auto -> %s (measured matmul: float32 %.0f GFLOP/s, bfloat16 %.0f GFLOP/s)",
                 str(choice).removeprefix("torch."), f32, bf16)

@@ -22,10 +22,30 @@ def test_auto_compute_dtype_follows_the_cpu(monkeypatch, flags, expected):
 def test_avx512_bf16_alone_is_decided_by_timing(monkeypatch):
     monkeypatch.setattr(platform, "cpu_flags", lambda: {"avx512_bf16"})
     timings = {torch.float32: 100.0, torch.bfloat16: 300.0}
-    monkeypatch.setattr(platform, "_matmul_gflops", lambda dtype: timings[dtype])
+    monkeypatch.setattr(platform, "_matmul_gflops", lambda x, w: timings[x.dtype])
     assert platform.fastest_cpu_compute_dtype.__wrapped__() == torch.bfloat16
     timings[torch.bfloat16] = 110.0  # not clearly faster: keep float32
     assert platform.fastest_cpu_compute_dtype.__wrapped__() == torch.float32
+
+
+def test_a_disturbed_timing_round_does_not_decide(monkeypatch):
+    """Each dtype's best of the alternating rounds counts: bf16 timed slow in
+    all but one round (a busy machine) is still bf16, float32 timed slow once
+    is still float32's best."""
+    monkeypatch.setattr(platform, "cpu_flags", lambda: {"avx512_bf16"})
+    rounds = platform.MATMUL_TIMING_ROUNDS
+    samples = {torch.float32: [160.0] * (rounds - 1) + [40.0],
+               torch.bfloat16: [90.0] * (rounds - 1) + [400.0]}
+    calls = {torch.float32: 0, torch.bfloat16: 0}
+
+    def measured(x, w):
+        value = samples[x.dtype][calls[x.dtype]]
+        calls[x.dtype] += 1
+        return value
+
+    monkeypatch.setattr(platform, "_matmul_gflops", measured)
+    assert platform.fastest_cpu_compute_dtype.__wrapped__() == torch.bfloat16
+    assert calls == {torch.float32: rounds, torch.bfloat16: rounds}
 
 
 def test_cpu_vendor_reads_proc_cpuinfo():
