@@ -15,6 +15,17 @@ For every KV storage format and (batch, context) cell it reports
 and separately the cache write (quantize + scatter) of a decode batch and of a
 16 x 512-token prefill.
 
+Kernel times are taken two ways. `kernel`: the op called from Python, as the
+engine's backend calls it where no decode plan runs (each call also pays ~4-5
+us of Python, a tensor allocation and boxed dispatch: a third of a batch-1 x
+512 call on a Zen 4 EPYC). `plan` (--plan-steps): the op as the engine's
+decode plans call it for small batches (engine/static_plan.py: a C++ loop over
+the forward's kernels, no Python between them, the output preallocated): the
+fused entry `paged_attention_decode_fused_out` (the query in its compute dtype,
+the scales folded in, the output converted back), --plan-steps calls of it per
+plan run, as a decode step calls it once per layer. Both are reported; the
+plan's output is checked against the Python call's.
+
 Kernel times come twice. Hot: the same call repeated, so a cell whose K+V fits
 in the last-level cache (up to 32 MiB on some CPUs) is read from cache, not
 memory. Cold (`--cold-flush-mib`, default 128): before each timed pass a buffer
@@ -128,6 +139,10 @@ class DecodeCase:
         self.out_scale = V_SCALE * decode_mult
         self.bytes_read = 2 * batch * context * hkv * hs * self.spec.element_size
         self.kv_dtype = kv_dtype
+        # What a decode plan's attention step takes (attention_plan).
+        self.q_scale = self.softmax_scale * K_SCALE * decode_mult
+        self.k_cache, self.v_cache = self.kv_cache.unbind(0)
+        self.plan_out = torch.empty_like(self.query)
         # The op itself, as the engine's backend calls it: the Python wrapper's
         # argument checks cost ~10 us, a quarter of a batch-1 call, and the
         # baseline column calls its op directly too. Looked up once: finding it
@@ -150,6 +165,54 @@ class DecodeCase:
     def backend_step(self, backend):
         return backend.forward(self.query, self.key, self.value, self.kv_cache, self.md,
                                softmax_scale=self.softmax_scale, k_scale=K_SCALE, v_scale=V_SCALE)
+
+
+def attention_plan(cases: list[DecodeCase], repeat: int = 1):
+    """A `fp8serve::DecodePlan` (kernels/cpu/decode_plan.cpp) of attention
+    steps, what the engine's decode plans run once per layer: each case's
+    query, caches and tables `repeat` times in order, into the case's
+    preallocated `plan_out`."""
+    plan = torch.classes.fp8serve.DecodePlan()
+    for _ in range(repeat):
+        for c in cases:
+            plan.add("attention", [c.plan_out, c.query, c.k_cache, c.v_cache, c.block_tables, c.seq_lens],
+                     [KV_FORMATS[c.kv_dtype]], [c.q_scale, c.out_scale], [])
+    plan.set_output(cases[-1].plan_out)
+    return plan
+
+
+def check_plan_output(case: DecodeCase) -> None:
+    """The plan's result (query dtype) against the Python call's (float32):
+    both read the same codes with the same scales folded, so a float32 query
+    gives the same values and a bf16 one differs by the output's rounding to
+    bf16 (2^-9 relative; 2-3e-3 of the largest output measured) and the
+    query's scaling before its rounding. A plan wired to other arguments (K
+    and V swapped, a scale) is off by far more."""
+    attention_plan([case]).run([])
+    want = case.kernel()
+    got = case.plan_out.float()
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    if not err <= (1e-5 if case.query_dtype == torch.float32 else 1e-2):
+        sys.exit(f"the decode plan's attention output differs from the op's: max error {err:.3g} of the largest "
+                 f"output ({case.kv_dtype}, batch {case.block_tables.shape[0]})")
+
+
+def time_plan_hot(case: DecodeCase, steps: int, min_time: float, repeats: int) -> float:
+    """Seconds per attention call in a plan of `steps` calls on the same cell."""
+    plan = attention_plan([case], steps)
+    return best_time(lambda: plan.run([]), min_time, repeats) / steps
+
+
+def time_plan_cold(cases: list[DecodeCase], flush: torch.Tensor, rounds: int) -> float:
+    """time_cold's passes with the calls in one plan: median seconds per call."""
+    plan = attention_plan(cases)
+    times = []
+    for _ in range(rounds):
+        flush.sum()
+        t = time.perf_counter()
+        plan.run([])
+        times.append((time.perf_counter() - t) / len(cases))
+    return statistics.median(times)
 
 
 def bf16_query_op_name() -> str:
@@ -237,6 +300,9 @@ def main() -> None:
     p.add_argument("--cold-flush-mib", type=int, default=128,
                    help="MiB read before each cold pass (more than the last-level cache); 0: no cold columns")
     p.add_argument("--cold-rounds", type=int, default=9, help="cold passes per cell (median)")
+    p.add_argument("--plan-steps", type=int, default=30,
+                   help="attention calls per decode-plan run for the plan columns (a decode step of the default "
+                        "model calls it 30 times, once per layer); 0: no plan columns")
     p.add_argument("--baseline-lib", help="another build of the kernel library to time side by side")
     p.add_argument("--baseline-namespace", default="fp8serve_base", help="its torch.ops namespace")
     p.add_argument("--baseline-rev", help="time paged_attention.cpp as of this git revision side by side")
@@ -254,6 +320,8 @@ def main() -> None:
         p.error(f"--cold-flush-mib must be >= 0, got {args.cold_flush_mib}")
     if args.cold_rounds < 1:
         p.error(f"--cold-rounds must be >= 1, got {args.cold_rounds}")
+    if args.plan_steps < 0:
+        p.error(f"--plan-steps must be >= 0, got {args.plan_steps}")
     require_positive(p, args, "baseline_rounds")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -330,6 +398,9 @@ def main() -> None:
                 else:
                     r["kernel"] = best_time(case.kernel, args.min_time, args.repeats)
                 r["gbs"] = case.bytes_read / r["kernel"] / 1e9
+                if args.plan_steps:
+                    check_plan_output(case)
+                    r["plan"] = time_plan_hot(case, args.plan_steps, args.min_time, args.repeats)
                 if flush is not None:
                     # A few copies per pass (at least ~8 MiB of K+V, at most 8) amortize the timer.
                     cases = [case, *cold_cases(args, kv_dtype, batch, context)[1:]]
@@ -340,6 +411,8 @@ def main() -> None:
                     else:
                         r["cold"] = time_cold(cases, flush, args.cold_rounds)
                     r["cold_gbs"] = case.bytes_read / r["cold"] / 1e9
+                    if args.plan_steps:
+                        r["cold_plan"] = time_plan_cold(cases, flush, args.cold_rounds)
                     del cases
                 r["paged"] = best_time(lambda: case.backend_step(case.paged), args.min_time, args.repeats)
                 if not args.skip_reference:
@@ -360,6 +433,11 @@ def main() -> None:
          f"{args.cold_flush_mib} MiB buffer, on copies of the cell no recent call touched). "
          "GB/s: K+V bytes read / kernel time. "
          "Steps: one decode step of a backend (cache write of the new token included).")
+    if args.plan_steps:
+        emit(f"Plan: the same cells, the op called as the engine's decode plans call it (from C++, "
+             f"`paged_attention_decode_fused_out`, {args.plan_steps} calls per plan run, time per call; cold: one "
+             "call per copy of the cell, after the same flush); these columns leave out the ~4-5 us of Python, "
+             "allocation and boxed dispatch per call that `kernel ms` includes.")
     if base_label == "float32 tiles":
         emit("`float32 tiles ms` times `paged_attention_decode` (what a float32 query runs) on the same data; "
              "speedup = float32 tiles / kernel.")
@@ -374,9 +452,12 @@ def main() -> None:
     base_sep = ("---|---|" if baseline else "") + ("---|---|" if cold_base else "")
     cold_cols = " cold ms | cold GB/s | cold % copy |" if flush is not None else ""
     cold_sep = "---|---|---|" if flush is not None else ""
+    plan_cols = " plan ms | plan GB/s | plan % copy |" if args.plan_steps else ""
+    plan_cols += " cold plan ms | cold plan % copy |" if args.plan_steps and flush is not None else ""
+    plan_sep = "---|" * plan_cols.count("|")
     emit(f"| kv dtype | batch | context | K+V MiB | kernel ms | GB/s | % copy | % read |{cold_cols}{base_cols}"
-         " cpu_paged step ms | torch_sdpa step ms | step speedup |")
-    emit(f"|---|---|---|---|---|---|---|---|{cold_sep}{base_sep}---|---|---|")
+         f" cpu_paged step ms | torch_sdpa step ms | step speedup |{plan_cols}")
+    emit(f"|---|---|---|---|---|---|---|---|{cold_sep}{base_sep}---|---|---|{plan_sep}")
     for r in rows:
         line = (f"| {r['kv_dtype']} | {r['batch']} | {r['context']} | {r['mib']:.1f} | {r['kernel'] * 1e3:.3f} "
                 f"| {r['gbs']:.1f} | {100 * r['gbs'] / copy_bw:.0f}% | {100 * r['gbs'] / read_bw:.0f}% |")
@@ -390,6 +471,12 @@ def main() -> None:
             line += f" {r['paged'] * 1e3:.3f} | {r['ref'] * 1e3:.3f} | {r['ref'] / r['paged']:.1f}x |"
         else:
             line += f" {r['paged'] * 1e3:.3f} | - | - |"
+        if "plan" in r:
+            plan_gbs = r["mib"] * 2**20 / r["plan"] / 1e9
+            line += f" {r['plan'] * 1e3:.3f} | {plan_gbs:.1f} | {100 * plan_gbs / copy_bw:.0f}% |"
+        if "cold_plan" in r:
+            cold_plan_gbs = r["mib"] * 2**20 / r["cold_plan"] / 1e9
+            line += f" {r['cold_plan'] * 1e3:.3f} | {100 * cold_plan_gbs / copy_bw:.0f}% |"
         emit(line)
 
     fp8 = [d for d in args.kv_dtypes if d.startswith("fp8")]

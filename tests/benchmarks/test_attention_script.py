@@ -131,3 +131,53 @@ def test_rejects_an_unknown_query_dtype(monkeypatch, capsys):
     with loaded_script("attention.py") as script, pytest.raises(SystemExit):
         script.main()
     assert "--query-dtype: invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_plan_columns_time_the_engine_call_path(ops, monkeypatch, capsys):
+    """The plan columns: the op called from a decode plan (C++, the fused
+    entry), hot and cold, after their output was checked against the Python
+    call's; --plan-steps 0 leaves them out."""
+    argv = ["attention.py", "--batch-sizes", "2", "--context-lens", "40", "--kv-dtypes", "fp8_e4m3",
+            "--min-time", "0.01", "--repeats", "1", "--skip-reference", "--no-avx2-column",
+            "--cold-flush-mib", "4", "--cold-rounds", "2", "--plan-steps", "3", "--no-save"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with loaded_script("attention.py") as script:
+        script.main()
+    out = capsys.readouterr().out
+    assert "3 calls per plan run" in out
+    header = next(ln for ln in out.splitlines() if ln.startswith("| kv dtype | batch")).split("|")
+    row = next(ln for ln in out.splitlines() if ln.startswith("| fp8_e4m3 | 2 | 40 |")).split("|")
+    assert len(row) == len(header)
+    cells = {h.strip(): v.strip() for h, v in zip(header, row)}
+    assert float(cells["plan ms"]) > 0 and float(cells["plan GB/s"]) > 0 and float(cells["cold plan ms"]) > 0
+    assert cells["plan % copy"].endswith("%") and cells["cold plan % copy"].endswith("%")
+
+    monkeypatch.setattr(sys, "argv", [*argv[:-2], "0", "--no-save"])
+    with loaded_script("attention.py") as script:
+        script.main()
+    out = capsys.readouterr().out
+    header = next(ln for ln in out.splitlines() if ln.startswith("| kv dtype | batch"))
+    assert "plan" not in header and "calls per plan run" not in out
+
+
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bfloat16"])
+def test_plan_output_matches_the_op_and_a_miswired_plan_fails(ops, kv_dtype, query_dtype):
+    """check_plan_output passes for the plan as built and stops the script when
+    the plan's step gets K and V swapped (what a wrong argument order would do;
+    the Python call keeps reading them right)."""
+    with loaded_script("attention.py") as script:
+        args = SimpleNamespace(block_size=16, num_kv_heads=3, head_size=64, num_heads=9, query_dtype=query_dtype)
+        case = script.DecodeCase(args, kv_dtype, 3, 75, seed=7)
+        script.check_plan_output(case)
+        assert script.attention_plan([case], repeat=2).num_steps() == 2
+        case.k_cache, case.v_cache = case.v_cache, case.k_cache
+        with pytest.raises(SystemExit, match="decode plan's attention output differs from the op's"):
+            script.check_plan_output(case)
+
+
+def test_rejects_negative_plan_steps(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--plan-steps", "-1", "--no-save"])
+    with loaded_script("attention.py") as script, pytest.raises(SystemExit):
+        script.main()
+    assert "--plan-steps must be >= 0, got -1" in capsys.readouterr().err
