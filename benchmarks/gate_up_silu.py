@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """The MLP's gate_up projection and SiLU-and-mul as one kernel against the two steps, where the
-engine runs a tiled GEMM under float32 compute:
+engine runs a tiled GEMM under float32 compute or the packed GEMV under bf16 compute:
   --weights bf16 (default): a bf16 checkpoint, 3 or more rows: `bf16_tiled_gemm_silu_and_mul`
     against `bf16_tiled_gemm`, then `silu_and_mul`;
+  --weights bf16-compute: a bf16 checkpoint under bf16 compute (AVX512-BF16 CPUs), 13-256 rows:
+    `dense_gemv_packed_silu_and_mul` against `dense_gemv_packed`, then `silu_and_mul`;
   --weights fp8: an FP8 checkpoint (e4m3 weights, one scale per output row), 25 or more rows:
     `fp8_tiled_gemm_silu_and_mul` against `fp8_tiled_gemm`, then `silu_and_mul`.
 
@@ -20,6 +22,7 @@ engine runs a tiled GEMM under float32 compute:
     .venv/bin/python benchmarks/gate_up_silu.py
     .venv/bin/python benchmarks/gate_up_silu.py --rows 16,512 --batch-sizes 16 --rounds 4
     .venv/bin/python benchmarks/gate_up_silu.py --weights fp8 --rows 32,64,512 --batch-sizes 32,64
+    .venv/bin/python benchmarks/gate_up_silu.py --weights bf16-compute --rows 16,64,256 --prefill-len 0
     .venv/bin/python benchmarks/gate_up_silu.py --weights fp8 --shape 2048x5632 --layers 4 \\
         --batch-sizes '' --prefill-len 0   # TinyLlama-1.1B's MLP (K = 2048: K blocks), ops only
 """
@@ -63,9 +66,12 @@ def gate_up_calls(weights: str, seed: int, hidden: int = HIDDEN, intermediate: i
     ops = cpu_ops.load_cpu_ops()
     g = torch.Generator().manual_seed(seed)
     n = 2 * intermediate
-    if weights == "bf16":
+    if weights in ("bf16", "bf16-compute"):
         packed = [gemv_packing.pack_gemv_weight((torch.randn(n, hidden, generator=g) * 0.05).bfloat16())
                   for _ in range(layers)]
+        if weights == "bf16-compute":
+            return (lambda x, i: ops.dense_gemv_packed_silu_and_mul(x, packed[i], n, None),
+                    lambda x, i: cpu_ops.silu_and_mul(ops.dense_gemv_packed(x, packed[i], n, None)))
         return (lambda x, i: ops.bf16_tiled_gemm_silu_and_mul(x, packed[i], n, None),
                 lambda x, i: cpu_ops.silu_and_mul(ops.bf16_tiled_gemm(x, packed[i], n, None)))
     codes, scales = [], []
@@ -85,6 +91,8 @@ def ops_table(weights: str, rows: list[int], rounds: int, seed: int, hidden: int
     lines = ["| rows | two steps ms | fused ms | speedup | same bits |", "|---|---|---|---|---|"]
     for m in rows:
         x = torch.randn(m, hidden, generator=g)
+        if weights == "bf16-compute":
+            x = x.bfloat16()
 
         def two_steps():
             t = time.perf_counter()
@@ -172,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefills", type=int, default=3, help="timed prefill steps per round")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
-                   help="the weights of the tiled GEMM: a bf16 checkpoint's, or an FP8 checkpoint's e4m3 codes")
+    p.add_argument("--weights", choices=("bf16", "fp8", "bf16-compute"), default="bf16",
+                   help="the weights of the fused kernel: a bf16 checkpoint's (float32 compute: the tiled GEMM; "
+                        "bf16-compute: the packed GEMV), or an FP8 checkpoint's e4m3 codes")
     p.add_argument("--model", default=None,
                    help="a bf16 checkpoint directory (default: the built-in model; --weights fp8: its FP8 "
                         "checkpoint is written once and run)")
@@ -197,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.weights == "bf16" and not cpu_ops.bf16_tiled_gemm_built():
         p.error("bf16_tiled_gemm is not built here (it needs the C++ kernels with AVX2 and FMA)")
+    if args.weights == "bf16-compute" and not (cpu_ops.load_cpu_ops() is not None
+                                               and bool(cpu_ops.load_cpu_ops().dense_gemv_has_packed())):
+        p.error("dense_gemv_packed is not built here (it needs the C++ kernels with AVX512-BF16)")
     if args.weights == "fp8" and not fp8_linear_ops.tiled_gemm_enabled():
         p.error(f"fp8_tiled_gemm does not run here (it needs the C++ kernels with AVX2, FMA and F16C and no "
                 f"AVX-512, or {fp8_linear_ops.TILED_GEMM_ENV}=1): nothing takes its gated form")
@@ -217,14 +229,15 @@ def main(argv: list[str] | None = None) -> int:
 
             model = fp8_checkpoint(args.model, None)  # the one single_stream.py writes for the same --model
         longest = max([args.prefill_len, args.prompt_len + args.steps + 2])
+        compute = "bfloat16" if args.weights == "bf16-compute" else "float32"
         engines = {}
         for name in ("two steps", "fused"):
-            llm = LLM(model=str(model), dtype="float32", max_model_len=longest + 8, device="cpu", seed=0,
+            llm = LLM(model=str(model), dtype=compute, max_model_len=longest + 8, device="cpu", seed=0,
                       max_num_batched_tokens=max(2048, longest + 8), max_num_seqs=max([64, *batches]))
             engine = llm.llm_engine
             record_as_a_warm_engine(engine)
             gate_up = [m for n, m in engine.model_runner.model.named_modules() if n.endswith("gate_up_proj")]
-            if args.weights == "bf16" and (not gate_up or getattr(gate_up[0], "weight_gemv_packed", None) is None):
+            if args.weights != "fp8" and (not gate_up or getattr(gate_up[0], "weight_gemv_packed", None) is None):
                 p.error(f"the engine made no packed bf16 copies here ({gemv_packing.PACKED_WEIGHTS_ENV}=1 forces "
                         "them): nothing takes the gated form")
             if args.weights == "fp8" and (not gate_up or getattr(gate_up[0], "fp8_backend", None) != "cpu_kernel"):
@@ -232,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             if name == "two steps":
                 unfuse(engine)
             engines[name] = engine
-        lines += ["", f"## Engine steps ({model}, float32 compute on the {args.weights} weights), medians of "
+        lines += ["", f"## Engine steps ({model}, {compute} compute on the {args.weights.split('-')[0]} weights), "
+                  f"medians of "
                   f"{args.rounds} alternating rounds", "", "| step | two steps ms | fused ms | speedup | same tokens |",
                   "|---|---|---|---|---|"]
         if args.prefill_len:

@@ -495,6 +495,21 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
     return (ops.dense_gemv_packed_float_out if float_out else ops.dense_gemv_packed)(x, packed, n, bias)
 
 
+def dense_gemv_packed_gated_applies(x: torch.Tensor, packed: torch.Tensor | None, n: int) -> bool:
+    """Whether `dense_gemv_packed_silu_and_mul` serves a gate_up projection of
+    n = 2d outputs for x: where dense_gemv_packed would, with d a multiple of
+    16 (gate and up blocks whole)."""
+    return dense_gemv_packed_applies(x, packed) and n % 32 == 0
+
+
+def dense_gemv_packed_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, n: int,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(g) * u for [g, u] = x @ weight.T (+ bias), weight [n, K] the bf16 [gate; up] rows of a
+    gate_up projection and `packed` its packed copy: [M, n / 2] bf16, the bits `dense_gemv_packed`
+    then `silu_and_mul` give, in one kernel (cpu/dense_gemv_packed.cpp)."""
+    return load_cpu_ops().dense_gemv_packed_silu_and_mul(x, packed, n, bias)
+
+
 # The rows bf16_tiled_gemm serves: float32 x of at least this many rows
 # against a bf16 weight's packed copy (a bf16 checkpoint under float32
 # compute, on the AVX2 CPUs where gemv_packing packs for it), decode batches

@@ -40,12 +40,17 @@ class UnquantizedLinearMethod(LinearMethod):
         return onednn_linear.linear(x, layer.weight, bias, packed=layer.weight_packed)
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        # Where `apply` would run bf16_tiled_gemm: its gated form, which applies SiLU-and-mul to each
-        # tile as it leaves the registers instead of writing the [rows, 2d] projection for the
-        # activation to read back (the same bits on AVX2 builds).
-        if (amx_linear_ops.applies(x, layer.weight, layer.weight_packed)
-                or cpu_ops.dense_gemv_packed_applies(x, layer.weight_gemv_packed)):
+        # Where `apply` would run bf16_tiled_gemm or dense_gemv_packed: their gated forms, which apply
+        # SiLU-and-mul to each tile as it leaves the registers instead of writing the [rows, 2d]
+        # projection for the activation to read back (the same bits: dense_gemv_packed's always,
+        # bf16_tiled_gemm's on AVX2 builds).
+        if amx_linear_ops.applies(x, layer.weight, layer.weight_packed):
             return None
+        if cpu_ops.dense_gemv_packed_applies(x, layer.weight_gemv_packed):
+            n = layer.weight.shape[0]
+            if not cpu_ops.dense_gemv_packed_gated_applies(x, layer.weight_gemv_packed, n):
+                return None
+            return cpu_ops.dense_gemv_packed_silu_and_mul(x, layer.weight_gemv_packed, n, bias)
         if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed, layer.weight_packed):
             return cpu_ops.bf16_tiled_gemm_silu_and_mul(x, layer.weight_gemv_packed, layer.weight.shape[0], bias)
         return None

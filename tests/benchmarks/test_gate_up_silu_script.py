@@ -73,3 +73,24 @@ def test_fp8_ops_table_of_another_shape(monkeypatch, tmp_path):
                            "--rounds", "1", header="| rows")
     assert "## Ops: 2 fp8 gate_up weights 700 -> 2 x 32" in text and "## Engine steps" not in text
     _assert_timed(rows, "25", [])
+
+
+def _dense_gemv_packed_built() -> bool:
+    ops = cpu_ops.load_cpu_ops()
+    return ops is not None and bool(ops.dense_gemv_has_packed())
+
+
+@pytest.mark.skipif(not _dense_gemv_packed_built(), reason="needs dense_gemv_packed (AVX512-BF16)")
+def test_bf16_compute_ops_and_engine_tables(monkeypatch, tmp_path):
+    """--weights bf16-compute: the packed GEMV's gated form against dense_gemv_packed then
+    silu_and_mul (the same bits on every build), and bf16-compute engines whose 13-row decode
+    batches take it."""
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    text, rows = run_table(monkeypatch, tmp_path, "gate_up_silu.py", "--weights", "bf16-compute", "--rows", "13",
+                           "--batch-sizes", "13", "--prefill-len", "0", "--prompt-len", "8", "--steps", "2",
+                           "--rounds", "1", header="| rows")
+    assert "## Ops: 30 bf16-compute gate_up weights" in text and "bfloat16 compute on the bf16 weights" in text
+    ops_rows = [r for r in rows if r[0] in ("13", "decode batch 13")]
+    assert [r[0] for r in ops_rows] == ["13", "decode batch 13"]
+    for r in ops_rows:
+        assert float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x") and r[4] == "yes", r

@@ -118,6 +118,97 @@ def test_applies_to_bf16_batches_of_13_to_256_rows():
     assert cpu_ops.dense_gemv_packed_applies(torch.randn(1, 64).bfloat16(), packed, cpu_ops.LM_HEAD_PACKED_MIN_ROWS)
 
 
+
+# ------------------------------------------------------------- the gated form
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 13, 16, 24, 61, 200])  # every tile height, 1-25 tiles
+@pytest.mark.parametrize("d,k", [(16, 6), (48, 64), (80, 576), (1536, 576)])  # 1, 3, 5 and 96 gate blocks
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_gated_form_has_the_two_steps_bits(seed, m, d, k, bias_dtype):
+    """dense_gemv_packed_silu_and_mul == silu_and_mul(dense_gemv_packed(...)) bit for bit: the gate
+    and up rounded to bf16 as the projection stores them, silu from the same table, the product
+    rounded as silu_and_mul rounds it. Gates with a spread of ~8 (silu's negative tail and its
+    near-identity range), ups of both signs."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(2 * d, k, generator=g) / k**0.5
+    w[:d] *= 8  # gates several times larger than the ups
+    w = w.bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(2 * d, generator=g).to(bias_dtype) if bias_dtype is not None else None
+    packed = pack_gemv_weight(w)
+    out = _ops.dense_gemv_packed_silu_and_mul(x, packed, 2 * d, bias)
+    proj = _ops.dense_gemv_packed(x, packed, 2 * d, bias)
+    two_steps = torch.empty(m, d, dtype=torch.bfloat16)
+    _ops.silu_and_mul(two_steps, proj)
+    assert out.shape == (m, d) and out.dtype == torch.bfloat16
+    assert torch.equal(out, two_steps), f"seed={seed}: {(out.float() - two_steps.float()).abs().max().item():.3g}"
+    gate = proj[:, :d].float()
+    if m * d >= 64:
+        assert (gate < -4).any() and (gate > 4).any(), "the gates should reach both of silu's regimes"
+
+
+def test_gated_form_on_integer_data_is_exact(seed):
+    """Small integers: gate and up exact in bf16, so out = bf16(bf16(silu(g)) * u) from float64:
+    a gate paired with another row's up, or a block read from the wrong half, shows."""
+    g = torch.Generator().manual_seed(seed)
+    d, k, m = 32, 24, 11
+    w = torch.randint(-2, 3, (2 * d, k), generator=g).bfloat16()
+    x = torch.randint(-2, 3, (m, k), generator=g).bfloat16()
+    out = _ops.dense_gemv_packed_silu_and_mul(x, pack_gemv_weight(w), 2 * d, None)
+    ref = x.double() @ w.double().t()
+    gate, up = ref[:, :d], ref[:, d:]
+    silu = (gate * torch.sigmoid(gate)).float().bfloat16().double()
+    assert torch.equal(out, (silu * up).float().bfloat16()), f"seed={seed}"
+
+
+def test_gated_form_rejects_a_half_that_is_not_whole_blocks():
+    w = pack_gemv_weight(torch.randn(48, 8).bfloat16())  # d = 24
+    x = torch.randn(2, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="takes n = 2d with d a multiple of 16, got n = 48"):
+        _ops.dense_gemv_packed_silu_and_mul(x, w, 48, None)
+    assert not cpu_ops.dense_gemv_packed_gated_applies(torch.randn(20, 8).bfloat16(), w, 48)
+    w64 = pack_gemv_weight(torch.randn(64, 8).bfloat16())
+    with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
+        _ops.dense_gemv_packed_silu_and_mul(x, w64, 64, torch.zeros(32))
+    assert cpu_ops.dense_gemv_packed_gated_applies(torch.randn(20, 8).bfloat16(), w64, 64)
+    assert not cpu_ops.dense_gemv_packed_gated_applies(torch.randn(12, 8).bfloat16(), w64, 64)  # dense_gemv's rows
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_an_mlp_gate_up_takes_the_gated_form_where_the_gemv_would_run(monkeypatch, seed, with_bias):
+    """SiluAndMul.of_projection on a bf16 [gate, up] layer with the packed copy under bf16
+    compute: rows that dense_gemv_packed serves run its gated form with the two steps' bits;
+    fewer rows, and a layer whose halves are not whole blocks, the layer and then the activation."""
+    from fp8serve.kernels import gemv_packing
+    from fp8serve.layers.activation import SiluAndMul
+    from fp8serve.layers.linear import MergedLinear
+
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    g = torch.Generator().manual_seed(seed)
+
+    def layer_of(d, k):
+        layer = MergedLinear(k, [d, d], bias=with_bias, params_dtype=torch.bfloat16)
+        layer.weight = torch.nn.Parameter((torch.randn(2 * d, k, generator=g) / k**0.5).bfloat16(),
+                                          requires_grad=False)
+        if with_bias:
+            layer.bias = torch.nn.Parameter(torch.randn(2 * d, generator=g).bfloat16(), requires_grad=False)
+        return layer
+
+    act = SiluAndMul()
+    whole, partial = layer_of(48, 64), layer_of(24, 64)
+    assert gemv_packing.pack_gemv_weights(torch.nn.Sequential(whole, partial), torch.bfloat16) > 0
+    assert whole.weight_gemv_packed is not None and partial.weight_gemv_packed is not None
+    calls = []
+    real = cpu_ops.dense_gemv_packed_silu_and_mul
+    monkeypatch.setattr(cpu_ops, "dense_gemv_packed_silu_and_mul",
+                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    lo = cpu_ops.GEMV_PACKED_MIN_ROWS
+    for m in (lo - 1, lo, 100):
+        x = torch.randn(m, 64, generator=g).bfloat16()
+        assert torch.equal(act.of_projection(whole, x), act(whole(x))), f"seed={seed} M={m}"
+        assert torch.equal(act.of_projection(partial, x), act(partial(x))), f"seed={seed} M={m}"
+    assert calls == [lo, 100]
+
+
 # ---------------------------------------------------------------- FP8 weights
 _fp8 = pytest.mark.skipif(_ops is None or not bool(_ops.fp8_gemv_has_packed()),
                           reason="fp8_gemv_packed needs the C++ kernels built for AVX512-BF16 and AVX512-VBMI")

@@ -38,6 +38,8 @@
 #include "float_staging.h"
 #include "fp8_bf16_lut.h"
 #include "prefetch_level.h"
+#include "silu_table.h"
+#include "vec16.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -86,14 +88,14 @@ inline void store_rounded(void* out, int64_t offset, __mmask16 mask, __m512 v) {
 // out[m][16 * (b0 + c) + j] for MT activation rows and NB blocks b0 .. b0 + NB - 1;
 // every weight line read also prefetches the line prefetch_offset bytes on
 // (none when 0).
-template <int MT, int NB, bool FloatOut>
-__attribute__((always_inline)) inline void tile(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp,
-                                                int64_t b0, const float* bias, void* out, int64_t N,
-                                                int64_t prefetch_offset) {
-  __m512 acc[MT][NB];
+// acc[m][c] = the float32 sums of MT activation rows against the NB blocks
+// starting at wb; every weight line read also prefetches the line
+// prefetch_offset bytes on (none when 0).
+template <int MT, int NB>
+__attribute__((always_inline)) inline void accumulate(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wb,
+                                                      int64_t prefetch_offset, __m512 (&acc)[MT][NB]) {
   for (int m = 0; m < MT; ++m)
     for (int c = 0; c < NB; ++c) acc[m][c] = _mm512_setzero_ps();
-  const uint16_t* wb = wp + b0 * kp_count * 32;
   for (int64_t p = 0; p < kp_count; ++p) {
     __m512bh wv[NB];
     for (int c = 0; c < NB; ++c) {
@@ -107,6 +109,14 @@ __attribute__((always_inline)) inline void tile(const uint32_t* x_pairs, int64_t
       for (int c = 0; c < NB; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], wv[c], xv);
     }
   }
+}
+
+template <int MT, int NB, bool FloatOut>
+__attribute__((always_inline)) inline void tile(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp,
+                                                int64_t b0, const float* bias, void* out, int64_t N,
+                                                int64_t prefetch_offset) {
+  __m512 acc[MT][NB];
+  accumulate<MT, NB>(x_pairs, kp_count, wp + b0 * kp_count * 32, prefetch_offset, acc);
   for (int c = 0; c < NB; ++c) {
     const int64_t n0 = (b0 + c) * 16;
     const int64_t valid = std::min<int64_t>(16, N - n0);
@@ -138,6 +148,68 @@ void blocks_any(int64_t mt, const uint32_t* x_pairs, int64_t kp_count, const uin
     default: TORCH_CHECK(false, "bad activation tile ", mt);
   }
 }
+
+#if defined(FP8SERVE_VEC16)
+#define FP8SERVE_GEMV_PACKED_GATED 1
+// The gated form (dense_gemv_packed_silu_and_mul) for MT rows and the NB
+// gate blocks from b0 (their up blocks `up_blocks` further on): the gate
+// tile's sums rounded to bf16 with their bias as `tile` stores them, kept
+// on the stack while the up tile runs, then silu of each gate from
+// silu_and_mul's table times the up value rounded the same way, the product
+// rounded as silu_and_mul rounds it (vec16.h store). So the result is the
+// two steps' bits, and the [M, 2d] projection is never written and read
+// back. d: a multiple of 16 (every block whole).
+template <int MT, int NB>
+__attribute__((always_inline)) inline void tile_gated(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp,
+                                                      int64_t b0, int64_t up_blocks, const float* bias,
+                                                      uint16_t* out, int64_t d, int64_t prefetch_offset,
+                                                      const uint16_t* table) {
+  __m512 acc[MT][NB];
+  alignas(64) uint16_t gate[MT][NB][16];
+  accumulate<MT, NB>(x_pairs, kp_count, wp + b0 * kp_count * 32, prefetch_offset, acc);
+  for (int c = 0; c < NB; ++c) {
+    const __m512 b = bias ? _mm512_loadu_ps(bias + (b0 + c) * 16) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(gate[m][c]),
+                         _mm512_cvtepi32_epi16(round_to_bf16_bits(_mm512_add_ps(acc[m][c], b))));
+  }
+  accumulate<MT, NB>(x_pairs, kp_count, wp + (b0 + up_blocks) * kp_count * 32, prefetch_offset, acc);
+  for (int c = 0; c < NB; ++c) {
+    const int64_t n0 = (b0 + c) * 16;
+    const __m512 b = bias ? _mm512_loadu_ps(bias + d + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16_bits(_mm512_add_ps(acc[m][c], b)), 16));
+      const __m512i g = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(gate[m][c])));
+      fp8serve_vec16::store<1>(out, m * d + n0, _mm512_mul_ps(fp8serve_act::silu_bf16_from_table16(table, g), up));
+    }
+  }
+}
+
+template <int MT>
+void blocks_gated(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp, int64_t b_begin, int64_t b_end,
+                  int64_t up_blocks, const float* bias, uint16_t* out, int64_t d, int64_t prefetch_offset,
+                  const uint16_t* table) {
+  int64_t b = b_begin;
+  for (; b + kTileBlocks <= b_end; b += kTileBlocks)
+    tile_gated<MT, kTileBlocks>(x_pairs, kp_count, wp, b, up_blocks, bias, out, d, prefetch_offset, table);
+  for (; b < b_end; ++b) tile_gated<MT, 1>(x_pairs, kp_count, wp, b, up_blocks, bias, out, d, prefetch_offset, table);
+}
+
+void blocks_gated_any(int64_t mt, const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp, int64_t b_begin,
+                      int64_t b_end, int64_t up_blocks, const float* bias, uint16_t* out, int64_t d,
+                      int64_t prefetch_offset, const uint16_t* table) {
+  switch (mt) {
+#define FP8SERVE_CASE(T)                                                                                         \
+  case T:                                                                                                        \
+    blocks_gated<T>(x_pairs, kp_count, wp, b_begin, b_end, up_blocks, bias, out, d, prefetch_offset, table); \
+    break;
+    FP8SERVE_CASE(1) FP8SERVE_CASE(2) FP8SERVE_CASE(3) FP8SERVE_CASE(4)
+    FP8SERVE_CASE(5) FP8SERVE_CASE(6) FP8SERVE_CASE(7) FP8SERVE_CASE(8)
+#undef FP8SERVE_CASE
+    default: TORCH_CHECK(false, "bad activation tile ", mt);
+  }
+}
+#endif  // FP8SERVE_VEC16
 #endif
 
 #if defined(FP8SERVE_GEMV_PACKED) && defined(FP8SERVE_FP8_BF16_LUT)
@@ -240,14 +312,19 @@ inline GemvArgs check_gemv_args(const char* op, const at::Tensor& x, int64_t num
 // the second the next chunk (the same position one chunk on), later ones read
 // L2 only. run(rows, m0, c0, c1, prefetch_offset) does one tile of rows over
 // blocks [c0, c1).
+// stream_bytes: the bytes of one block along each weight stream a tile reads
+// (the gated form's blocks are a gate block and its up block: two streams of
+// half its bytes), the step to the same position one chunk on.
 template <class Run>
-void walk_chunks(int64_t num_blocks, int64_t tile_blocks, int64_t block_bytes, int64_t M, const Run& run) {
+void walk_chunks(int64_t num_blocks, int64_t tile_blocks, int64_t block_bytes, int64_t M, const Run& run,
+                 int64_t stream_bytes = 0) {
+  if (stream_bytes == 0) stream_bytes = block_bytes;
   const int64_t chunk_blocks = std::max<int64_t>(1, kChunkBytes / block_bytes / tile_blocks) * tile_blocks;
   at::parallel_for(0, num_blocks, tile_blocks, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = begin; c0 < end; c0 += chunk_blocks) {
       const int64_t c1 = std::min(end, c0 + chunk_blocks);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const int64_t ahead = m0 == 0 ? kPrefetchBytes : m0 == kTileRows ? (c1 - c0) * block_bytes : 0;
+        const int64_t ahead = m0 == 0 ? kPrefetchBytes : m0 == kTileRows ? (c1 - c0) * stream_bytes : 0;
         run(std::min(kTileRows, M - m0), m0, c0, c1, ahead);
       }
     }
@@ -301,6 +378,46 @@ at::Tensor dense_gemv_packed(at::Tensor x, at::Tensor w_packed, int64_t n, std::
 
 at::Tensor dense_gemv_packed_float_out(at::Tensor x, at::Tensor w_packed, int64_t n, std::optional<at::Tensor> bias) {
   return dense_gemv_packed_impl(x, w_packed, n, bias, /*float_out=*/true);
+}
+
+// silu(gate) * up of a gate_up projection in one call: w_packed as above for
+// the [n, K] weight whose first n / 2 rows are the gate's and the rest the
+// up's, n / 2 a multiple of 16; bias: [n] or none. Returns [M, n / 2] bf16,
+// the bits of dense_gemv_packed followed by silu_and_mul (tile_gated).
+at::Tensor dense_gemv_packed_silu_and_mul(at::Tensor x, at::Tensor w_packed, int64_t n,
+                                          std::optional<at::Tensor> bias) {
+#ifdef FP8SERVE_GEMV_PACKED_GATED
+  TORCH_CHECK(w_packed.dim() == 4, "w_packed must be a contiguous bf16 [ceil(N/16), K/2, 16, 2] tensor, got ",
+              w_packed.sizes());
+  TORCH_CHECK(n % 32 == 0, "dense_gemv_packed_silu_and_mul takes n = 2d with d a multiple of 16, got n = ", n);
+  const GemvArgs a = check_gemv_args("dense_gemv_packed_silu_and_mul", x, w_packed.size(0), n, bias);
+  const int64_t M = a.M, K = a.K, d = n / 2;
+  TORCH_CHECK(K % 2 == 0, "K must be even, got ", K);
+  TORCH_CHECK(w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() && w_packed.size(1) == K / 2 &&
+                  w_packed.size(2) == 16 && w_packed.size(3) == 2,
+              "w_packed must be a contiguous bf16 [ceil(N/16), K/2, 16, 2] = [*, ", K / 2, ", 16, 2] tensor, got ",
+              w_packed.sizes());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, d}, x.options().dtype(at::kBFloat16));
+  const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w_packed.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float* bp = a.bias.defined() ? a.bias.data_ptr<float>() : nullptr;
+  const uint16_t* table = fp8serve_act::silu_table<1>();
+  const int64_t kp_count = K / 2, up_blocks = d / 16, block_bytes = kp_count * 64;
+  walk_chunks(
+      up_blocks, kTileBlocks, 2 * block_bytes, M,
+      [&](int64_t rows, int64_t m0, int64_t c0, int64_t c1, int64_t ahead) {
+        blocks_gated_any(rows, xp + m0 * kp_count, kp_count, wp, c0, c1, up_blocks, bp, op + m0 * d, d, ahead, table);
+      },
+      block_bytes);
+  return out;
+#else
+  (void)x, (void)w_packed, (void)n, (void)bias;
+  TORCH_CHECK(false, "dense_gemv_packed_silu_and_mul needs a build for a CPU with AVX512-BF16 "
+                     "(see dense_gemv_has_packed)");
+  return at::Tensor();
+#endif
 }
 
 // x: [M, K] bf16, rows contiguous, 1 <= M <= 512, K a multiple of 4;
@@ -374,6 +491,7 @@ bool dense_gemv_has_packed() {
 TORCH_LIBRARY_FRAGMENT(fp8serve, m) {
   m.def("dense_gemv_packed", &dense_gemv_packed);
   m.def("dense_gemv_packed_float_out", &dense_gemv_packed_float_out);
+  m.def("dense_gemv_packed_silu_and_mul", &dense_gemv_packed_silu_and_mul);
   m.def("dense_gemv_has_packed", &dense_gemv_has_packed);
   m.def("fp8_gemv_packed", &fp8_gemv_packed);
   m.def("fp8_gemv_packed_out(Tensor(a!) out, Tensor x, Tensor codes_packed, Tensor scale, int n, Tensor? bias) -> ()",

@@ -52,6 +52,7 @@
 
 #include "scalar_convert.h"
 #include "silu_mul_row.h"
+#include "silu_table.h"
 #include "vec16.h"
 #include "vec8.h"
 
@@ -245,29 +246,8 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 
 // ------------------------------------------------------------- SiluAndMul
 
-// silu of every 16-bit gate, already rounded to the storage type: a 16-bit
-// gate has only 65536 values, so the exp and the division (most of the
-// kernel's time) become one table read, and the result is by construction
-// the bits the scalar code gives (which equal torch's for every gate: tests).
-// 64K entries of 16 bits (128 KiB, L2-resident) plus one of padding, because
-// the gathers below read 32 bits at an entry's address.
-template <int T>
-struct SiluTable {
-  uint16_t bits[65536 + 1] = {};
-  SiluTable() {
-    for (uint32_t b = 0; b < 65536; ++b) {
-      const uint16_t h = static_cast<uint16_t>(b);
-      const float gv = load_as_f32<T>(&h, 0);
-      store_from_f32<T>(&bits[b], 0, round_to<T>(gv / (1.0f + exp_f32(-gv))));
-    }
-  }
-};
-
-template <int T>
-const uint16_t* silu_table() {
-  static const SiluTable<T> table;  // built once per dtype, on first use (~1 ms)
-  return table.bits;
-}
+// The silu tables of 16-bit gates: silu_table.h.
+using fp8serve_act::silu_table;
 
 // out[t] = silu(x[t, :d]) * x[t, d:]. x: [num_tokens, 2d]; out: [num_tokens, d].
 void silu_and_mul(at::Tensor out, at::Tensor x) {
@@ -298,9 +278,13 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
 #ifdef FP8SERVE_VEC16
           for (; i + 16 <= d; i += 16) {
             const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + i)));
-            const __m512i sb = _mm512_and_si512(_mm512_i32gather_epi32(idx, tb, 2), _mm512_set1_epi32(0xffff));
-            const __m512 sv = T == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16))
-                                     : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sb));
+            __m512 sv;
+            if constexpr (T == 1) {
+              sv = fp8serve_act::silu_bf16_from_table16(table, idx);
+            } else {
+              const __m512i sb = _mm512_and_si512(_mm512_i32gather_epi32(idx, tb, 2), _mm512_set1_epi32(0xffff));
+              sv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sb));
+            }
             fp8serve_vec16::store<T>(o, i, _mm512_mul_ps(sv, fp8serve_vec16::load<T>(u, i)));
           }
 #endif
