@@ -1,5 +1,6 @@
 """The float64 reference of a gated form (a tiled GEMM's gate_up projection and SiLU-and-mul in one
-kernel), shared by tests/kernels/test_bf16_tiled_gemm.py and test_fp8_tiled_gemm.py."""
+kernel), shared by tests/kernels/test_bf16_tiled_gemm.py and test_fp8_tiled_gemm.py, and a recorder of
+the rows that reach a gated op (those and test_dense_gemv_packed.py)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,12 @@ def assert_two_steps_result(out, two_steps, seed, what):
             f"seed={seed} {what}: max diff {(out - two_steps).abs().max().item():.3g}")
     else:
         torch.testing.assert_close(out, two_steps, rtol=1e-6, atol=1e-6, msg=f"seed={seed} {what}")
+
+
+def record_rows(monkeypatch, module, name: str) -> list[int]:
+    """The rows of every call of the gated op `module.name` (x, packed, n, bias), the real op still run:
+    which row counts reach a kernel's gated form."""
+    calls: list[int] = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    return calls

@@ -371,10 +371,7 @@ def test_an_mlp_gate_up_takes_the_gated_form_where_the_gemm_would_run(monkeypatc
     plain = merged_linear([32, 32], w.float(), bias)  # float32 weights: no packed copy
     assert gemv_packing.pack_gemv_weights(torch.nn.Sequential(layer, plain), torch.float32) > 0
     assert plain.weight_gemv_packed is None
-    calls = []
-    real = cpu_ops.bf16_tiled_gemm_silu_and_mul
-    monkeypatch.setattr(cpu_ops, "bf16_tiled_gemm_silu_and_mul",
-                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    calls = gated_reference.record_rows(monkeypatch, cpu_ops, "bf16_tiled_gemm_silu_and_mul")
     lo = cpu_ops.BF16_TILED_GEMM_MIN_ROWS
     for m in (lo - 1, lo, 300):
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(seed + m)) * 0.3

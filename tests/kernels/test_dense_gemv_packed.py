@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gated_reference import record_rows
 
 from fp8serve.kernels import cpu_ops
 from fp8serve.kernels.gemv_packing import pack_gemv_weight
@@ -197,10 +198,7 @@ def test_an_mlp_gate_up_takes_the_gated_form_where_the_gemv_would_run(monkeypatc
     whole, partial = layer_of(48, 64), layer_of(24, 64)
     assert gemv_packing.pack_gemv_weights(torch.nn.Sequential(whole, partial), torch.bfloat16) > 0
     assert whole.weight_gemv_packed is not None and partial.weight_gemv_packed is not None
-    calls = []
-    real = cpu_ops.dense_gemv_packed_silu_and_mul
-    monkeypatch.setattr(cpu_ops, "dense_gemv_packed_silu_and_mul",
-                        lambda x, p, n, b=None: calls.append(x.shape[0]) or real(x, p, n, b))
+    calls = record_rows(monkeypatch, cpu_ops, "dense_gemv_packed_silu_and_mul")
     lo = cpu_ops.GEMV_PACKED_MIN_ROWS
     for m in (lo - 1, lo, 100):
         x = torch.randn(m, 64, generator=g).bfloat16()

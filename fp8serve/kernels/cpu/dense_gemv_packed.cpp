@@ -309,6 +309,15 @@ inline GemvArgs check_gemv_args(const char* op, const at::Tensor& x, int64_t num
   return {M, x.size(1), b};
 }
 
+// What the bf16 ops check of x's K and the packed weight (its dimensions checked before).
+inline void check_bf16_packed(const at::Tensor& w_packed, int64_t K) {
+  TORCH_CHECK(K % 2 == 0, "K must be even, got ", K);
+  TORCH_CHECK(w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() && w_packed.size(1) == K / 2 &&
+                  w_packed.size(2) == 16 && w_packed.size(3) == 2,
+              "w_packed must be a contiguous bf16 [ceil(N/16), K/2, 16, 2] = [*, ", K / 2, ", 16, 2] tensor, got ",
+              w_packed.sizes());
+}
+
 // The walk both ops take: blocks split over the thread pool, each task in
 // chunks of ~kChunkBytes (a whole number of tiles), each chunk once per tile
 // of rows. The first tile prefetches kPrefetchBytes ahead within the chunk,
@@ -347,11 +356,7 @@ at::Tensor dense_gemv_packed_impl(at::Tensor x, at::Tensor w_packed, int64_t n, 
               w_packed.sizes());
   const GemvArgs a = check_gemv_args("dense_gemv_packed", x, w_packed.size(0), n, bias);
   const int64_t M = a.M, K = a.K;
-  TORCH_CHECK(K % 2 == 0, "K must be even, got ", K);
-  TORCH_CHECK(w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() && w_packed.size(1) == K / 2 &&
-                  w_packed.size(2) == 16 && w_packed.size(3) == 2,
-              "w_packed must be a contiguous bf16 [ceil(N/16), K/2, 16, 2] = [*, ", K / 2, ", 16, 2] tensor, got ",
-              w_packed.sizes());
+  check_bf16_packed(w_packed, K);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
@@ -395,11 +400,7 @@ at::Tensor dense_gemv_packed_silu_and_mul(at::Tensor x, at::Tensor w_packed, int
   TORCH_CHECK(n % 32 == 0, "dense_gemv_packed_silu_and_mul takes n = 2d with d a multiple of 16, got n = ", n);
   const GemvArgs a = check_gemv_args("dense_gemv_packed_silu_and_mul", x, w_packed.size(0), n, bias);
   const int64_t M = a.M, K = a.K, d = n / 2;
-  TORCH_CHECK(K % 2 == 0, "K must be even, got ", K);
-  TORCH_CHECK(w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() && w_packed.size(1) == K / 2 &&
-                  w_packed.size(2) == 16 && w_packed.size(3) == 2,
-              "w_packed must be a contiguous bf16 [ceil(N/16), K/2, 16, 2] = [*, ", K / 2, ", 16, 2] tensor, got ",
-              w_packed.sizes());
+  check_bf16_packed(w_packed, K);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, d}, x.options().dtype(at::kBFloat16));
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
