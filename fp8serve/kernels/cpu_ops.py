@@ -495,18 +495,12 @@ def dense_gemv_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch
     return (ops.dense_gemv_packed_float_out if float_out else ops.dense_gemv_packed)(x, packed, n, bias)
 
 
-def dense_gemv_packed_gated_applies(x: torch.Tensor, packed: torch.Tensor | None, n: int) -> bool:
-    """Whether `dense_gemv_packed_silu_and_mul` serves a gate_up projection of
-    n = 2d outputs for x: where dense_gemv_packed would, with d a multiple of
-    16 (gate and up blocks whole)."""
-    return dense_gemv_packed_applies(x, packed) and n % 32 == 0
-
-
 def dense_gemv_packed_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, n: int,
                                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu(g) * u for [g, u] = x @ weight.T (+ bias), weight [n, K] the bf16 [gate; up] rows of a
     gate_up projection and `packed` its packed copy: [M, n / 2] bf16, the bits `dense_gemv_packed`
-    then `silu_and_mul` give, in one kernel (cpu/dense_gemv_packed.cpp)."""
+    then `silu_and_mul` give, in one kernel (cpu/dense_gemv_packed.cpp). n / 2 must be a multiple
+    of 16 (the gate's and the up's rows whole blocks of the packed copy)."""
     return load_cpu_ops().dense_gemv_packed_silu_and_mul(x, packed, n, bias)
 
 

@@ -48,7 +48,7 @@ class UnquantizedLinearMethod(LinearMethod):
             return None
         if cpu_ops.dense_gemv_packed_applies(x, layer.weight_gemv_packed):
             n = layer.weight.shape[0]
-            if not cpu_ops.dense_gemv_packed_gated_applies(x, layer.weight_gemv_packed, n):
+            if n % 32 != 0:  # the gate's and the up's rows must be whole blocks of 16
                 return None
             return cpu_ops.dense_gemv_packed_silu_and_mul(x, layer.weight_gemv_packed, n, bias)
         if cpu_ops.bf16_tiled_gemm_applies(x, layer.weight_gemv_packed, layer.weight_packed):

@@ -22,6 +22,10 @@
 // read as zero, as in dense_gemv's bf16 dot products); the result is rounded
 // once to bf16, nearest even, as c10::BFloat16 rounds.
 //
+// An MLP's gate_up projection has a gated form (dense_gemv_packed_silu_and_mul,
+// tile_gated): SiLU-and-mul applied as each tile's results leave the
+// registers, with silu_and_mul's bits.
+//
 // Threads: blocks of 16 output rows are split over torch's thread pool; a
 // task walks its blocks in chunks whose weights stay in L2 while each tile of
 // at most 8 activation rows passes over them, so the weight comes from memory
@@ -85,9 +89,6 @@ inline void store_rounded(void* out, int64_t offset, __mmask16 mask, __m512 v) {
   }
 }
 
-// out[m][16 * (b0 + c) + j] for MT activation rows and NB blocks b0 .. b0 + NB - 1;
-// every weight line read also prefetches the line prefetch_offset bytes on
-// (none when 0).
 // acc[m][c] = the float32 sums of MT activation rows against the NB blocks
 // starting at wb; every weight line read also prefetches the line
 // prefetch_offset bytes on (none when 0).
@@ -111,6 +112,7 @@ __attribute__((always_inline)) inline void accumulate(const uint32_t* x_pairs, i
   }
 }
 
+// out[m][16 * (b0 + c) + j] for MT activation rows and NB blocks b0 .. b0 + NB - 1.
 template <int MT, int NB, bool FloatOut>
 __attribute__((always_inline)) inline void tile(const uint32_t* x_pairs, int64_t kp_count, const uint16_t* wp,
                                                 int64_t b0, const float* bias, void* out, int64_t N,
@@ -345,7 +347,7 @@ void walk_chunks(int64_t num_blocks, int64_t tile_blocks, int64_t block_bytes, i
 
 }  // namespace
 
-// x: [M, K] bf16, rows contiguous, 1 <= M <= 32, K even; w_packed: the
+// x: [M, K] bf16, rows contiguous, 1 <= M <= 512, K even; w_packed: the
 // [ceil(N/16), K/2, 16, 2] bf16 layout above (contiguous); n: N, the
 // layer's output size; bias: [N] float32 or bf16, or none. Returns [M, N] bf16,
 // or float32 holding the same bf16-rounded values (float_out).

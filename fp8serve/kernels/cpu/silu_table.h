@@ -3,7 +3,7 @@
 // read, and the result is by construction the bits the scalar code gives
 // (which equal torch's for every gate: tests). 64K entries of 16 bits (128
 // KiB, L2-resident) plus one of padding, because the 16-lane gathers read 32
-// bits at an entry's address (silu_from_table16). Shared by silu_and_mul
+// bits at an entry's address (silu_bf16_from_table16). Shared by silu_and_mul
 // (layer_ops.cpp) and the gated decode GEMV (dense_gemv_packed.cpp), so a
 // fused result has the two steps' bits.
 #pragma once
