@@ -15,7 +15,7 @@ For every KV storage format and (batch, context) cell it reports
 and separately the cache write (quantize + scatter) of a decode batch and of a
 16 x 512-token prefill.
 
-Kernel times are taken two ways. `kernel`: the op called from Python, as the
+Each kernel time comes from two call paths. `kernel`: the op called from Python, as the
 engine's backend calls it where no decode plan runs (each call also pays ~4-5
 us of Python, a tensor allocation and boxed dispatch: a third of a batch-1 x
 512 call on a Zen 4 EPYC). `plan` (--plan-steps): the op as the engine's

@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.weights == "bf16" and not cpu_ops.bf16_tiled_gemm_built():
         p.error("bf16_tiled_gemm is not built here (it needs the C++ kernels with AVX2 and FMA)")
-    if args.weights == "bf16-compute" and not (cpu_ops.load_cpu_ops() is not None
-                                               and bool(cpu_ops.load_cpu_ops().dense_gemv_has_packed())):
+    ops = cpu_ops.load_cpu_ops()
+    if args.weights == "bf16-compute" and (ops is None or not bool(ops.dense_gemv_has_packed())):
         p.error("dense_gemv_packed is not built here (it needs the C++ kernels with AVX512-BF16)")
     if args.weights == "fp8" and not fp8_linear_ops.tiled_gemm_enabled():
         p.error(f"fp8_tiled_gemm does not run here (it needs the C++ kernels with AVX2, FMA and F16C and no "
@@ -246,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 unfuse(engine)
             engines[name] = engine
         lines += ["", f"## Engine steps ({model}, {compute} compute on the {args.weights.split('-')[0]} weights), "
-                  f"medians of "
-                  f"{args.rounds} alternating rounds", "", "| step | two steps ms | fused ms | speedup | same tokens |",
+                  f"medians of {args.rounds} alternating rounds", "", "| step | two steps ms | fused ms | speedup | same tokens |",
                   "|---|---|---|---|---|"]
         if args.prefill_len:
             prompt = token_source(engines["fused"], "text")(args.prefill_len, random.Random(args.seed))
