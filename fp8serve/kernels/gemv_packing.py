@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from fp8serve.utils.env_switch import env_switch
-from fp8serve.utils.huge_pages import advise_huge_pages
+from fp8serve.utils.huge_pages import HugePageArena, advise_huge_pages
 from fp8serve.utils.platform import is_amd_cpu
 from fp8serve.utils.weight_copies import copy_fits, pack_each_weight_once
 
@@ -75,14 +75,32 @@ PACKED_WEIGHTS_ENV = "FP8SERVE_GEMV_PACKED_WEIGHTS"
 BLOCK_ROWS = 16  # output rows per packed block: one 512-bit vector of float32 sums
 
 
+def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, arena: HugePageArena | None,
+                huge_pages: bool) -> torch.Tensor:
+    """A packed copy's buffer: from the arena, or its own, advised before the first write."""
+    if arena is not None:
+        return arena.empty(shape, dtype)
+    out = torch.empty(shape, dtype=dtype)
+    if huge_pages:
+        advise_huge_pages(out, "weight")
+    return out
+
+
+def packed_bytes(weights) -> int:
+    """The arena bytes the packed copies of these [N, K] weights take (bf16 or FP8 codes alike)."""
+    return sum(HugePageArena.span(BLOCK_ROWS * packed_shape(*w.shape)[0] * w.shape[1] * w.element_size())
+               for w in weights)
+
+
 def packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
     """[ceil(N/16), K/2, 16, 2]: the layout `pack_gemv_weight` makes for an [N, K] weight."""
     return (-(-n // BLOCK_ROWS), k // 2, BLOCK_ROWS, 2)
 
 
-def pack_gemv_weight(weight: torch.Tensor, huge_pages: bool = True) -> torch.Tensor:
+def pack_gemv_weight(weight: torch.Tensor, huge_pages: bool = True, arena: HugePageArena | None = None) -> torch.Tensor:
     """`weight` [N, K] bf16 (K even) as packed[b, p, j, i] = weight[16 b + j, 2 p + i],
-    rows past N zero; contiguous, on 2 MiB pages where Linux grants them
+    rows past N zero; contiguous: in `arena` when given (the engine's copies,
+    `pack_gemv_weights`), else a buffer of its own advised onto 2 MiB pages
     (huge_pages; not for the few rows the greedy screen packs per step)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"pack_gemv_weight takes a 2-D bf16 CPU weight [N, K], got {weight.dtype} "
@@ -91,9 +109,7 @@ def pack_gemv_weight(weight: torch.Tensor, huge_pages: bool = True) -> torch.Ten
     if k % 2 != 0 or n == 0:
         raise ValueError(f"pack_gemv_weight: weight {tuple(weight.shape)} needs N >= 1 and an even K")
     blocks, pairs, _, _ = packed_shape(n, k)
-    packed = torch.empty(blocks, pairs, BLOCK_ROWS, 2, dtype=torch.bfloat16)
-    if huge_pages:
-        advise_huge_pages(packed, "weight")  # before the first write, as the weights' own arena
+    packed = _new_buffer((blocks, pairs, BLOCK_ROWS, 2), torch.bfloat16, arena, huge_pages)
     padded = weight
     if blocks * BLOCK_ROWS != n:
         padded = torch.zeros(blocks * BLOCK_ROWS, k, dtype=torch.bfloat16)
@@ -119,11 +135,13 @@ def _fp8_code_positions() -> torch.Tensor:
     return src
 
 
-def pack_fp8_gemv_weight(codes: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_fp8_gemv_weight(codes: torch.Tensor, weight_scale: torch.Tensor,
+                         arena: HugePageArena | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes [N, K] (uint8, K a multiple of 4) and their per-row scales
     [N] float32 as fp8_gemv_packed reads them: codes [ceil(N/16), K/4, 64]
     (dense_gemv_packed.cpp; rows past N are code 0) and the scales times 2^8
-    (the decode's scale), zero-padded to [ceil(N/16) * 16]."""
+    (the decode's scale), zero-padded to [ceil(N/16) * 16]. The codes go in
+    `arena` when given (see pack_gemv_weight)."""
     if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.device.type != "cpu":
         raise ValueError(f"pack_fp8_gemv_weight takes 2-D uint8 e4m3 codes [N, K] on the CPU, got {codes.dtype} "
                          f"{tuple(codes.shape)} on {codes.device}")
@@ -137,8 +155,7 @@ def pack_fp8_gemv_weight(codes: torch.Tensor, weight_scale: torch.Tensor) -> tup
     padded = torch.zeros(blocks * BLOCK_ROWS, k, dtype=torch.uint8)
     padded[:n] = codes
     quads = padded.reshape(blocks, BLOCK_ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(blocks, k // 4, 64)
-    packed = torch.empty(blocks, k // 4, 64, dtype=torch.uint8)
-    advise_huge_pages(packed, "weight")
+    packed = _new_buffer((blocks, k // 4, 64), torch.uint8, arena, True)
     packed.copy_(quads[:, :, _fp8_code_positions()])
     scale = torch.zeros(blocks * BLOCK_ROWS, dtype=torch.float32)
     scale[:n] = weight_scale * E4M3_DECODE_SCALE
@@ -194,12 +211,14 @@ def pack_gemv_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
     if not _fp8_packing_built():
         fp8 = []
     weights = {id(m.weight): m.weight for m in bf16 + fp8}  # a tied LM head shares its embedding's weight
-    total = sum(BLOCK_ROWS * packed_shape(*w.shape)[0] * w.shape[1] * w.element_size() for w in weights.values())
+    total = packed_bytes(weights.values())
     if not copy_fits(total, "dense_gemv: weights", logger):
         return 0
-    count = pack_each_weight_once(bf16, "weight_gemv_packed", pack_gemv_weight)
+    # One arena for all, in module (execution) order.
+    arena = HugePageArena.allocate(total)
+    count = pack_each_weight_once(bf16, "weight_gemv_packed", lambda w: pack_gemv_weight(w, arena=arena))
     for m in fp8:
-        m.weight_gemv_packed, m.weight_scale_gemv_packed = pack_fp8_gemv_weight(m.weight, m.weight_scale)
+        m.weight_gemv_packed, m.weight_scale_gemv_packed = pack_fp8_gemv_weight(m.weight, m.weight_scale, arena)
     logger.info("dense_gemv: packed %d bf16 and %d FP8 weights once for decode batches (%.0f MiB, another copy)",
                 count, len(fp8), total / 2**20)
     return total
@@ -276,10 +295,11 @@ def _pack_for_float32_compute(model: nn.Module) -> int:
     if not layers or not float32_packing_applies():
         return 0
     weights = {id(m.weight): m.weight for m in layers}
-    total = sum(BLOCK_ROWS * packed_shape(*w.shape)[0] * w.shape[1] * w.element_size() for w in weights.values())
+    total = packed_bytes(weights.values())
     if not copy_fits(total, "bf16_tiled_gemm: weights", logger):
         return 0
-    count = pack_each_weight_once(layers, "weight_gemv_packed", pack_gemv_weight)
+    arena = HugePageArena.allocate(total)
+    count = pack_each_weight_once(layers, "weight_gemv_packed", lambda w: pack_gemv_weight(w, arena=arena))
     if float32_packing_keeps_onednn():
         lo, hi = float32_rows_beside_onednn()
         rows = f"{lo}-{hi} rows (oneDNN's float32 copy takes larger batches)"

@@ -178,3 +178,31 @@ def test_fp8_checkpoint_layers_read_their_packed_codes(tmp_path, monkeypatch, se
         bound = (m.input_size + 2) * 2.0**-24 * (x.double().abs() @ w.abs().t()) * 1.01 + 2.0**-8 * ref.abs() * 1.01
         assert ((m(x).double() - ref).abs() <= bound).all(), f"seed={seed}: {m.prefix}"
     assert len(calls) >= len(linears)
+
+
+@needs_kernel
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_pack_gemv_weights_put_the_copies_in_one_arena(monkeypatch, huge):
+    """Every copy in one buffer on 2 MiB pages (made one at a time they came from reused heap pages
+    that madvise does not make huge); with huge pages off, buffers of their own. Same bits either way."""
+    monkeypatch.setenv(gemv_packing.PACKED_WEIGHTS_ENV, "1")
+    monkeypatch.setenv("FP8SERVE_WEIGHT_HUGE_PAGES", huge)
+    model = tiny_bf16_model()
+    assert gemv_packing.pack_gemv_weights(model, torch.bfloat16) > 0
+    copies = [model.qkv.weight_gemv_packed, model.head.weight_gemv_packed]
+    for layer, copy in zip((model.qkv, model.head), copies):
+        assert torch.equal(copy, gemv_packing.pack_gemv_weight(layer.weight, huge_pages=False))
+    storages = {c.untyped_storage().data_ptr() for c in copies}
+    if huge == "0":
+        assert len(storages) == 2
+    elif huge_pages_refused():
+        pytest.skip("madvise(MADV_HUGEPAGE) refused here: no arena")
+    else:
+        assert len(storages) == 1 and copies[0].data_ptr() % (2 * 1024 * 1024) == 0
+        assert copies[1].data_ptr() == copies[0].data_ptr() + copies[0].numel() * 2  # in module order
+
+
+def huge_pages_refused() -> bool:
+    from fp8serve.utils.huge_pages import HugePageArena
+
+    return HugePageArena.allocate(64) is None

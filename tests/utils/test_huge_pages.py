@@ -1,4 +1,5 @@
-"""fp8serve.utils.huge_pages: the env switches and `pack_parameters_on_huge_pages`.
+"""fp8serve.utils.huge_pages: the env switches, `pack_parameters_on_huge_pages` and the
+`HugePageArena` both it and the packed weight copies use.
 
 Packing moves every CPU parameter of at least `min_bytes` into one
 2 MiB-aligned, MADV_HUGEPAGE-advised buffer per dtype. Values, identities
@@ -212,3 +213,34 @@ def test_pack_small_dtype_group_does_not_block_others():
         pytest.skip("madvise(MADV_HUGEPAGE) refused here")
     moved = pack_parameters_on_huge_pages(model, min_bytes=MIN_BYTES)
     assert moved == nbytes(model.small_f32) + nbytes(model.big_bf16)
+
+
+# ------------------------------------------------------------------ arena
+
+
+def test_arena_hands_out_aligned_tensors_in_order():
+    sizes = [(3, 5), (64,), (7, 3, 2)]
+    dtypes = [torch.bfloat16, torch.uint8, torch.float32]
+    nbytes = [15 * 2, 64, 42 * 4]
+    assert [huge_pages.HugePageArena.span(n) for n in nbytes] == [64, 64, 192]
+    arena = huge_pages.HugePageArena.allocate(sum(huge_pages.HugePageArena.span(n) for n in nbytes))
+    if arena is None:
+        pytest.skip("madvise(MADV_HUGEPAGE) refused here (no transparent huge pages?): no arena")
+    out = [arena.empty(s, d) for s, d in zip(sizes, dtypes)]
+    assert out[0].data_ptr() % (2 * MIB) == 0, "the arena does not start on a 2 MiB boundary"
+    for t, s, d in zip(out, sizes, dtypes):
+        assert t.shape == s and t.dtype == d and t.is_contiguous() and t.data_ptr() % 64 == 0
+    assert [b.data_ptr() - a.data_ptr() for a, b in zip(out, out[1:])] == [64, 64]  # in order, packed
+    assert len({t.untyped_storage().data_ptr() for t in out}) == 1
+    for i, t in enumerate(out):
+        t.fill_(i + 1)
+    assert [int(t.float().min()) for t in out] == [1, 2, 3] == [int(t.float().max()) for t in out]
+    with pytest.raises(RuntimeError, match="HugePageArena: 1 bytes asked with 0 of"):
+        arena.empty((1,), torch.uint8)
+
+
+def test_arena_not_made_when_off_or_empty(monkeypatch):
+    assert huge_pages.HugePageArena.allocate(0) is None
+    monkeypatch.setenv("FP8SERVE_WEIGHT_HUGE_PAGES", "0")
+    assert huge_pages.HugePageArena.allocate(4096) is None
+    assert huge_pages.HugePageArena.allocate(4096, "kv") is not None or sys.platform != "linux"
