@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         for t, (storage, offset, size, stride) in zip(packed, views):
             t.set_(storage, offset, size, stride)
 
-    lines = [f"# Packed weight copies: one arena on 2 MiB pages vs one buffer each\n",
+    lines = ["# Packed weight copies: one arena on 2 MiB pages vs one buffer each\n",
              f"command: `{command_line(argv)}`\n", *describe_machine(machine_info()),
              f"- engine: {args.model or 'the built-in default model'}, --dtype {args.dtype}, KV cache "
              f"{args.kv_cache_dtype}; {len(packed)} packed copies; {args.tokens} greedy decode steps per "

@@ -241,6 +241,8 @@ def test_arena_hands_out_aligned_tensors_in_order():
 
 def test_arena_not_made_when_off_or_empty(monkeypatch):
     assert huge_pages.HugePageArena.allocate(0) is None
+    if huge_pages.HugePageArena.allocate(4096) is None:
+        pytest.skip("madvise(MADV_HUGEPAGE) refused here: no arena to switch off")
     monkeypatch.setenv("FP8SERVE_WEIGHT_HUGE_PAGES", "0")
     assert huge_pages.HugePageArena.allocate(4096) is None
-    assert huge_pages.HugePageArena.allocate(4096, "kv") is not None or sys.platform != "linux"
+    assert huge_pages.HugePageArena.allocate(4096, "kv") is not None  # the KV switch is another one
