@@ -1,16 +1,17 @@
 #!/usr/bin/env python
-"""Where the engine's packed weight copies live, and what it is worth to decode steps.
+"""Where the engine's weight copies live, and what it is worth to decode steps.
 
 The packed GEMV layouts (kernels/gemv_packing.py: the bf16 weights' `weight_gemv_packed`, an FP8
-checkpoint's packed codes) are copies made once after loading. The engine puts them in one
-buffer on 2 MiB pages (utils/huge_pages.HugePageArena). This script builds one engine, then
-makes a second set of the same copies the way they were made before the arena, one buffer per
-weight with its own MADV_HUGEPAGE advice, at the same point of the process, and reports how
-much of each set Linux backed with huge pages (AnonHugePages in /proc/self/smaps). Then greedy
-decode steps at each --batch-sizes alternate between the two sets (every packed tensor pointed
-at one set's storage with `Tensor.set_`, so the recorded decode forwards read it too), in ABBA
-rounds: the median step of each round, the median of the rounds, and whether both sets produced
-the same tokens (they hold the same bits).
+checkpoint's packed codes) and the greedy LM head's int8 screen (kernels/screened_argmax.py) are
+copies made once after loading. The engine puts them on 2 MiB pages (utils/huge_pages.HugePageArena:
+one buffer for the packed copies, one for the screen's codes). This script builds one engine, then
+makes a second set of the same copies the way the packed ones were made before the arenas, one
+buffer per tensor with its own MADV_HUGEPAGE advice (the screen's codes had none), at the same
+point of the process, and reports how much of each set Linux backed with huge pages
+(AnonHugePages in /proc/self/smaps). Then greedy decode steps at each --batch-sizes alternate
+between the two sets (every copy pointed at one set's storage with `Tensor.set_`, so the recorded
+decode forwards read it too), in ABBA rounds: the median step of each round, the median of the
+rounds, and whether both sets produced the same tokens (they hold the same bits).
 
     .venv/bin/python benchmarks/weight_pages.py
     .venv/bin/python benchmarks/weight_pages.py --batch-sizes 1,16 --model DIR_OF_AN_FP8_CHECKPOINT
@@ -53,19 +54,21 @@ def huge_page_bytes(tensors: list[torch.Tensor], smaps: str = "/proc/self/smaps"
     return sum(t.numel() * t.element_size() for t in tensors), sum(holding.values())
 
 
-def packed_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The packed copies the engine made (each once: a tied head shares its embedding's)."""
+def copies_made_at_load(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weight copies the engine made after loading: the packed GEMV layouts (each once: a tied
+    head shares its embedding's) and the greedy LM head's int8 screen codes."""
     seen: dict[int, torch.Tensor] = {}
     for m in model.modules():
-        t = getattr(m, "weight_gemv_packed", None)
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen[id(t)] = t
+        screen = getattr(m, "greedy_screen", None)
+        for t in (getattr(m, "weight_gemv_packed", None), getattr(screen, "codes", None)):
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen[id(t)] = t
     return list(seen.values())
 
 
 def copies_one_buffer_each(packed: list[torch.Tensor]) -> list[torch.Tensor]:
     """The same bits in one buffer per tensor, advised before the first write: how
-    gemv_packing made the copies before the arena."""
+    gemv_packing made its copies before the arena."""
     from fp8serve.utils.huge_pages import advise_huge_pages
 
     out = []
@@ -94,30 +97,31 @@ def main(argv: list[str] | None = None) -> None:
     if args.model:
         kwargs["model"] = args.model
     engine = LLM(**kwargs).llm_engine
-    packed = packed_tensors(engine.model_runner.model)
+    packed = copies_made_at_load(engine.model_runner.model)
     if not packed:
-        raise SystemExit("the engine made no packed weight copies here (gemv_packing.packing_applies is false on "
-                         "this machine, or --dtype is not one they serve): nothing to compare")
+        raise SystemExit("the engine made no packed weight copies and no greedy screen here (gemv_packing."
+                         "packing_applies is false on this machine, or --dtype is not one they serve): nothing to "
+                         "compare")
     arena_views = [(t.untyped_storage(), t.storage_offset(), t.size(), t.stride()) for t in packed]
     each = copies_one_buffer_each(packed)
     each_views = [(t.untyped_storage(), t.storage_offset(), t.size(), t.stride()) for t in each]
-    sides = {"one arena (the engine's)": arena_views, "one buffer each (before)": each_views}
-    pages = {"one arena (the engine's)": huge_page_bytes(packed), "one buffer each (before)": huge_page_bytes(each)}
+    sides = {"arenas (the engine's)": arena_views, "one buffer each (before)": each_views}
+    pages = {"arenas (the engine's)": huge_page_bytes(packed), "one buffer each (before)": huge_page_bytes(each)}
 
     def use(views) -> None:
         for t, (storage, offset, size, stride) in zip(packed, views):
             t.set_(storage, offset, size, stride)
 
-    lines = ["# Packed weight copies: one arena on 2 MiB pages vs one buffer each\n",
+    lines = ["# Weight copies made at load: arenas on 2 MiB pages vs one buffer each\n",
              f"command: `{command_line(argv)}`\n", *describe_machine(machine_info()),
              f"- engine: {args.model or 'the built-in default model'}, --dtype {args.dtype}, KV cache "
-             f"{args.kv_cache_dtype}; {len(packed)} packed copies; {args.tokens} greedy decode steps per "
+             f"{args.kv_cache_dtype}; {len(packed)} copies; {args.tokens} greedy decode steps per "
              f"generation, {args.rounds} ABBA rounds (medians)", ""]
     lines += ["| copies | MiB | MiB on huge pages (their mappings) |", "|---|---|---|"]
     for name, (nbytes, huge) in pages.items():
         lines.append(f"| {name} | {nbytes / 2**20:.0f} | {huge / 2**20:.0f} |")
-    lines += ["", "| batch | arena ms / step | one buffer each ms / step | speedup | rounds arena faster | same tokens |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| batch | arenas ms / step | one buffer each ms / step | speedup | rounds arenas faster "
+              "| same tokens |", "|---|---|---|---|---|---|"]
     names = list(sides)
     for batch in batches:
         prompts = [engine.tokenize_prompt(f"Write about the history of printing, part {i}.")[1] for i in range(batch)]

@@ -59,14 +59,16 @@ def advise_huge_pages(t: torch.Tensor, kind: str = "kv") -> bool:
 class HugePageArena:
     """One buffer from a 2 MiB boundary, advised MADV_HUGEPAGE before its
     first write, handing out 64-byte-aligned tensors in order: where copies
-    of the weights made once at load (the packed GEMV layouts) belong. Made
-    one at a time with torch.empty, a few MiB each, they came from pages the
-    allocator had already handed out, which madvise does not make huge: in
+    of the weights made once at load (the packed GEMV layouts, the greedy
+    head's int8 screen) belong. Made one at a time with torch.empty, a few
+    MiB each, they came from pages the allocator had already handed out,
+    which madvise does not make huge: in
     the engine, none of the bf16 default model's 256 MiB of packed copies was
     on a 2 MiB page. On one arena, all of it (Zen 4 EPYC guest,
     benchmarks/results/weight_pages_2026-12-07_zen4.md): decode steps at
-    batch 16 1.02-1.13x as fast in four runs, an FP8 checkpoint's at batch 1
-    1.07x; batch 32-64 within 1%.
+    batch 16 1.02-1.13x as fast in four runs of five (0.997x in one), an FP8
+    checkpoint's at batch 1 1.07x, bf16 batch 1-4 with the screen 1.02-1.04x;
+    batch 32-64 within 1%.
     """
 
     ALIGN = 64

@@ -312,3 +312,20 @@ def test_the_switch_reads_auto_1_0_and_rejects_the_rest(monkeypatch):
         screened_argmax.enabled()
     monkeypatch.delenv(screened_argmax.SCREENED_ARGMAX_ENV)
     assert screened_argmax.enabled()
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_screen_codes_sit_on_their_own_huge_page_arena(monkeypatch, seed, huge):
+    """Read whole at every greedy step of 1-8 rows: from a 2 MiB boundary (an arena) unless huge
+    pages are off or refused; the same codes either way."""
+    from fp8serve.utils.huge_pages import HugePageArena
+
+    w = torch.randn(300, 64, generator=torch.Generator().manual_seed(seed))
+    monkeypatch.setenv("FP8SERVE_WEIGHT_HUGE_PAGES", "0")
+    plain = build_screen(w)
+    monkeypatch.setenv("FP8SERVE_WEIGHT_HUGE_PAGES", huge)
+    screen = build_screen(w)
+    assert torch.equal(screen.codes, plain.codes) and screen.codes.dtype == torch.int8
+    if huge == "1" and HugePageArena.allocate(64) is None:
+        pytest.skip("madvise(MADV_HUGEPAGE) refused here: no arena")
+    assert (screen.codes.data_ptr() % (2 * 1024 * 1024) == 0) == (huge == "1")
