@@ -174,10 +174,12 @@ def describe_machine(info: dict) -> list[str]:
     ]
 
 
-# (namespace, source) -> the commit built into it in this process. Kept on
-# `sys`, not here: a script loaded twice (tests load them afresh) gets a new
-# copy of this module, but torch's op registrations live as long as the process.
+# (namespace, source) -> what was built into it in this process: a commit, or "working tree"
+# with a digest of its files. Kept on `sys`, not here: a script loaded twice (tests load them
+# afresh) gets a new copy of this module, but torch's op registrations live as long as the process.
 _BUILT_AT_REV: dict[tuple[str, str], str] = sys.__dict__.setdefault("_fp8serve_kernels_built_at_rev", {})
+
+_KERNEL_SOURCES = "fp8serve/kernels/cpu"
 
 
 def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
@@ -189,46 +191,78 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
     the process), so asking again for the same source in the same namespace
     returns the first build if it is of the same commit, and is an error if
     not. Other sources may share a namespace (their ops differ)."""
-    import shutil
     import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    resolved = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=repo, capture_output=True,
+                              text=True)
+    if resolved.returncode != 0:
+        raise SystemExit(f"--baseline-rev {rev}: git cannot list {_KERNEL_SOURCES} there ({resolved.stderr.strip()})")
+    commit = resolved.stdout.strip()
+    if (namespace, source) in _BUILT_AT_REV:
+        return _built_before(namespace, source, commit, rev)
+    listing = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{_KERNEL_SOURCES}"], cwd=repo,
+                             capture_output=True, text=True)
+    if listing.returncode != 0:
+        raise SystemExit(f"--baseline-rev {rev}: git cannot list {_KERNEL_SOURCES} there ({listing.stderr.strip()})")
+    names = listing.stdout.split()
+    if source not in names:
+        raise SystemExit(f"{_KERNEL_SOURCES}/{source} does not exist at {rev}")
+    texts = {name: subprocess.run(["git", "show", f"{rev}:{_KERNEL_SOURCES}/{name}"], cwd=repo, check=True,
+                                  capture_output=True, text=True).stdout
+             for name in names if name.endswith(".h") or name == source}
+    _build_alone(texts, source, namespace, f"{_KERNEL_SOURCES}/{source} at {rev}")
+    _BUILT_AT_REV[(namespace, source)] = commit
+    return getattr(torch.ops, namespace)
+
+
+def build_kernel_from_tree(source: str, namespace: str) -> object:
+    """build_kernel_at_rev for the files as they are in this working tree: the
+    same source the engine's library holds, built alone as a baseline is. Timed
+    against this tree's library it is an A/A (the same code in two builds);
+    timed against build_kernel_at_rev's build it compares like with like."""
+    import hashlib
+
+    csrc = Path(__file__).resolve().parent.parent / _KERNEL_SOURCES
+    if not (csrc / source).is_file():
+        raise SystemExit(f"{_KERNEL_SOURCES}/{source} does not exist in this working tree")
+    texts = {p.name: p.read_text() for p in sorted(csrc.iterdir()) if p.suffix == ".h" or p.name == source}
+    digest = hashlib.sha256("".join(f"{n}\0{t}\0" for n, t in texts.items()).encode()).hexdigest()
+    built = f"working tree {digest[:12]}"
+    if (namespace, source) in _BUILT_AT_REV:
+        return _built_before(namespace, source, built, "the working tree")
+    _build_alone(texts, source, namespace, f"{_KERNEL_SOURCES}/{source} in the working tree")
+    _BUILT_AT_REV[(namespace, source)] = built
+    return getattr(torch.ops, namespace)
+
+
+def _built_before(namespace: str, source: str, built: str, asked: str) -> object:
+    if _BUILT_AT_REV[(namespace, source)] != built:
+        raise SystemExit(f"torch.ops.{namespace} already holds {source} at {_BUILT_AT_REV[(namespace, source)][:12]}; "
+                         f"one process builds a source into a namespace once ({asked} is another)")
+    return getattr(torch.ops, namespace)
+
+
+def _build_alone(texts: dict[str, str], source: str, namespace: str, what: str) -> None:
+    """Builds `source` (with the headers among `texts`) into a library of its own, its ops
+    registered under torch.ops.NAMESPACE."""
+    import shutil
     import tempfile
 
     from torch.utils.cpp_extension import load
 
-    repo, csrc = Path(__file__).resolve().parent.parent, "fp8serve/kernels/cpu"
-    resolved = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=repo, capture_output=True,
-                              text=True)
-    if resolved.returncode != 0:
-        raise SystemExit(f"--baseline-rev {rev}: git cannot list {csrc} there ({resolved.stderr.strip()})")
-    commit, key = resolved.stdout.strip(), (namespace, source)
-    if key in _BUILT_AT_REV:
-        if _BUILT_AT_REV[key] != commit:
-            raise SystemExit(f"torch.ops.{namespace} already holds {source} at {_BUILT_AT_REV[key][:12]}; one "
-                             f"process builds a source into a namespace once ({rev} is another commit)")
-        return getattr(torch.ops, namespace)
     tmp = Path(tempfile.mkdtemp(prefix="fp8serve_baseline_"))
     try:
-        listing = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{csrc}"], cwd=repo,
-                                 capture_output=True, text=True)
-        if listing.returncode != 0:
-            raise SystemExit(f"--baseline-rev {rev}: git cannot list {csrc} there ({listing.stderr.strip()})")
-        names = listing.stdout.split()
-        if source not in names:
-            raise SystemExit(f"{csrc}/{source} does not exist at {rev}")
-        for name in names:
-            if name.endswith(".h") or name == source:
-                text = subprocess.run(["git", "show", f"{rev}:{csrc}/{name}"], cwd=repo, check=True,
-                                      capture_output=True, text=True).stdout
-                if name == source:
-                    # Registered under `namespace`: literally, or (fp8_gemm.cpp) through the
-                    # FP8SERVE_GEMM_NS macro its tests already use, defined below. Anything else
-                    # would register fp8serve's ops a second time, which aborts the process.
-                    text = text.replace("TORCH_LIBRARY_FRAGMENT(fp8serve, m)", f"TORCH_LIBRARY_FRAGMENT({namespace}, m)")
-                    if (f"TORCH_LIBRARY_FRAGMENT({namespace}, m)" not in text
-                            and "TORCH_LIBRARY_FRAGMENT(FP8SERVE_GEMM_NS, m)" not in text):
-                        raise SystemExit(f"{csrc}/{source} at {rev}: no TORCH_LIBRARY_FRAGMENT this script can "
-                                         "move to another namespace")
-                (tmp / name).write_text(text)
+        for name, text in texts.items():
+            if name == source:
+                # Registered under `namespace`: literally, or (fp8_gemm.cpp) through the
+                # FP8SERVE_GEMM_NS macro its tests already use, defined below. Anything else
+                # would register fp8serve's ops a second time, which aborts the process.
+                text = text.replace("TORCH_LIBRARY_FRAGMENT(fp8serve, m)", f"TORCH_LIBRARY_FRAGMENT({namespace}, m)")
+                if (f"TORCH_LIBRARY_FRAGMENT({namespace}, m)" not in text
+                        and "TORCH_LIBRARY_FRAGMENT(FP8SERVE_GEMM_NS, m)" not in text):
+                    raise SystemExit(f"{what}: no TORCH_LIBRARY_FRAGMENT this script can move to another namespace")
+            (tmp / name).write_text(text)
         # The engine's flags (fp8serve/kernels/cpu_ops.py), its target included: with
         # FP8SERVE_CPU_MARCH=x86-64-v3 both builds run their AVX2 paths.
         from fp8serve.kernels.cpu_ops import _march
@@ -239,8 +273,6 @@ def build_kernel_at_rev(rev: str, source: str, namespace: str) -> object:
              extra_ldflags=["-fopenmp"], build_directory=str(tmp), is_python_module=False, verbose=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the library stays mapped
-    _BUILT_AT_REV[key] = commit
-    return getattr(torch.ops, namespace)
 
 
 def ops_side_by_side(ops, name: str, source: str, baseline_rev: str | None) -> dict:

@@ -12,7 +12,7 @@ run with the modules' `load_cpu_ops` answering that op from the baseline
 build, so its eager steps call it and its recorded decode forward
 (engine/decode_capture.py) replays it. The script counts the baseline ops in
 that recording and stops with an error if there are none (the swap did not
-take). Then rounds alternate the two engines (ABBA), each generating
+take). Then rounds alternate the engines (AB BA BA AB), each generating
 --tokens + 2 greedy tokens for a batch of --batch prompts (a short sentence
 each, or --prompt-len tokens of the built-in calibration text, so attention
 runs over a long context); a round's time is the median of its steps that
@@ -28,17 +28,29 @@ engines), so the proof that the swap took is the count of the baseline op's
 lookups during the baseline engine's steps (none: an error). --dtype sets both engines'
 compute dtype (float32 compute runs other kernels than the default bf16).
 
+The two engines' libraries differ in more than the op: the baseline's op is
+built alone, this tree's sits in the engine's library with every other op, and
+two engines in one process place their memory differently. At stop 76 (Zen 4
+guest) an A/A, the same source on both sides, gave 0.94-0.95x. --aa adds a
+third engine served by this tree's source built alone the way the baseline is:
+the table then gives that engine against this tree (the A/A, what the setup
+alone is worth) and the baseline against it (like for like: both ops built
+alone). Rounds rotate the engines and reverse every other pass.
+
     .venv/bin/python benchmarks/kernel_ab_engine.py --source dense_gemv.cpp --op dense_gemv --baseline-rev HEAD~1
     .venv/bin/python benchmarks/kernel_ab_engine.py --model DIR --source fp8_gemm.cpp --op fp8_linear \\
         --baseline-rev HEAD~1 --batch 4 --rounds 12
     .venv/bin/python benchmarks/kernel_ab_engine.py --source layer_ops.cpp --op silu_and_mul \\
         --baseline-rev HEAD~1 --phase prefill --prompt-len 512
+    .venv/bin/python benchmarks/kernel_ab_engine.py --source dense_gemv_packed.cpp --op dense_gemv_packed \\
+        --baseline-rev HEAD~1 --batch 16 --aa
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import random
@@ -51,10 +63,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    build_kernel_at_rev, command_line, cpu_ops_served_by, describe_machine, emit_table, machine_info, time_greedy_decode, token_source,
+    build_kernel_at_rev, build_kernel_from_tree, command_line, cpu_ops_served_by, describe_machine, emit_table,
+    machine_info, time_greedy_decode, token_source,
 )
 
 BASELINE_NAMESPACE = "fp8serve_base_engine"
+AA_NAMESPACE = "fp8serve_alone_engine"  # --aa: this tree's source, built alone
+THIS, ALONE = "this tree", "this tree, built alone"
 
 
 class _OneOpFrom:
@@ -131,7 +146,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="prompts per generation (decode batch)")
     p.add_argument("--tokens", type=int, default=160,
                    help="decode steps timed per generation (each prompt gets --tokens + 2 greedy tokens)")
-    p.add_argument("--rounds", type=int, default=12, help="ABBA rounds (medians)")
+    p.add_argument("--rounds", type=int, default=12, help="rounds (medians; every engine runs once a round)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache of each engine (e.g. 512MiB)")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype of both engines (auto, fp8, ...)")
     p.add_argument("--dtype", default="auto",
@@ -145,6 +160,9 @@ def main() -> None:
     p.add_argument("--kv-cache-layout", choices=("HND", "NHD"), default=None,
                    help="KV cache memory order of both engines (FP8SERVE_KV_CACHE_LAYOUT; default: the engine's, "
                         "HND); NHD for a baseline revision from before the ops took HND caches")
+    p.add_argument("--aa", action="store_true",
+                   help="add an engine served by this tree's source built alone, as the baseline is: an A/A against "
+                        "this tree, and the baseline against it like for like")
     p.add_argument("--output", type=Path, default=None, help="also write the table (markdown) here")
     args = p.parse_args()
     if args.kv_cache_layout:
@@ -180,21 +198,25 @@ def main() -> None:
     base = build_kernel_at_rev(args.baseline_rev, args.source, BASELINE_NAMESPACE)
     if not hasattr(base, args.op):
         raise SystemExit(f"--op {args.op}: {args.source} at {args.baseline_rev} does not define it")
-    swapped = _OneOpFrom(ours, base, args.op)
+    # Each swapped engine: its ops object and the namespace its op lives in.
+    swapped = {"baseline": (_OneOpFrom(ours, base, args.op), BASELINE_NAMESPACE)}
+    if args.aa:
+        swapped[ALONE] = (_OneOpFrom(ours, build_kernel_from_tree(args.source, AA_NAMESPACE), args.op), AA_NAMESPACE)
 
     kwargs = {"kv_cache_memory": args.kv_cache_memory, "kv_cache_dtype": args.kv_cache_dtype, "dtype": args.dtype}
     if args.model:
         kwargs["model"] = args.model
-    engines = {"this tree": (LLM(**kwargs), contextlib.nullcontext)}
-    first = engines["this tree"][0].llm_engine
+    engines = {THIS: (LLM(**kwargs), contextlib.nullcontext)}
+    first = engines[THIS][0].llm_engine
     if args.prompt_len:
         draw = token_source(first, "text")
         rng = random.Random(0)
         prompts = [draw(args.prompt_len, rng) for _ in range(args.batch)]
     else:
         prompts = [first.tokenize_prompt(f"Write about the history of printing, part {i}.")[1] for i in range(args.batch)]
-    with cpu_ops_served_by(swapped):
-        engines["baseline"] = (LLM(**kwargs), lambda: cpu_ops_served_by(swapped))
+    for name, (ops, _) in swapped.items():
+        with cpu_ops_served_by(ops):
+            engines[name] = (LLM(**kwargs), functools.partial(cpu_ops_served_by, ops))
     prefill = args.phase == "prefill"
     if prefill:
         for llm, _ in engines.values():
@@ -203,7 +225,8 @@ def main() -> None:
         for llm, ctx in engines.values():
             with ctx(), _layout_hint(args):
                 time_prefill(llm.llm_engine, prompts, 2)
-        swapped.lookups = 0
+        for ops, _ in swapped.values():
+            ops.lookups = 0
     else:
         # Both engines replay through TorchScript: a static plan (engine/static_plan.py) calls the ops of
         # this build by name, so the baseline engine would take the compiled replay and the other a plan.
@@ -215,15 +238,20 @@ def main() -> None:
             with ctx():
                 with _layout_hint(args):
                     llm.generate([{"prompt_token_ids": t} for t in prompts], warm, use_tqdm=False)
-        swaps = recorded_ops(BASELINE_NAMESPACE)
-        if swaps == 0:
-            raise SystemExit(f"the baseline engine's recorded decode forward has no {BASELINE_NAMESPACE} op: "
-                             f"{args.op} is not on its decode path, or the swap did not take")
+        swaps = {name: recorded_ops(namespace) for name, (_, namespace) in swapped.items()}
+        for name, count in swaps.items():
+            if count == 0:
+                raise SystemExit(f"the {name!r} engine's recorded decode forward has no {swapped[name][1]} op: "
+                                 f"{args.op} is not on its decode path, or the swap did not take")
 
     times: dict[str, list[float]] = {name: [] for name in engines}
     tokens: dict[str, list] = {}
+    names = list(engines)
     for r in range(args.rounds):
-        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+        # Each engine leads in turn, and every other pass over the turns runs them backwards: for two
+        # engines AB BA BA AB, so each side runs first and last, early and late, equally often.
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in (order if (r // len(names)) % 2 == 0 else order[::-1]):
             llm, ctx = engines[name]
             with ctx():
                 if prefill:
@@ -233,20 +261,30 @@ def main() -> None:
                     step_s, tokens[name] = time_greedy_decode(llm.llm_engine, prompts, args.tokens)
                 times[name].append(step_s)
     if prefill:
-        swaps = swapped.lookups
-        if swaps == 0:
-            raise SystemExit(f"the baseline engine's prefill steps never looked up {args.op}: "
-                             f"it is not on their path, or the swap did not take")
+        swaps = {name: ops.lookups for name, (ops, _) in swapped.items()}
+        for name, count in swaps.items():
+            if count == 0:
+                raise SystemExit(f"the {name!r} engine's prefill steps never looked up {args.op}: "
+                                 f"it is not on their path, or the swap did not take")
     step = {name: statistics.median(v) * 1e3 for name, v in times.items()}
-    wins = sum(a < b for a, b in zip(times["this tree"], times["baseline"]))
+
+    def faster(a: str, b: str) -> int:
+        return sum(x < y for x, y in zip(times[a], times[b]))
+
     if prefill:
-        workload = (f"{args.rounds} ABBA rounds (per round: the median of {args.prefills} steps that each prefill "
+        workload = (f"{args.rounds} rounds (per round: the median of {args.prefills} steps that each prefill "
                     f"the whole batch, 1 greedy token per prompt); the baseline engine's timed prefill steps looked "
-                    f"up its {args.op} {swaps} times")
+                    f"up its {args.op} {swaps['baseline']} times")
     else:
-        workload = (f"{args.tokens + 2} greedy tokens per generation, {args.rounds} ABBA rounds (per round: the "
+        workload = (f"{args.tokens + 2} greedy tokens per generation, {args.rounds} rounds (per round: the "
                     f"median of the steps that decode the whole batch); the baseline engine's recorded decode "
-                    f"forward calls {swaps} {BASELINE_NAMESPACE} ops")
+                    f"forward calls {swaps['baseline']} {BASELINE_NAMESPACE} ops")
+    if args.aa:
+        workload += f", the built-alone engine's {swaps[ALONE]} {AA_NAMESPACE} ops"
+    rows = [(THIS, THIS, "baseline", ""), (args.baseline_rev, "baseline", THIS, tokens["baseline"] == tokens[THIS])]
+    if args.aa:
+        rows.append((ALONE, ALONE, THIS, tokens[ALONE] == tokens[THIS]))
+    labels = {name: label for label, name, *_ in rows}
     lines = [
         f"# {args.op} ({args.source}) in engine {args.phase} steps: this tree vs {args.baseline_rev}",
         "",
@@ -257,13 +295,20 @@ def main() -> None:
         f"batch {args.batch}, "
         f"prompts of {f'{args.prompt_len} tokens' if args.prompt_len else 'one short sentence'}, {workload}",
         "",
-        f"| engine | ms / {args.phase} step (median) | rounds faster | same tokens |",
+        f"| engine | ms / {args.phase} step (median) | rounds faster | same tokens as this tree |",
         "|---|---|---|---|",
-        f"| this tree | {step['this tree']:.2f} | {wins} of {args.rounds} | {tokens['this tree'] == tokens['baseline']} |",
-        f"| {args.baseline_rev} | {step['baseline']:.2f} | {args.rounds - wins} of {args.rounds} | |",
+        *(f"| {label} | {step[name]:.2f} | {faster(name, other)} of {args.rounds} (than {labels[other]}) | {same} |"
+          for label, name, other, same in rows),
         "",
-        f"speedup (baseline / this tree): {step['baseline'] / step['this tree']:.3f}x",
+        f"speedup (baseline / this tree): {step['baseline'] / step[THIS]:.3f}x",
     ]
+    if args.aa:
+        lines += [
+            f"A/A (this tree's source built alone / this tree, the same code): {step[ALONE] / step[THIS]:.3f}x",
+            f"like for like (baseline / this tree's source built alone, both built alone): "
+            f"{step['baseline'] / step[ALONE]:.3f}x, built-alone this tree faster in {faster(ALONE, 'baseline')} "
+            f"of {args.rounds} rounds",
+        ]
     emit_table(lines, args.output)
 
 

@@ -38,6 +38,24 @@ def test_a_baseline_build_is_made_once_per_namespace(ops):
             common.build_kernel_at_rev("HEAD~1", "sampling_ops.cpp", "fp8serve_test_once")
 
 
+def test_the_working_trees_source_builds_alone_once_per_namespace(ops):
+    """build_kernel_from_tree: this tree's file in a library of its own whose op answers as the
+    engine's does; asked again, the same build; a namespace holding a commit's build refuses it."""
+    import pytest
+    import torch
+
+    with loaded_script("bench_common.py") as common:
+        alone = common.build_kernel_from_tree("sampling_ops.cpp", "fp8serve_test_tree")
+        assert alone is torch.ops.fp8serve_test_tree
+        assert common.build_kernel_from_tree("sampling_ops.cpp", "fp8serve_test_tree") is alone
+        logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(7))
+        assert torch.equal(alone.greedy_argmax(logits), ops.greedy_argmax(logits))
+        with pytest.raises(SystemExit, match="already holds sampling_ops.cpp"):
+            common.build_kernel_at_rev("HEAD~1", "sampling_ops.cpp", "fp8serve_test_tree")
+        with pytest.raises(SystemExit, match="does not exist in this working tree"):
+            common.build_kernel_from_tree("no_such_kernel.cpp", "fp8serve_test_tree")
+
+
 def test_busy_cpus_counts_other_processes_only(tmp_path):
     """Busy clock ticks of the machine less this process's CPU time, per second of wall time."""
     with loaded_script("bench_common.py"):

@@ -1,7 +1,8 @@
 """benchmarks/kernel_ab_engine.py on a tiny bf16 checkpoint: the baseline engine
 really runs the baseline build's op (counted in its recorded decode forward),
-both engines are timed and give the same tokens, and bad arguments are
-rejected before anything is built."""
+both engines are timed and give the same tokens, --aa adds an engine on this
+tree's source built alone, and bad arguments are rejected before anything is
+built."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def test_both_engines_are_timed_with_the_op_swapped(ops, monkeypatch, tmp_path):
                            "--tokens", "6", "--rounds", "2", "--kv-cache-memory", "16MiB", header="| engine")
     assert [r[0] for r in rows] == ["this tree", "HEAD"]
     assert all(float(r[1]) > 0 for r in rows)
-    assert rows[0][3] == "True"  # the same kernel source at HEAD: the same tokens
+    assert rows[1][3] == "True"  # the same kernel source at HEAD: the same tokens
+    assert "A/A" not in text  # no --aa, no third engine
     swapped = int(re.search(r"calls (\d+) fp8serve_base_engine ops", text).group(1))
     assert swapped >= 2 * 4  # every decoder linear of both layers
     assert re.search(r"speedup \(baseline / this tree\): \d+\.\d+x", text)
@@ -35,7 +37,7 @@ def test_long_prompts_and_an_fp8_cache(ops, monkeypatch, tmp_path):
                            "--source", "paged_attention.cpp", "--op", "paged_attention_decode_fused",
                            "--baseline-rev", "HEAD", "--kv-cache-dtype", "fp8", "--prompt-len", "40",
                            "--tokens", "6", "--rounds", "2", "--kv-cache-memory", "16MiB", header="| engine")
-    assert rows[0][3] == "True"
+    assert rows[1][3] == "True"
     assert "KV cache fp8" in text and "prompts of 40 tokens" in text
     assert int(re.search(r"calls (\d+) fp8serve_base_engine ops", text).group(1)) >= 2  # one per layer
 
@@ -51,11 +53,32 @@ def test_prefill_steps_run_the_baseline_op(ops, monkeypatch, tmp_path):
                            "--rounds", "2", "--kv-cache-memory", "16MiB", "--dtype", "float32", header="| engine")
     assert [r[0] for r in rows] == ["this tree", "HEAD"]
     assert all(float(r[1]) > 0 for r in rows)
-    assert rows[0][3] == "True"  # the same kernel source at HEAD: the same first tokens
+    assert rows[1][3] == "True"  # the same kernel source at HEAD: the same first tokens
     assert "--dtype float32" in text
     assert "in engine prefill steps" in text and "| ms / prefill step (median) |" in text
     # 2 rounds x 2 timed prefills x 2 decoder layers, one MLP activation each.
     assert int(re.search(r"looked up its silu_and_mul (\d+) times", text).group(1)) == 2 * 2 * 2
+
+
+def test_aa_adds_this_trees_source_built_alone(ops, monkeypatch, tmp_path):
+    src = write_tiny_llama(tmp_path / "llama", vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
+    text, rows = run_table(monkeypatch, tmp_path, "kernel_ab_engine.py", "--model", str(src),
+                           "--source", "dense_gemv.cpp", "--op", "dense_gemv", "--baseline-rev", "HEAD", "--aa",
+                           "--tokens", "6", "--rounds", "3", "--kv-cache-memory", "16MiB", header="| engine")
+    assert [r[0] for r in rows] == ["this tree", "HEAD", "this tree, built alone"]
+    assert all(float(r[1]) > 0 for r in rows)
+    assert [r[3] for r in rows[1:]] == ["True", "True"]  # one source on every side: one set of tokens
+    assert [r[2].split(" (than ")[1] for r in rows] == ["HEAD)", "this tree)", "this tree)"]
+    # The built-alone engine's recorded forward calls its own build's op, as the baseline's does.
+    assert int(re.search(r"the built-alone engine's (\d+) fp8serve_alone_engine ops", text).group(1)) >= 2 * 4
+    assert int(re.search(r"calls (\d+) fp8serve_base_engine ops", text).group(1)) >= 2 * 4
+    step = {r[0]: float(r[1]) for r in rows}
+    aa = float(re.search(r"A/A \(this tree's source built alone / this tree, the same code\): (\d+\.\d+)x",
+                         text).group(1))
+    assert aa == pytest.approx(step["this tree, built alone"] / step["this tree"], abs=0.01)
+    like = float(re.search(r"like for like \(baseline / this tree's source built alone, both built alone\): "
+                           r"(\d+\.\d+)x", text).group(1))
+    assert like == pytest.approx(step["HEAD"] / step["this tree, built alone"], abs=0.01)
 
 
 @pytest.mark.parametrize("argv, message", [
