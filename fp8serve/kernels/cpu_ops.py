@@ -50,6 +50,11 @@ def _build_dir(parallel: bool = True) -> Path:
     h = hashlib.sha256()
     for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
+    # And where they are: torch writes the sources' absolute paths into the
+    # build's ninja file, so two checkouts of the same sources sharing one
+    # directory (benchmarks/tree_ab.py's baseline snapshot beside this tree)
+    # would each see the other's commands and rebuild at every start.
+    h.update(str(_SRC_DIR).encode())
     h.update(torch.__version__.encode())
     h.update(_march().encode())
     h.update(b"openmp" if parallel else b"serial")

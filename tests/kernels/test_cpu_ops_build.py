@@ -61,3 +61,24 @@ def test_builds_in_one_directory_take_turns(tmp_path):
         events.append("second in")
     t.join()
     assert events == ["first done", "second in"]
+
+
+def test_a_checkout_elsewhere_with_the_same_sources_builds_in_its_own_directory(tmp_path, monkeypatch):
+    """torch writes the sources' absolute paths into the build's ninja file: two checkouts of
+    the same sources sharing one build directory would rebuild each other's library at every
+    start, so the directory's key includes where the sources are."""
+    from fp8serve.kernels import cpu_ops
+
+    monkeypatch.setenv("FP8SERVE_CACHE_DIR", str(tmp_path / "cache"))
+    dirs = []
+    for checkout in ("a", "b", "a"):
+        src = tmp_path / checkout / "cpu"
+        src.mkdir(parents=True, exist_ok=True)
+        (src / "k.cpp").write_text("int k() { return 1; }\n")
+        (src / "k.h").write_text("int k();\n")
+        monkeypatch.setattr(cpu_ops, "_SRC_DIR", src)
+        monkeypatch.setattr(cpu_ops, "_SOURCES", [src / "k.cpp"])
+        monkeypatch.setattr(cpu_ops, "_HEADERS", [src / "k.h"])
+        dirs.append(cpu_ops._build_dir())
+    assert dirs[0] != dirs[1]  # the same bytes in another place
+    assert dirs[0] == dirs[2]  # the same place again: the same directory, nothing to rebuild
