@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import sys
 
@@ -62,9 +63,9 @@ class HugePageArena:
     of the weights made once at load (the packed GEMV layouts, the greedy
     head's int8 screen) belong. Made one at a time with torch.empty, a few
     MiB each, they came from pages the allocator had already handed out,
-    which madvise does not make huge: in
-    the engine, none of the bf16 default model's 256 MiB of packed copies was
-    on a 2 MiB page. On one arena, all of it (Zen 4 EPYC guest,
+    which madvise does not make huge: in the engine, none of the bf16
+    default model's 256 MiB of packed copies was on a 2 MiB page. On one
+    arena, all of it (Zen 4 EPYC guest,
     benchmarks/results/weight_pages_2026-12-07_zen4.md): decode steps at
     batch 16 1.02-1.13x as fast in four runs of five (0.997x in one), an FP8
     checkpoint's at batch 1 1.07x, bf16 batch 1-4 with the screen 1.02-1.04x;
@@ -98,10 +99,7 @@ class HugePageArena:
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """The next free bytes of the arena as an uninitialized contiguous tensor."""
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if self._used + nbytes > self._buffer.numel():
             raise RuntimeError(f"HugePageArena: {nbytes} bytes asked with {self._buffer.numel() - self._used} of "
                                f"{self._buffer.numel()} left (the arena was sized for less than it is given)")
