@@ -72,6 +72,22 @@ def require_positive(parser, args, *names: str) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
+def check_engine_args(parser, args) -> None:
+    """parser.error unless --dtype, --kv-cache-dtype and --kv-cache-memory are values the engine takes."""
+    from fp8serve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+    from fp8serve.utils.memory import parse_size
+
+    if args.dtype not in DTYPE_CHOICES:
+        parser.error(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+        parser.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                     f"got {args.kv_cache_dtype!r}")
+    try:
+        parse_size(args.kv_cache_memory)
+    except ValueError as e:
+        parser.error(f"--kv-cache-memory: {e}")
+
+
 def model_and_vocab(model: str | None) -> tuple[Path, int]:
     """The checkpoint directory of a --model option (None: the built-in default model) and its
     config.json's vocab_size."""

@@ -63,8 +63,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    build_kernel_at_rev, build_kernel_from_tree, command_line, cpu_ops_served_by, describe_machine, emit_table,
-    machine_info, time_greedy_decode, token_source,
+    build_kernel_at_rev, build_kernel_from_tree, check_engine_args, command_line, cpu_ops_served_by, describe_machine,
+    emit_table, machine_info, time_greedy_decode, token_source,
 )
 
 BASELINE_NAMESPACE = "fp8serve_base_engine"
@@ -174,21 +174,10 @@ def main() -> None:
         p.error(f"--prompt-len must be >= 0, got {args.prompt_len}")
     if args.phase == "prefill" and args.prompt_len == 0:
         p.error("--phase prefill needs --prompt-len (the tokens each prompt prefills), e.g. --prompt-len 512")
-    from fp8serve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
-
-    if args.dtype not in DTYPE_CHOICES:
-        p.error(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
-    if args.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
-        p.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {args.kv_cache_dtype!r}")
+    check_engine_args(p, args)
 
     from fp8serve import LLM, SamplingParams
     from fp8serve.kernels import cpu_ops
-    from fp8serve.utils.memory import parse_size
-
-    try:
-        parse_size(args.kv_cache_memory)
-    except ValueError as e:
-        p.error(f"--kv-cache-memory: {e}")
 
     ours = cpu_ops.load_cpu_ops()
     if ours is None:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    command_line, describe_machine, emit_table, machine_info, parse_sizes, require_positive,
+    check_engine_args, command_line, describe_machine, emit_table, machine_info, parse_sizes, require_positive,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,17 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     require_positive(p, args, "prompt_len", "tokens", "repeats", "rounds")
     batch_sizes = parse_sizes(p, "--batch-sizes", args.batch_sizes)
-    from fp8serve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
-    from fp8serve.utils.memory import parse_size
-
-    if args.dtype not in DTYPE_CHOICES:
-        p.error(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
-    if args.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
-        p.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {args.kv_cache_dtype!r}")
-    try:
-        parse_size(args.kv_cache_memory)
-    except ValueError as e:
-        p.error(f"--kv-cache-memory: {e}")
+    check_engine_args(p, args)
     if args.child:
         child(args, batch_sizes)
         return

@@ -14,8 +14,17 @@ import torch
 
 from benchmark_scripts import assert_rejected, loaded_script, run_table
 from checkpoints import write_tiny_llama
+from fp8serve.kernels import cpu_ops
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _kernels_off_in_children(monkeypatch) -> None:
+    """FP8SERVE_DISABLE_CPU_KERNELS for the measuring processes. load_cpu_ops caches its first
+    answer for the process, and this process's table header asks it: asked first here, with the
+    switch set, it would answer None to every later test."""
+    cpu_ops.load_cpu_ops()
+    monkeypatch.setenv("FP8SERVE_DISABLE_CPU_KERNELS", "1")
 
 
 def _head() -> str:
@@ -31,7 +40,7 @@ def _repo_state() -> tuple[str, str]:
 
 
 def test_both_trees_are_timed_in_their_own_processes(monkeypatch, tmp_path):
-    monkeypatch.setenv("FP8SERVE_DISABLE_CPU_KERNELS", "1")
+    _kernels_off_in_children(monkeypatch)
     monkeypatch.setenv("FP8SERVE_CACHE_DIR", str(tmp_path / "cache"))
     src = write_tiny_llama(tmp_path / "llama", vocab_size=3000, tie_word_embeddings=True, dtype=torch.bfloat16)
     before = _repo_state()
@@ -66,7 +75,7 @@ def test_a_snapshot_is_unpacked_once(monkeypatch, tmp_path):
 
 
 def test_a_failing_measuring_process_names_its_tree(monkeypatch, tmp_path):
-    monkeypatch.setenv("FP8SERVE_DISABLE_CPU_KERNELS", "1")
+    _kernels_off_in_children(monkeypatch)
     monkeypatch.setenv("FP8SERVE_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(SystemExit, match=f"the measuring process for {REPO} failed"):
         run_table(monkeypatch, tmp_path, "tree_ab.py", "--model", str(tmp_path / "missing"), "--baseline-rev", "HEAD",
