@@ -111,7 +111,7 @@ def snapshot(commit: str) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(tmp / "tree", filter="data")
         (tmp / "tree" / ".complete").touch()
-        shutil.rmtree(tree, ignore_errors=True)  # a half-written one from a run that was killed
+        shutil.rmtree(tree, ignore_errors=True)  # one without its marker: damaged or emptied by hand
         (tmp / "tree").rename(tree)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
