@@ -17,8 +17,10 @@ built-in calibration text); a generation's time is the median of its steps
 that decode the whole batch. The table gives, per batch size, the median
 over each side's processes of their medians, the ratio, in how many process
 pairs this tree was faster, whether both sides generated the same tokens
-(a numerics change may alter them; not required), and whether each side's
-own processes did (if not, the comparison of tokens means nothing).
+(a numerics change may alter them; not required; if not, the first request
+and token where they part), and whether each side's own processes did (if
+not, the comparison of tokens means nothing). Directories that killed runs
+left half unpacked in tree_ab/ are removed once an hour old.
 
 A process per measurement, not two engines in one: each side imports its own
 fp8serve. The processes run one after the other, never at once.
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,6 +50,7 @@ from bench_common import (  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD_FLAG = "--child"
+STALE_UNPACKING_S = 3600.0  # a snapshot unpacks in seconds; one this old was left by a killed run
 
 
 def child(args, batch_sizes: list[int]) -> None:
@@ -97,6 +101,8 @@ def snapshot(commit: str) -> Path:
 
     root = cache_dir() / "tree_ab"
     tree = root / commit
+    if root.is_dir():
+        remove_stale_unpacking(root)
     if (tree / ".complete").is_file():
         return tree
     root.mkdir(parents=True, exist_ok=True)
@@ -116,6 +122,31 @@ def snapshot(commit: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tree
+
+
+def remove_stale_unpacking(root: Path, max_age_s: float = STALE_UNPACKING_S) -> list[Path]:
+    """Removes what killed runs left half unpacked under `root` (`.COMMIT_*` directories older than
+    `max_age_s`); younger ones may belong to a run unpacking now. Returns what it removed."""
+    now, removed = time.time(), []
+    for leftover in root.glob(".*_*"):
+        try:
+            old = leftover.is_dir() and now - leftover.stat().st_mtime > max_age_s
+        except FileNotFoundError:  # another run finished with it just now
+            continue
+        if old:
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+    return removed
+
+
+def first_difference(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """Whether two sides' tokens agree, and if not where they part: 'False (request R, token T)'
+    for the first request that differs and the first token of it that does."""
+    for r, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return f"False (request {r}, token {t})"
+    return "True" if len(ours) == len(theirs) else f"False ({len(ours)} requests against {len(theirs)})"
 
 
 def build_kernels(tree: Path) -> None:
@@ -198,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     for b in batch_sizes:
         ours = [res[str(b)][0] for res in results["this tree"]]
         theirs = [res[str(b)][0] for res in results[base]]
-        same = all(o[str(b)][1] == t[str(b)][1] for o, t in zip(results["this tree"], results[base]))
+        # The first pair of processes stands for all: "agree" below says whether the others match it.
+        same = first_difference(results["this tree"][0][str(b)][1], results[base][0][str(b)][1])
         mine, other = statistics.median(ours), statistics.median(theirs)
         wins = sum(o < t for o, t in zip(ours, theirs))
         # Whether "same tokens" can mean anything: a side whose own runs disagree is not deterministic.

@@ -6,7 +6,9 @@ building the snapshot's own copy would take minutes; the mechanics are the same.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,31 @@ def test_bad_arguments_are_rejected(monkeypatch, tmp_path, capsys, argv, message
     monkeypatch.setenv("FP8SERVE_CACHE_DIR", str(tmp_path / "cache"))
     assert_rejected(monkeypatch, tmp_path, capsys, "tree_ab.py", argv, message)
     assert not (tmp_path / "cache" / "tree_ab").exists()
+
+
+def test_half_unpacked_leftovers_are_removed_once_stale(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP8SERVE_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "tree_ab"
+    stale, fresh = root / ".0123456789ab_killed", root / ".0123456789ab_running"
+    for d in (stale, fresh):
+        (d / "tree").mkdir(parents=True)
+    an_hour_and_more_ago = time.time() - 3700
+    os.utime(stale, (an_hour_and_more_ago, an_hour_and_more_ago))
+    with loaded_script("tree_ab.py") as script:
+        tree = script.snapshot(_head())
+    assert not stale.exists()  # a killed run's leftover
+    assert fresh.is_dir()  # may be another run's, unpacking now
+    assert (tree / ".complete").is_file()
+    assert sorted(p.name for p in root.iterdir()) == sorted([fresh.name, _head()])
+
+
+@pytest.mark.parametrize("ours, theirs, expected", [
+    ([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]], "True"),
+    ([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]], "False (request 1, token 1)"),
+    ([[1, 2, 3], [4, 5, 6]], [[7, 2, 3], [4, 9, 6]], "False (request 0, token 0)"),
+    ([[1, 2, 3]], [[1, 2]], "False (request 0, token 2)"),
+    ([[1, 2, 3]], [[1, 2, 3], [4]], "False (1 requests against 2)"),
+])
+def test_where_the_sides_tokens_part(ours, theirs, expected):
+    with loaded_script("tree_ab.py") as script:
+        assert script.first_difference(ours, theirs) == expected
