@@ -19,8 +19,9 @@ over each side's processes of their medians, the ratio, in how many process
 pairs this tree was faster, whether both sides generated the same tokens
 (a numerics change may alter them; not required; if not, the first request
 and token where they part), and whether each side's own processes did (if
-not, the comparison of tokens means nothing). Directories that killed runs
-left half unpacked in tree_ab/ are removed once an hour old.
+not, the comparison of tokens means nothing; '-' with one process a side).
+Directories that killed runs left half unpacked in tree_ab/ are removed once
+an hour old.
 
 A process per measurement, not two engines in one: each side imports its own
 fp8serve. The processes run one after the other, never at once.
@@ -149,6 +150,15 @@ def first_difference(ours: list[list[int]], theirs: list[list[int]]) -> str:
     return "True" if len(ours) == len(theirs) else f"False ({len(ours)} requests against {len(theirs)})"
 
 
+def processes_agree(tokens_by_side: list[list[list[list[int]]]]) -> str:
+    """Whether each side's processes generated the same tokens as that side's first: what makes
+    "same tokens" mean anything (a side whose own runs disagree is not deterministic). With one
+    process a side there is nothing to compare: '-'."""
+    if all(len(runs) < 2 for runs in tokens_by_side):
+        return "- (one process a side)"
+    return str(all(run == runs[0] for runs in tokens_by_side for run in runs))
+
+
 def build_kernels(tree: Path) -> None:
     """Builds (or finds) `tree`'s C++ kernels before anything is timed."""
     if os.environ.get("FP8SERVE_DISABLE_CPU_KERNELS"):
@@ -233,8 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         same = first_difference(results["this tree"][0][str(b)][1], results[base][0][str(b)][1])
         mine, other = statistics.median(ours), statistics.median(theirs)
         wins = sum(o < t for o, t in zip(ours, theirs))
-        # Whether "same tokens" can mean anything: a side whose own runs disagree is not deterministic.
-        agree = all(res[str(b)][1] == runs[0][str(b)][1] for runs in results.values() for res in runs)
+        agree = processes_agree([[res[str(b)][1] for res in runs] for runs in results.values()])
         lines.append(f"| {b} | {mine:.2f} | {other:.2f} | {other / mine:.3f}x | {wins} of {args.rounds} | {same} | "
                      f"{agree} |")
     emit_table(lines, args.output)

@@ -126,3 +126,14 @@ def test_half_unpacked_leftovers_are_removed_once_stale(monkeypatch, tmp_path):
 def test_where_the_sides_tokens_part(ours, theirs, expected):
     with loaded_script("tree_ab.py") as script:
         assert script.first_difference(ours, theirs) == expected
+
+
+@pytest.mark.parametrize("tokens_by_side, expected", [
+    ([[[[1, 2]], [[1, 2]]], [[[3]], [[3]]]], "True"),
+    ([[[[1, 2]], [[1, 9]]], [[[3]], [[3]]]], "False"),  # this tree's second process parted from its first
+    ([[[[1, 2]], [[1, 2]]], [[[3]], [[4]]]], "False"),
+    ([[[[1, 2]]], [[[3]]]], "- (one process a side)"),  # --rounds 1: nothing to compare, so no verdict
+])
+def test_whether_each_sides_processes_agree(tokens_by_side, expected):
+    with loaded_script("tree_ab.py") as script:
+        assert script.processes_agree(tokens_by_side) == expected
