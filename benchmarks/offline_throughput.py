@@ -15,10 +15,16 @@ each batch (forward over the prompt + first-token logits), summed over batches.
 fp8serve's prefill column is the wall time of engine steps that were prefill steps, measured by
 wrapping the model runner's `execute` on the instance (fp8serve itself is not modified).
 
+Whichever system runs first tends to do better (stop 78: fp8serve 30.8-34.9 s first, 34.5-37.0 s second).
+`--hf-first` swaps the order; `--rounds N` runs every system N times, reversing the order each round, and
+ends with a table of each round's ratios and their medians (the JSON's `ratios_output_tok_s` is then the
+median, `ratios_by_round` the rounds').
+
 Examples:
   python benchmarks/offline_throughput.py
   python benchmarks/offline_throughput.py --configs float32:auto,float32:fp8,bfloat16:auto --hf-num-prompts 16
   python benchmarks/offline_throughput.py --skip-hf --num-prompts 16 --output-len 16
+  python benchmarks/offline_throughput.py --configs bfloat16:fp8 --rounds 2   # both orders, median ratio
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -73,6 +80,9 @@ class Result:
     # --quantization fp8 (then `quantization` is "fp8").
     weights: str = ""
     quantization: str | None = None
+    # With --rounds N: which round (1-based) produced this result, and that round's order of systems.
+    round: int = 1
+    order: str = ""
     # Greedy output token ids of the first few prompts (to compare systems); not printed.
     sample_outputs: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -316,6 +326,48 @@ def format_table(results: list[Result], baseline: Result | None) -> str:
     return "\n".join(lines)
 
 
+def _config_key(r: Result) -> str:
+    return f"{r.system}:{r.dtype}:{r.kv_dtype}" + (f":{r.quantization}" if r.quantization else "")
+
+
+def ratios_by_config(results: list[Result], baseline: Result | None) -> dict[str, float] | None:
+    """Output tok/s of each fp8serve run over transformers' in the same round (None without transformers)."""
+    if baseline is None:
+        return None
+    return {_config_key(r): r.output_tok_s / baseline.output_tok_s for r in results if r is not baseline}
+
+
+def median_ratios(by_round: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Per configuration, the median of its per-round ratios."""
+    if not by_round or any(r is None for r in by_round):
+        return None
+    return {key: statistics.median(r[key] for r in by_round) for key in by_round[0]}
+
+
+def format_round_summary(rounds: list[tuple[str, list[Result], Result | None]],
+                         by_round: list[dict[str, float] | None], ratios: dict[str, float] | None) -> str:
+    """One row per round: its order, each system's output tok/s and each ratio; then the medians."""
+    keys = list(ratios or {})
+    labels = {_config_key(r): _label(r) for _, ordered, _ in rounds for r in ordered}
+    head = ["round", "order", "transformers out tok/s"]
+    for key in keys:
+        head += [f"{labels[key]} out tok/s", f"{labels[key]} vs transformers"]
+    lines = ["Rounds (output tok/s; each ratio against transformers in the same round):", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for rnd, ((order, ordered, hf_result), ratio) in enumerate(zip(rounds, by_round), 1):
+        tok_s = {_config_key(r): r.output_tok_s for r in ordered}
+        row = [str(rnd), order, f"{hf_result.output_tok_s:.1f}" if hf_result else "—"]
+        for key in keys:
+            row += [f"{tok_s[key]:.1f}", f"{ratio[key]:.2f}x"]
+        lines.append("| " + " | ".join(row) + " |")
+    med = ["median", "—", f"{statistics.median(h.output_tok_s for _, _, h in rounds if h):.1f}"]
+    for key in keys:
+        med += [f"{statistics.median(r.output_tok_s for _, o, _ in rounds for r in o if _config_key(r) == key):.1f}",
+                f"{ratios[key]:.2f}x"]
+    lines.append("| " + " | ".join(med) + " |")
+    return "\n".join(lines)
+
+
 def _progress(r: Result) -> None:
     """One line per finished system, so that an interrupted run still leaves its numbers."""
     print(f"  done: {_label(r)}: total {r.total_s:.1f}s, prefill "
@@ -368,9 +420,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="transformers' compute dtype (float32: the issue's baseline)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-first", action="store_true", help="run transformers before fp8serve")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, the order reversed each round (the first as "
+                        "--hf-first says); the summary gives each ratio per round and their median")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: os.cpu_count())")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON to this path")
     args = p.parse_args(argv)
+
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.rounds > 1 and args.skip_hf:
+        p.error("--rounds > 1 alternates fp8serve and transformers; it needs transformers (drop --skip-hf)")
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     torch.manual_seed(args.seed)
@@ -403,43 +463,61 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.num_prompts, args.input_len, args.seed, vocab_size, special)
 
     keep = 8  # outputs compared across systems
-    results: list[Result] = []
-    hf_result: Result | None = None
+    configs = parse_configs(args)
+    rounds: list[tuple[str, list[Result], Result | None]] = []  # (order, results, transformers result)
+    for rnd in range(1, args.rounds + 1):
+        # Reversed each round: in stop 78's runs the side that ran first did better.
+        hf_first = args.hf_first != (rnd % 2 == 0)
+        order = "fp8serve only" if args.skip_hf else "transformers first" if hf_first else "fp8serve first"
+        if args.rounds > 1:
+            print(f"round {rnd}/{args.rounds} ({order}) ...", file=sys.stderr, flush=True)
+        results: list[Result] = []
+        hf_result: Result | None = None
 
-    def do_hf() -> None:
-        nonlocal hf_result
-        n = args.hf_num_prompts or args.num_prompts
-        n = min(n, args.num_prompts)
-        print(f"running transformers on {n} prompts ...", file=sys.stderr, flush=True)
-        hf_result = run_hf(args, prompts[:n], args.model, args.num_prompts, keep)
-        results.append(hf_result)
-        _progress(hf_result)
+        def do_hf() -> Result:
+            n = min(args.hf_num_prompts or args.num_prompts, args.num_prompts)
+            print(f"running transformers on {n} prompts ...", file=sys.stderr, flush=True)
+            r = run_hf(args, prompts[:n], args.model, args.num_prompts, keep)
+            _progress(r)
+            return r
 
-    if not args.skip_hf and args.hf_first:
-        do_hf()
-    for dtype, kv, quant in parse_configs(args):
-        print(f"running fp8serve dtype={dtype} kv_cache_dtype={kv} quantization={quant} ...", file=sys.stderr,
-              flush=True)
-        results.append(run_fp8serve(args, prompts, dtype, kv, keep, quant))
-        _progress(results[-1])
-    if not args.skip_hf and not args.hf_first:
-        do_hf()
-
-    # Baseline row first.
-    ordered = ([hf_result] if hf_result else []) + [r for r in results if r is not hf_result]
-    print()
-    print(format_table(ordered, hf_result))
-    print()
-    for r in ordered:
-        print(f"- {_label(r)}: " + "; ".join(r.notes))
-    if hf_result is not None:
+        if not args.skip_hf and hf_first:
+            hf_result = do_hf()
+        for dtype, kv, quant in configs:
+            print(f"running fp8serve dtype={dtype} kv_cache_dtype={kv} quantization={quant} ...", file=sys.stderr,
+                  flush=True)
+            results.append(run_fp8serve(args, prompts, dtype, kv, keep, quant))
+            _progress(results[-1])
+        if not args.skip_hf and not hf_first:
+            hf_result = do_hf()
+        # Baseline row first.
+        ordered = ([hf_result] if hf_result else []) + results
         for r in ordered:
-            if r is hf_result:
-                continue
-            same, prefix = match_rate(r.sample_outputs, hf_result.sample_outputs)
-            print(f"- greedy agreement {_label(r)} vs transformers on the first "
-                  f"{min(keep, len(hf_result.sample_outputs))} prompts: {same:.0%} identical rows, "
-                  f"{prefix:.0%} mean matching prefix")
+            r.round, r.order = rnd, order
+        rounds.append((order, ordered, hf_result))
+
+    for rnd, (order, ordered, hf_result) in enumerate(rounds, 1):
+        print()
+        if args.rounds > 1:
+            print(f"Round {rnd} of {args.rounds} ({order}):")
+            print()
+        print(format_table(ordered, hf_result))
+        print()
+        for r in ordered:
+            print(f"- {_label(r)}: " + "; ".join(r.notes))
+        if hf_result is not None:
+            for r in ordered:
+                if r is hf_result:
+                    continue
+                same, prefix = match_rate(r.sample_outputs, hf_result.sample_outputs)
+                print(f"- greedy agreement {_label(r)} vs transformers on the first "
+                      f"{min(keep, len(hf_result.sample_outputs))} prompts: {same:.0%} identical rows, "
+                      f"{prefix:.0%} mean matching prefix")
+    by_round = [ratios_by_config(ordered, hf_result) for _, ordered, hf_result in rounds]
+    ratios = median_ratios(by_round)
+    if args.rounds > 1:
+        print()
+        print(format_round_summary(rounds, by_round, ratios))
     try:
         print(f"- loadavg at end: {os.getloadavg()}")
     except OSError:
@@ -451,11 +529,11 @@ def main(argv: list[str] | None = None) -> int:
             "command": cmd,
             "machine": info,
             "args": vars(args),
-            "results": [{k: v for k, v in asdict(r).items() if k != "sample_outputs"} for r in ordered],
-            "ratios_output_tok_s": (
-                {f"{r.system}:{r.dtype}:{r.kv_dtype}" + (f":{r.quantization}" if r.quantization else ""):
-                 r.output_tok_s / hf_result.output_tok_s
-                 for r in ordered if r is not hf_result} if hf_result else None),
+            "results": [{k: v for k, v in asdict(r).items() if k != "sample_outputs"}
+                        for _, ordered, _ in rounds for r in ordered],
+            # The median over rounds of each round's ratio (with one round, that round's ratio).
+            "ratios_output_tok_s": ratios,
+            "ratios_by_round": by_round if ratios is not None else None,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
         with open(args.json_out, "w") as f:
