@@ -518,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds > 1:
         print()
         print(format_round_summary(rounds, by_round, ratios))
+        print()
     try:
         print(f"- loadavg at end: {os.getloadavg()}")
     except OSError:
