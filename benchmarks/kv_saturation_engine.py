@@ -16,7 +16,9 @@ until every request has finished. Every step is timed and classified:
 Reported per KV dtype: total seconds, output tok/s, "saturated" tok/s (until the last request's
 first token, as the sweep defines it: until then some request is still waiting for room), decode
 and prefill seconds, decode steps, mean running sequences per decode step, median decode step time,
-decode ms per output token, preemptions; and the FP8 / 16-bit ratios of each round.
+decode ms per output token, preemptions; and the FP8 / 16-bit ratios of each round, with the
+workload's own bound beside them: the ratio the FP8 run would reach were its bigger decode steps
+as cheap as the 16-bit run's (the prefill, the same for both caches, stays as measured).
 
 Every configuration's engine is built once; the rounds interleave them, so each one's samples span
 the same minutes of this (drifting) machine.
@@ -132,6 +134,19 @@ TABLE_HEAD = ["round", "KV dtype", "total s", "output tok/s", "saturated tok/s",
               "decode steps", "mean running", "median decode step ms", "decode ms / token", "preemptions"]
 
 
+def free_batching_seconds(s: RunStats, base: RunStats) -> float:
+    """The seconds run `s` would take were each of its decode steps as cheap as `base`'s mean one.
+
+    A bigger cache lets more sequences share a decode step, which pays only while a step's cost
+    grows slower than its batch. Free batching is the best case; the prefill (the same prompt
+    tokens for every cache, plus any recompute) stays as measured, so the ratio it gives is this
+    workload's ceiling for the bigger cache on this machine.
+    """
+    if not base.decode_steps:
+        return float("nan")
+    return s.prefill_s + s.decode_steps * base.decode_s / base.decode_steps
+
+
 def table_row(s: RunStats) -> str:
     cells = [str(s.round), s.kv_cache_dtype, f"{s.total_s:.1f}", f"{s.output_tok_s:.1f}", f"{s.saturated_tok_s:.1f}",
              f"{s.decode_s:.1f}", f"{s.prefill_s:.1f}", str(s.decode_steps), f"{s.mean_running:.1f}",
@@ -236,13 +251,21 @@ def main(argv: list[str] | None = None) -> int:
             b = run_of(rnd, label_of(kvs[0], policy))
             for kv in kvs[1:]:
                 s = run_of(rnd, label_of(kv, policy))
+                bound_s = free_batching_seconds(s, b)
                 r = {"round": rnd, "kv_cache_dtype": s.kv_cache_dtype, "output": s.output_tok_s / b.output_tok_s,
                      "saturated": s.saturated_tok_s / b.saturated_tok_s,
-                     "decode_per_token": b.decode_ms_per_token / s.decode_ms_per_token}
+                     "decode_per_token": b.decode_ms_per_token / s.decode_ms_per_token,
+                     "free_batching_bound": b.total_s / bound_s if bound_s > 0 else float("nan")}
                 ratios.append(r)
                 print(f"- round {rnd}: {s.kv_cache_dtype} / {b.kv_cache_dtype}: output {r['output']:.2f}x, saturated "
                       f"{r['saturated']:.2f}x, decode cost per output token {r['decode_per_token']:.2f}x lower "
                       f"({b.decode_ms_per_token:.2f} vs {s.decode_ms_per_token:.2f} ms)")
+                print(f"- round {rnd}: {s.kv_cache_dtype}: this workload's bound {r['free_batching_bound']:.2f}x: "
+                      f"were its {s.decode_steps} decode steps ({s.mean_running:.1f} sequences) as cheap as "
+                      f"{b.kv_cache_dtype}'s ({b.mean_running:.1f} sequences, "
+                      f"{1e3 * b.decode_s / max(b.decode_steps, 1):.1f} ms mean), its run would take "
+                      f"{s.prefill_s:.1f} s prefill + {bound_s - s.prefill_s:.1f} s decode against "
+                      f"{b.kv_cache_dtype}'s {b.total_s:.1f} s")
         if len(policies) == 2:
             for kv in kvs:
                 res, wm = run_of(rnd, label_of(kv, "reserve")), run_of(rnd, label_of(kv, "watermark"))

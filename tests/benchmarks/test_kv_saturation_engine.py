@@ -46,8 +46,31 @@ def test_tiny_run_accounts_for_every_token_and_step(kse, tmp_path, capsys):
     assert fp81["mean_running"] >= auto1["mean_running"]  # twice the blocks, at least as many running
     assert [x["round"] for x in data["ratios"]] == [1, 2]
     assert data["ratios"][0]["output"] == pytest.approx(fp81["output_tok_s"] / auto1["output_tok_s"])
+    # The workload's bound: the FP8 run's prefill as measured, its decode steps at the baseline's mean cost.
+    base_step_s = auto1["decode_s"] / auto1["decode_steps"]
+    assert data["ratios"][0]["free_batching_bound"] == pytest.approx(
+        auto1["total_s"] / (fp81["prefill_s"] + fp81["decode_steps"] * base_step_s))
     table = capsys.readouterr().out
     assert "| round | KV dtype | total s | output tok/s |" in table
+    assert f"- round 1: fp8: this workload's bound {data['ratios'][0]['free_batching_bound']:.2f}x: were its " \
+           f"{fp81['decode_steps']} decode steps" in table
+
+
+def test_free_batching_bound_keeps_the_prefill_and_prices_steps_at_the_baseline(kse):
+    """Stop 77's Zen 4 round 1, in numbers: 8.9 s of prefill stays, 765 steps at the bf16 run's
+    25.8 s / 1530 steps: 21.8 s, against its 34.0 s total."""
+    base = kse.RunStats("bfloat16", 1, total_s=34.0, output_tokens=12288, saturated_s=30.0, saturated_tokens=10000,
+                        decode_s=25.8, decode_steps=1530, decode_seqs=12240, prefill_s=8.2, prefill_steps=6,
+                        preemptions=0)
+    fp8 = kse.RunStats("fp8", 1, total_s=23.9, output_tokens=12288, saturated_s=20.0, saturated_tokens=10000,
+                       decode_s=15.0, decode_steps=765, decode_seqs=12240, prefill_s=8.9, prefill_steps=3,
+                       preemptions=0)
+    assert kse.free_batching_seconds(fp8, base) == pytest.approx(8.9 + 765 * 25.8 / 1530)
+    assert base.total_s / kse.free_batching_seconds(fp8, base) == pytest.approx(1.5596, abs=1e-4)
+    # Against itself, a run's bound is its own total less the time outside steps.
+    assert kse.free_batching_seconds(base, base) == pytest.approx(base.prefill_s + base.decode_s)
+    empty = kse.RunStats("auto", 1, 1.0, 0, 0.0, 0, 0.0, 0, 0, 1.0, 1, 0)
+    assert kse.free_batching_seconds(fp8, empty) != kse.free_batching_seconds(fp8, empty)  # nan
 
 
 @pytest.mark.parametrize("bad", [["--rounds", "0"], ["--num-prompts", "0"], ["--output-len", "-1"],
