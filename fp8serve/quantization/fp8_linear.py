@@ -334,5 +334,9 @@ class Fp8LinearMethod(LinearMethod):
         # rows), the fused kernel's rows, AMX's rows (amx_fp8_linear, or the dequantize + GEMM path),
         # and the rows a dequantized weight's packed bf16 copy serves (onednn_linear.linear).
         fused = fp8_linear_ops.max_fused_rows(x_dtype) if x_dtype in (torch.float32, torch.bfloat16) else 0
+        # `apply` asks the kernels once per process whether fp8_tiled_gemm serves float32 rows
+        # (cached). Asked first inside a recorded prefill, those two op calls would be in that
+        # recording and in no later one, which then cannot be unified with it: ask here, before any.
+        fp8_linear_ops.tiled_gemm_enabled()
         return (1, 2, cpu_ops.FP8_GEMV_PACKED_MAX_ROWS + 1, fused + 1, amx_linear_ops.MIN_ROWS,
                 amx_linear_ops.MIN_FP8_ROWS, amx_linear_ops.MAX_ROWS + 1, onednn_linear.AMX_BF16_PACKED_MAX_ROWS + 1)
