@@ -60,7 +60,10 @@ What it costs: a recording runs the forward under the recorder (~20-60 ms
 more than an eager forward at 512 tokens) and compiles it (~20 ms in
 Python; TorchScript adds ~0.2 s at the second), so a segment runs
 `record_after` eager prefills before it is recorded: a range of prompt
-lengths met once or twice never pays for it.
+lengths met once or twice never pays for it. A recording holds every
+intermediate of the forward until it ends, so one that passes
+MAX_RECORD_BYTES of them is abandoned (the step runs on eagerly) and its
+segment records only smaller prefills from then on.
 """
 
 from __future__ import annotations
@@ -80,6 +83,16 @@ from fp8serve.engine.op_recorder import record
 
 logger = logging.getLogger(__name__)
 
+# What a recording may hold of the forward's intermediates (a recorded forward
+# keeps them all until it ends: op_recorder.OpRecorder) before it gives up and
+# the step runs on eagerly. The default model's trunk makes ~0.43 MiB of them
+# a token (bf16: 219 MiB at 512 tokens, 427 MiB at 1000), so this records
+# prefills of up to ~1200 tokens; a larger model, fewer. Above that the Python
+# a replay saves is noise next to the step (16 x 512 tokens on a Zen 4: replays
+# 4.9-5.35 s, eager steps 4.9-5.2 s), while holding them cost +2.0-2.7 s at the
+# recording (benchmarks/results/prefill_record_budget_2026-12-07_zen4.md).
+MAX_RECORD_BYTES = 512 << 20
+
 
 @dataclass
 class _Segment:
@@ -90,6 +103,7 @@ class _Segment:
     eager_steps: int = 0  # eager prefills since the last recording
     exact_only: bool = False  # a second recording did not unify: replay forward.batch_size only
     disabled: str | None = None  # why this key stays eager
+    record_below: int | None = None  # token counts from here up passed the recording budget
 
 
 class PrefillCaptures:
@@ -101,6 +115,8 @@ class PrefillCaptures:
                  compute_dtype: torch.dtype, enabled: bool, record_after: int = 2) -> None:
         if record_after < 0:
             raise ValueError(f"record_after must be >= 0, got {record_after}")
+        # Bytes of intermediates a recording may hold (None: no limit; tests and benchmarks set it).
+        self.max_record_bytes: int | None = MAX_RECORD_BYTES
         self.model = model
         self.attn_layers = list(attn_layers)
         self.backend = backend
@@ -199,7 +215,9 @@ class PrefillCaptures:
     def _serve(self, key: tuple, n: int, inputs: tuple[torch.Tensor, ...], run) -> tuple[object, str]:
         """`run()`'s output for this step from the recording under `key`:
         (output, "replayed"), or (output, "recorded") where this step was
-        recorded, or (None, "eager") where the caller runs it eagerly."""
+        recorded, (output, "unrecorded") where its recording passed the
+        budget (max_record_bytes) and was abandoned, or (None, "eager") where
+        the caller runs it eagerly."""
         seg = self._segments.get(key)
         if seg is None:
             seg = self._segments[key] = _Segment()
@@ -211,8 +229,15 @@ class PrefillCaptures:
         if seg.eager_steps < self.record_after:
             seg.eager_steps += 1
             return None, "eager"
+        if seg.record_below is not None and n >= seg.record_below:
+            return None, "eager"  # too large to record; a smaller prefill may still be
+        output, recorder = record(run, inputs, self.max_record_bytes)
+        if recorder.abandoned:
+            seg.record_below = n if seg.record_below is None else min(seg.record_below, n)
+            logger.debug("prefill %s of %d tokens not recorded: its intermediates passed %d bytes", key[0], n,
+                         self.max_record_bytes)
+            return output, "unrecorded"
         seg.eager_steps = 0
-        output, recorder = record(run, inputs)
         self.num_recorded += 1
         out_slot = output_slots(recorder, output)
         what = f"prefill {key[0]}s"

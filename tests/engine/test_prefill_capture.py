@@ -245,6 +245,32 @@ def test_a_segment_records_after_its_eager_prefills(ops, llama_dir, seed):
                         record_after=-1)
 
 
+def test_a_recording_past_the_byte_budget_is_abandoned_and_smaller_prefills_still_record(ops, llama_dir, seed):
+    """A recording holds all of the forward's intermediates: past max_record_bytes it gives up,
+    the step's tokens are the eager engine's, and its segment records only smaller counts."""
+    rng = random.Random(seed)
+    engine = make_engine(llama_dir, dtype="bfloat16")
+    captures = engine.model_runner.prefill_captures
+    big = 300
+    small = next(n for n in range(big - 1, 2, -1) if captures.segment_of(n) == captures.segment_of(big))
+    prompts = prompts_of(rng, [big, big, small])
+    eager = make_engine(llama_dir, dtype="bfloat16", enforce_eager=True)
+    expected = [prefill(eager, [p]) for p in prompts]
+
+    captures.max_record_bytes = 0  # every recording passes it
+    assert prefill(engine, [prompts[0]]) == expected[0], f"seed={seed}"
+    assert captures.num_recorded == 0 and captures.num_replays == 0, f"seed={seed}"
+    trunks = [seg for key, seg in captures._segments.items() if key[0] == "trunk"]
+    assert [seg.record_below for seg in trunks] == [big] and trunks[0].forward is None, f"seed={seed}"
+
+    captures.max_record_bytes = None  # no limit now: the segment still skips counts >= big ...
+    assert prefill(engine, [prompts[1]]) == expected[1], f"seed={seed}"
+    assert captures.num_recorded == 0 and trunks[0].forward is None, f"seed={seed}"
+    # ... and records a smaller one, straight away (its eager prefills were spent on the big one).
+    assert prefill(engine, [prompts[2]]) == expected[2], f"seed={seed}"
+    assert trunks[0].forward is not None and trunks[0].forward.batch_size == small, f"seed={seed}"
+
+
 def test_reset_forgets_recordings_and_keeps_a_disabled_capture_off(ops, llama_dir, seed):
     rng = random.Random(seed)
     engine = make_engine(llama_dir, dtype="bfloat16")
