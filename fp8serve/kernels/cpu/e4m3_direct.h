@@ -31,6 +31,25 @@ inline __m256 direct8(const uint8_t* codes) {
       _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87f00000u))));
 }
 
+// 16 codes -> the same floats, deinterleaved: `even` holds codes 0, 2, ..,
+// 14 and `odd` codes 1, 3, .., 15. One sign-extending widen to 16-bit lanes
+// (vpmovsxbw) serves both halves, where direct8 takes one widen per 8 codes:
+// a 32-bit lane then holds code 2i in its low half and code 2i + 1 in its
+// high half, both sign-extended. Shifted left 20, the low half lands where
+// direct8 puts a code (the high half shifts out); shifted left 4, the high
+// half does, with the low half's top four bits (copies of its sign) in bits
+// 16-19, which the mask clears. Five instructions per 16 codes against
+// direct8's six: one widen (a cross-lane shuffle) instead of two.
+// Callers whose sums run over the elements in any order (dot products:
+// the other operand stored in the same order) or element by element (the
+// order restored once at the end) can take it.
+inline void direct16_deinterleaved(const uint8_t* codes, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87f00000u));
+  even = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), mask));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 4), mask));
+}
+
 // Whether this thread computes with denormals: neither DAZ (bit 6) nor FTZ
 // (bit 15) is set in its MXCSR, e.g. by torch.set_flush_denormal(True).
 inline bool denormals_kept() { return (_mm_getcsr() & 0x8040u) == 0; }

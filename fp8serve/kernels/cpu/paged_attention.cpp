@@ -125,6 +125,10 @@ constexpr float kDirectScoreFix = 0x1p112f;  // direct scores -> load16 units
 constexpr float kDirectPScale = 0x1p56f;     // p as stored for the weighted V
 constexpr float kDirectAccFix = 0x1p56f;     // weighted V -> load16 units
 inline bool direct_e4m3_cpu() { return fp8serve_cpu::is_amd(); }
+// Whether the AVX2 V loop of a tile of g query heads runs on 16 lanes (2g + 3
+// registers) rather than 8: the direct tiles' weighted V is then deinterleaved
+// (see e4m3_direct8).
+constexpr bool v_loop_on_16_lanes(int64_t g) { return 2 * g + 3 <= 16; }
 
 struct Problem {
   float* out;                // [num_seqs, num_heads, head_size]
@@ -354,19 +358,28 @@ inline void prefetch_row_pair(const NextRows& next, int64_t t, fp8serve_prefetch
 }
 
 // e4m3 through e4m3_direct.h (value * 2^-120 per code, exact; no F16C
-// conversion: per 16 codes six integer instructions against load16's two
+// conversion: per 16 codes five integer instructions against load16's two
 // unpacks, two shifts, two masks and two conversions), on AMD CPUs only
 // (direct_e4m3_cpu). Units: scores come out 2^-112 of load16's and are
 // multiplied back per 8 tokens; the weighted V is kept at 2^-56 of load16's
 // units (p is stored times 2^56, so no product of a small p and a small value
 // falls into the denormal range) and run_item multiplies it back once per item.
+// Order: a whole 16 of a row comes deinterleaved (direct16_deinterleaved:
+// lo its even elements, hi its odd ones; a tail of 8 comes in order), so
+// run_item hands the tiles a query stored in that order (deinterleave_query)
+// and restores the order of the weighted V of the heads whose V loop runs on
+// 16 lanes (v_loop_on_16_lanes) once per item. Against two direct8 per 16
+// codes (Zen 3, SmolLM2's shapes, batch 1-64 x 512-2048 tokens, two runs of
+// 8 and 16 alternating rounds): 1.00-1.10x hot (median 1.06x), 1.00-1.10x
+// cold (1.05x), where the unchanged bf16 tiles in the same runs gave 0.99-1.04x
+// hot (1.02x) and 0.93-1.07x cold (1.03x)
+// (benchmarks/results/attention_direct_deinterleaved_2026-12-08_zen3.md).
 inline __m256 e4m3_direct8(const uint8_t* p) { return fp8serve_e4m3::direct8(p); }
 
 template <int64_t F, bool kDirect>
 inline void load16_any(const uint8_t* row, int64_t i, __m256& lo, __m256& hi) {
   if constexpr (kDirect) {
-    lo = e4m3_direct8(row + i);
-    hi = e4m3_direct8(row + i + 8);
+    fp8serve_e4m3::direct16_deinterleaved(row + i, lo, hi);
   } else {
     load16<F>(row, i, lo, hi);
   }
@@ -379,7 +392,7 @@ inline __m256 load8_any(const uint8_t* row, int64_t i) {
 }
 
 // One tile of n <= 16 tokens for G query heads sharing one kv head (see
-// header). kDirect: e4m3 through e4m3_direct8 (see there). HS: the head size
+// header). kDirect: e4m3 through e4m3_direct.h, q deinterleaved (see there). HS: the head size
 // when known at compile time (64, 128), else 0 (head_size at run time): a
 // known size unrolls the score loop over the row, so all of a token's
 // decodes and FMAs are in view of the out-of-order core at once instead of
@@ -471,7 +484,7 @@ void tile_avx2(const uint8_t* const* krows, const uint8_t* const* vrows, int64_t
   // Weighted V: each V element converted once, used by G FMAs; the
   // accumulators of 16 output lanes stay in registers across the tile.
   int64_t d = 0;
-  if constexpr (2 * G + 3 <= 16) {
+  if constexpr (v_loop_on_16_lanes(G)) {
     for (; d + 16 <= head_size; d += 16) {
       __m256 a0[G], a1[G];
       for (int g = 0; g < G; ++g) {
@@ -1250,6 +1263,46 @@ inline void prefetch_rows(const uint8_t* const* rows, int64_t n, int64_t head_of
   }
 }
 
+// The query as the direct e4m3 tiles read it (see e4m3_direct8): each whole
+// 16 of a head's row deinterleaved (its even elements, then its odd ones), a
+// tail of 8 in order.
+inline void deinterleave_query(const float* q, int64_t num_heads, int64_t hs, float* out) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* src = q + h * hs;
+    float* dst = out + h * hs;
+    int64_t c = 0;
+    for (; c + 16 <= hs; c += 16) {
+      for (int j = 0; j < 8; ++j) {
+        dst[c + j] = src[c + 2 * j];
+        dst[c + 8 + j] = src[c + 2 * j + 1];
+      }
+    }
+    for (; c < hs; ++c) dst[c] = src[c];
+  }
+}
+
+// The direct e4m3 tiles' weighted V in order and in load16's units: the heads
+// of slices (run_item's, of at most kMaxGroupSlice) whose V loop ran on 16
+// lanes hold each whole 16 deinterleaved.
+inline void restore_direct_acc(float* acc, int64_t num_heads, int64_t group, int64_t hs) {
+  float tmp[16];
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* a = acc + h * hs;
+    const int64_t g0 = h % group / kMaxGroupSlice * kMaxGroupSlice;
+    int64_t c = 0;
+    if (v_loop_on_16_lanes(std::min<int64_t>(kMaxGroupSlice, group - g0))) {
+      for (; c + 16 <= hs; c += 16) {
+        for (int j = 0; j < 8; ++j) {
+          tmp[2 * j] = a[c + j];
+          tmp[2 * j + 1] = a[c + 8 + j];
+        }
+        for (int j = 0; j < 16; ++j) a[c + j] = tmp[j] * kDirectAccFix;
+      }
+    }
+    for (; c < hs; ++c) a[c] *= kDirectAccFix;
+  }
+}
+
 // Slot addresses of tokens [t, t + n) of one sequence.
 inline void tile_rows(const Problem& p, const int64_t* bt, int64_t t, int64_t n, const uint8_t** krows,
                       const uint8_t** vrows) {
@@ -1289,6 +1342,13 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
   const int64_t group = p.num_heads / p.num_kv_heads, hs = p.head_size;
   const int64_t* bt = p.block_tables + item.seq * p.max_blocks;
   const float* q = p.q + item.seq * p.num_heads * hs;
+  const bool direct = vector_path && tiles == table.avx2_direct[avx2_head_size_class(hs)];
+  if (direct) {
+    thread_local std::vector<float> q_direct;
+    q_direct.resize(p.num_heads * hs);
+    deinterleave_query(q, p.num_heads, hs, q_direct.data());
+    q = q_direct.data();
+  }
   std::fill(m, m + p.num_heads, -std::numeric_limits<float>::infinity());
   std::fill(l, l + p.num_heads, 0.f);
   std::fill(acc, acc + p.num_heads * hs, 0.f);
@@ -1354,8 +1414,7 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
 #ifdef FP8SERVE_BF16_DOT
   if (bf16_pairs) unpermute_bf16_dot_acc(acc, p.num_heads * hs);
 #endif
-  if (vector_path && tiles == table.avx2_direct[avx2_head_size_class(hs)])
-    for (int64_t i = 0; i < p.num_heads * hs; ++i) acc[i] *= kDirectAccFix;
+  if (direct) restore_direct_acc(acc, p.num_heads, group, hs);
 }
 
 // Cascade attention's results over shared prefixes (see shared_prefix_groups):
