@@ -37,12 +37,16 @@
 // (benchmarks/results/fp8_linear_2026-11-30_zen4.md). AMD CPUs take it at
 // M <= 2; Intel CPUs keep the interleaved walk. On AVX2-only builds (Zen 3)
 // the sequential walk prefetches 4 KiB down its stream (kSeqPrefetchBytes).
-// At M = 1 it also decodes codes straight to float32 bits (decode8_direct,
+// At M = 1 it also decodes codes straight to float32 bits (e4m3_direct.h,
 // on activations scaled by a power of two: DirectX) over four FMA chains:
 // the default model's 120 decode linears from memory ran 1.09-1.17x as fast on
 // the AVX2-only Zen 3 EPYC (float32 and bf16 activations, two runs of
 // benchmarks/fp8_linear.py --baseline-rev against the F16C decode;
-// benchmarks/results/fp8_linear_direct_decode_2026-12-02_zen3.md).
+// benchmarks/results/fp8_linear_direct_decode_2026-12-02_zen3.md), and
+// another 1.08-1.15x with 16 codes per widen (direct16_deinterleaved, on
+// activations stored in its order) against 8 (direct8), where the unchanged
+// M = 2-16 gave 0.93-1.03x in the same runs
+// (benchmarks/results/fp8_linear_direct_deinterleaved_2026-12-08_zen3.md).
 
 // ATen rather than torch/torch.h: same types, a fraction of the compile time.
 #include <ATen/ATen.h>
@@ -126,13 +130,13 @@ inline void decode16(const uint8_t* w, __m256& lo, __m256& hi) {
 // 8 codes -> 8 floats (value * 2^-8).
 inline __m256 decode8(const uint8_t* w) { return fp8serve_e4m3::half_decode8(w); }
 
-// decode8_direct: e4m3_direct.h (value * 2^-120 per code, exact; no F16C
-// conversion), used by the sequential walk at one activation row, the only
-// caller, on AMD CPUs. Its sums stay clear of float32's denormal range because
-// the walk multiplies the activations by a power of two first (DirectX), and
-// a thread that flushes denormals keeps decode16 (denormals_kept).
+// The direct decode (e4m3_direct.h: value * 2^-120 per code, exact; no F16C
+// conversion, 16 codes at a time, deinterleaved), used by the sequential walk
+// at one activation row, the only caller, on AMD CPUs. Its sums stay clear of
+// float32's denormal range because the walk multiplies the activations by a
+// power of two first (DirectX), and a thread that flushes denormals keeps
+// decode16 (denormals_kept).
 using fp8serve_e4m3::denormals_kept;
-inline __m256 decode8_direct(const uint8_t* w) { return fp8serve_e4m3::direct8(w); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define FP8SERVE_GEMM_AVX512 1
@@ -153,7 +157,7 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// Activations for decode8_direct's loop: x * 2^shift (exact: a power of two),
+// Activations for the direct decode loop: x * 2^shift (exact: a power of two),
 // with shift chosen per call so that max |x| * 2^shift is about 2^100, and the
 // factor that brings those sums back to the 2^-8 units of the other loops.
 // x == nullptr: the loop is not used (no AVX2, x all zero or not finite).
@@ -218,17 +222,21 @@ inline void dot_tile(const uint8_t* w, const float* x, int64_t ld, int64_t len, 
   }
 #endif
   if (kSplit && R * MT == 1 && x_direct != nullptr && k == 0) {  // k > 0: the 16-lane loop took the row
-    // The sequential walk at one activation row: decode8_direct (on x_direct,
-    // see there) and four FMA chains over 32 codes, so the loop does not wait
-    // on FMA latency (two chains: one 4-cycle FMA latency per 16 codes).
+    // The sequential walk at one activation row: the direct decode (on
+    // x_direct, see DirectX: deinterleaved like the codes) and four FMA chains
+    // over 32 codes, so the loop does not wait on FMA latency (two chains: one
+    // 4-cycle FMA latency per 16 codes).
     __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
     for (; k + 32 <= len; k += 32) {
       if (prefetch_ahead > 0 && (k & 63) == 0)
         _mm_prefetch(reinterpret_cast<const char*>(w + k + prefetch_ahead), _MM_HINT_T0);
-      acc[0][0] = _mm256_fmadd_ps(decode8_direct(w + k), _mm256_loadu_ps(x_direct + k), acc[0][0]);
-      acc_hi[0][0] = _mm256_fmadd_ps(decode8_direct(w + k + 8), _mm256_loadu_ps(x_direct + k + 8), acc_hi[0][0]);
-      acc2 = _mm256_fmadd_ps(decode8_direct(w + k + 16), _mm256_loadu_ps(x_direct + k + 16), acc2);
-      acc3 = _mm256_fmadd_ps(decode8_direct(w + k + 24), _mm256_loadu_ps(x_direct + k + 24), acc3);
+      __m256 even0, odd0, even1, odd1;
+      fp8serve_e4m3::direct16_deinterleaved(w + k, even0, odd0);
+      fp8serve_e4m3::direct16_deinterleaved(w + k + 16, even1, odd1);
+      acc[0][0] = _mm256_fmadd_ps(even0, _mm256_loadu_ps(x_direct + k), acc[0][0]);
+      acc_hi[0][0] = _mm256_fmadd_ps(odd0, _mm256_loadu_ps(x_direct + k + 8), acc_hi[0][0]);
+      acc2 = _mm256_fmadd_ps(even1, _mm256_loadu_ps(x_direct + k + 16), acc2);
+      acc3 = _mm256_fmadd_ps(odd1, _mm256_loadu_ps(x_direct + k + 24), acc3);
     }
     const __m256 back = _mm256_set1_ps(rescale);
     acc[0][0] = _mm256_mul_ps(_mm256_add_ps(acc[0][0], acc2), back);
@@ -365,7 +373,7 @@ void rows_any_m(int64_t mt, bool seq, float* out, const float* x, const uint8_t*
   }
 }
 
-// x * 2^shift into buf for decode8_direct's loop (see DirectX); an empty
+// x * 2^shift into buf for the direct decode loop (see DirectX); an empty
 // DirectX where that loop is not built or x is all zero or not finite.
 DirectX scaled_for_direct_decode(const float* x, int64_t n, std::vector<float>& buf) {
 #ifdef FP8SERVE_GEMM_AVX2
@@ -398,7 +406,17 @@ DirectX scaled_for_direct_decode(const float* x, int64_t n, std::vector<float>& 
   const int shift = std::clamp(99 - std::ilogb(amax), 0, 112);
   buf.resize(n);
   const float factor = std::ldexp(1.f, shift);  // a power of two: x * factor is exact
-  for (int64_t j = 0; j < n; ++j) buf[j] = x[j] * factor;
+  // Each whole 16 deinterleaved (its even elements, then its odd ones), as
+  // direct16_deinterleaved gives the codes; column blocks start at multiples
+  // of 16 (kColBlock), so every block's 16s are these. A tail is never read.
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    for (int64_t e = 0; e < 8; ++e) {
+      buf[j + e] = x[j + 2 * e] * factor;
+      buf[j + 8 + e] = x[j + 2 * e + 1] * factor;
+    }
+  }
+  for (; j < n; ++j) buf[j] = x[j] * factor;
   return {buf.data(), std::ldexp(1.f, 112 - shift)};
 #else
   (void)x, (void)n, (void)buf;
