@@ -17,10 +17,29 @@
 // gives +-480: loaders and the cache write never store them.
 #pragma once
 
+#include <cstdint>
+
+namespace fp8serve_e4m3 {
+
+// x[0, n) * factor in the order direct16_deinterleaved gives codes: each whole
+// 16 its even elements, then its odd ones; a tail of fewer than 16 in order.
+// For the other operand of a dot product over such codes (factor: a power of
+// two in callers, so exact).
+inline void deinterleave16(const float* x, int64_t n, float factor, float* out) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    for (int64_t e = 0; e < 8; ++e) {
+      out[j + e] = x[j + 2 * e] * factor;
+      out[j + 8 + e] = x[j + 2 * e + 1] * factor;
+    }
+  }
+  for (; j < n; ++j) out[j] = x[j] * factor;
+}
+
+}  // namespace fp8serve_e4m3
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
-
-#include <cstdint>
 
 namespace fp8serve_e4m3 {
 

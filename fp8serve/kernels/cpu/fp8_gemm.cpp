@@ -406,17 +406,9 @@ DirectX scaled_for_direct_decode(const float* x, int64_t n, std::vector<float>& 
   const int shift = std::clamp(99 - std::ilogb(amax), 0, 112);
   buf.resize(n);
   const float factor = std::ldexp(1.f, shift);  // a power of two: x * factor is exact
-  // Each whole 16 deinterleaved (its even elements, then its odd ones), as
-  // direct16_deinterleaved gives the codes; column blocks start at multiples
-  // of 16 (kColBlock), so every block's 16s are these. A tail is never read.
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    for (int64_t e = 0; e < 8; ++e) {
-      buf[j + e] = x[j + 2 * e] * factor;
-      buf[j + 8 + e] = x[j + 2 * e + 1] * factor;
-    }
-  }
-  for (; j < n; ++j) buf[j] = x[j] * factor;
+  // In the order direct16_deinterleaved gives the codes: column blocks start
+  // at multiples of 16 (kColBlock), so every block's 16s are these.
+  fp8serve_e4m3::deinterleave16(x, n, factor, buf.data());
   return {buf.data(), std::ldexp(1.f, 112 - shift)};
 #else
   (void)x, (void)n, (void)buf;

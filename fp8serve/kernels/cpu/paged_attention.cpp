@@ -366,7 +366,7 @@ inline void prefetch_row_pair(const NextRows& next, int64_t t, fp8serve_prefetch
 // falls into the denormal range) and run_item multiplies it back once per item.
 // Order: a whole 16 of a row comes deinterleaved (direct16_deinterleaved:
 // lo its even elements, hi its odd ones; a tail of 8 comes in order), so
-// run_item hands the tiles a query stored in that order (deinterleave_query)
+// run_item hands the tiles a query stored in that order (deinterleave16)
 // and restores the order of the weighted V of the heads whose V loop runs on
 // 16 lanes (v_loop_on_16_lanes) once per item. Against two direct8 per 16
 // codes (Zen 3, SmolLM2's shapes, batch 1-64 x 512-2048 tokens, two runs of
@@ -1263,24 +1263,6 @@ inline void prefetch_rows(const uint8_t* const* rows, int64_t n, int64_t head_of
   }
 }
 
-// The query as the direct e4m3 tiles read it (see e4m3_direct8): each whole
-// 16 of a head's row deinterleaved (its even elements, then its odd ones), a
-// tail of 8 in order.
-inline void deinterleave_query(const float* q, int64_t num_heads, int64_t hs, float* out) {
-  for (int64_t h = 0; h < num_heads; ++h) {
-    const float* src = q + h * hs;
-    float* dst = out + h * hs;
-    int64_t c = 0;
-    for (; c + 16 <= hs; c += 16) {
-      for (int j = 0; j < 8; ++j) {
-        dst[c + j] = src[c + 2 * j];
-        dst[c + 8 + j] = src[c + 2 * j + 1];
-      }
-    }
-    for (; c < hs; ++c) dst[c] = src[c];
-  }
-}
-
 // The direct e4m3 tiles' weighted V in order and in load16's units: the heads
 // of slices (run_item's, of at most kMaxGroupSlice) whose V loop ran on 16
 // lanes hold each whole 16 deinterleaved.
@@ -1346,7 +1328,8 @@ void run_item(const Problem& p, const WorkItem& item, int path, float* m, float*
   if (direct) {
     thread_local std::vector<float> q_direct;
     q_direct.resize(p.num_heads * hs);
-    deinterleave_query(q, p.num_heads, hs, q_direct.data());
+    for (int64_t h = 0; h < p.num_heads; ++h)
+      fp8serve_e4m3::deinterleave16(q + h * hs, hs, 1.f, q_direct.data() + h * hs);
     q = q_direct.data();
   }
   std::fill(m, m + p.num_heads, -std::numeric_limits<float>::infinity());
