@@ -312,9 +312,12 @@ def main() -> None:
                    help="on an AVX-512 build, do not also time the AVX2 tiles")
     p.add_argument("--output", type=Path, default=None,
                    help="markdown results file (default benchmarks/results/attention_<date>.md)")
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--no-save", action="store_true", help="print the tables only; write no results file")
     args = p.parse_args()
     args.query_dtype = getattr(torch, args.query_dtype)
+
+    if args.no_save and args.output is not None:
+        p.error(f"--no-save writes no file but --output names one ({args.output}): give one of them")
 
     if args.cold_flush_mib < 0:
         p.error(f"--cold-flush-mib must be >= 0, got {args.cold_flush_mib}")

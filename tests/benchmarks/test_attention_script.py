@@ -22,6 +22,14 @@ def test_baseline_lib_and_rev_are_exclusive(ops, monkeypatch, capsys):
     assert "not both" in capsys.readouterr().err
 
 
+def test_no_save_with_an_output_file_is_a_clear_error(ops, monkeypatch, capsys):
+    """--no-save used to drop --output silently: a run meant for a results file wrote none."""
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--no-save", "--output", "/tmp/attention_table.md"])
+    with loaded_script("attention.py") as script, pytest.raises(SystemExit):
+        script.main()
+    assert "--no-save writes no file but --output names one (/tmp/attention_table.md)" in capsys.readouterr().err
+
+
 def test_unknown_revision_is_a_clear_error(ops, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["attention.py", "--baseline-rev", "no-such-revision-xyz", "--no-save"])
     with loaded_script("attention.py") as script, pytest.raises(SystemExit) as excinfo:
